@@ -1,0 +1,162 @@
+"""Optimizers as in-graph update rules over float32 master weights, under the `opt/` prefix.
+
+ONNX Runtime's inference build has no optimizer kernels, so each optimizer writes its update in
+standard ops. Formulas and defaults follow PyTorch (`torch.optim.SGD/Adam/AdamW`), so a float32
+run can be checked step for step against it. Each optimizer declares its per-weight state slots
+(zero-initialised) and emits the new weight and new slots from (weight, unscaled gradient, slots).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import numpy as np
+
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.training.emit import Emitter
+
+
+class Optimizer(abc.ABC):
+    """Base: hyperparameters, per-weight state slots, optional global-norm gradient clipping."""
+
+    slots: tuple[str, ...] = ()
+
+    def __init__(self, lr: float, weight_decay: float = 0.0, max_grad_norm: float | None = None):
+        _check_non_negative("lr", lr)
+        _check_non_negative("weight_decay", weight_decay)
+        if max_grad_norm is not None:
+            _check_positive("max_grad_norm", max_grad_norm)
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.max_grad_norm = max_grad_norm
+
+    def config(self) -> dict:
+        """Hyperparameters that define the step graph (checkpoints must match them)."""
+        return {"optimizer": type(self).__name__, **{k: v for k, v in vars(self).items() if k != "lr"}}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+    @abc.abstractmethod
+    def emit_update(self, e: Emitter, weight: str, grad: str, slots: dict[str, str], lr: str, step: str):
+        """Emit the update from float32 tensors; returns (new weight, {slot: new slot tensor})."""
+
+
+class SGD(Optimizer):
+    """torch.optim.SGD: L2 weight decay added to the gradient, heavy-ball or Nesterov momentum."""
+
+    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
+                 max_grad_norm: float | None = None):
+        super().__init__(lr, weight_decay, max_grad_norm)
+        _check_fraction("momentum", momentum)
+        if nesterov and momentum == 0:
+            raise TrainingError("SGD with nesterov=True needs a momentum > 0")
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum else ()
+
+    def emit_update(self, e, weight, grad, slots, lr, step):
+        grad = _add_l2(e, grad, weight, self.weight_decay)
+        new_slots = {}
+        direction = grad
+        if self.momentum:
+            decayed = e.op("Mul", [slots["momentum"], e.const(self.momentum)], "momentum_decayed")
+            buffer = e.op("Add", [decayed, grad], "momentum")
+            new_slots["momentum"] = buffer
+            direction = buffer
+            if self.nesterov:
+                look_ahead = e.op("Mul", [buffer, e.const(self.momentum)], "look_ahead")
+                direction = e.op("Add", [grad, look_ahead], "nesterov_direction")
+        delta = e.op("Mul", [direction, lr], "delta")
+        return e.op("Sub", [weight, delta], "weight"), new_slots
+
+
+class Adam(Optimizer):
+    """torch.optim.Adam: bias-corrected moments; weight_decay is L2 added to the gradient."""
+
+    slots = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = None):
+        super().__init__(lr, weight_decay, max_grad_norm)
+        _check_fraction("betas[0]", betas[0])
+        _check_fraction("betas[1]", betas[1])
+        _check_positive("eps", eps)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+
+    def emit_update(self, e, weight, grad, slots, lr, step):
+        grad = _add_l2(e, grad, weight, self.weight_decay)
+        return _adam_update(e, weight, grad, slots, lr, step, self.betas, self.eps)
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: decoupled weight decay (w *= 1 - lr*wd) before the Adam update."""
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, max_grad_norm: float | None = None):
+        super().__init__(lr, betas, eps, weight_decay, max_grad_norm)
+
+    def emit_update(self, e, weight, grad, slots, lr, step):
+        if self.weight_decay:
+            keep = e.op("Sub", [e.const(1.0), e.op("Mul", [lr, e.const(self.weight_decay)], "lr_wd")], "decay_keep")
+            weight = e.op("Mul", [weight, keep], "decayed_weight")
+        return _adam_update(e, weight, grad, slots, lr, step, self.betas, self.eps)
+
+
+def _adam_update(e: Emitter, weight, grad, slots, lr, step, betas, eps):
+    """m, v moments, then w - lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps), as torch computes it."""
+    b1, b2 = betas
+    exp_avg = e.op("Add", [e.op("Mul", [slots["exp_avg"], e.const(b1)], "m_decayed"),
+                           e.op("Mul", [grad, e.const(1 - b1)], "m_new_part")], "exp_avg")
+    grad_sq = e.op("Mul", [grad, grad], "grad_sq")
+    exp_avg_sq = e.op("Add", [e.op("Mul", [slots["exp_avg_sq"], e.const(b2)], "v_decayed"),
+                              e.op("Mul", [grad_sq, e.const(1 - b2)], "v_new_part")], "exp_avg_sq")
+    correction1 = e.op("Sub", [e.const(1.0), e.op("Pow", [e.const(b1), step], "b1_pow")], "bias_correction1")
+    correction2 = e.op("Sub", [e.const(1.0), e.op("Pow", [e.const(b2), step], "b2_pow")], "bias_correction2")
+    step_size = e.op("Div", [lr, correction1], "step_size")
+    denom = e.op("Div", [e.op("Sqrt", [exp_avg_sq], "v_sqrt"), e.op("Sqrt", [correction2], "correction2_sqrt")], "v_hat_sqrt")
+    denom = e.op("Add", [denom, e.const(eps)], "denom")
+    delta = e.op("Mul", [e.op("Div", [exp_avg, denom], "direction"), step_size], "delta")
+    return e.op("Sub", [weight, delta], "weight"), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def emit_clip_by_global_norm(e: Emitter, grads: list[str], max_norm: float) -> list[str]:
+    """torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)) over all grads."""
+    squares = [e.reduce("ReduceSumSquare", g, None, keepdims=0, hint="grad_sq_sum") for g in grads]
+    total = squares[0] if len(squares) == 1 else e.op("Sum", squares, "grad_sq_total")
+    norm = e.op("Sqrt", [total], "grad_norm")
+    coefficient = e.op("Div", [e.const(max_norm), e.op("Add", [norm, e.const(1e-6)], "grad_norm_eps")], "clip_ratio")
+    coefficient = e.op("Min", [coefficient, e.const(1.0)], "clip_coefficient")
+    return [e.op("Mul", [g, coefficient], "clipped_grad") for g in grads]
+
+
+def _add_l2(e: Emitter, grad: str, weight: str, weight_decay: float) -> str:
+    if not weight_decay:
+        return grad
+    return e.op("Add", [grad, e.op("Mul", [weight, e.const(weight_decay)], "l2")], "grad_l2")
+
+
+def _check_non_negative(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise TrainingError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise TrainingError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0 <= value < 1):
+        raise TrainingError(f"{name} must be in [0, 1), got {value!r}")
+
+
+def zero_slots(optimizer: Optimizer, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """Initial per-weight optimizer state: zeros shaped like the weight."""
+    return {slot: np.zeros_like(weight, dtype=np.float32) for slot in optimizer.slots}

@@ -1,0 +1,219 @@
+"""Assemble one training step as one ONNX graph: forward, loss, backward, unscale, finite check,
+gated optimizer update and loss-scale update.
+
+Inputs are the batch feeds plus every piece of state (float32 master weights, optimizer slots,
+step count, loss scale, good-step counter) and the learning rate; outputs are the loss, the
+skipped flag and the next value of every state input. The caller binds each state output back to
+its input, so state never leaves the device. The update is gated with `Where(all_finite, new,
+old)`, so a skipped step returns the old state bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.training.emit import Emitter, opset_of, taken_names
+from amp_rewrite.training.loss_scale import SCALE_STATE, GOOD_STEPS_STATE, emit_scale_update, initial_scale_state
+from amp_rewrite.training.losses import attach_loss
+from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm, zero_slots
+
+LR_INPUT = "opt/lr"
+STEP_STATE = "opt/step"
+SKIPPED_OUTPUT = "amp/skipped"
+FLOAT32_REGIONS = (r"loss/.*", r"amp/.*", r"opt/.*")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGraph:
+    """A step model and what the runner needs to drive it."""
+
+    model: onnx.ModelProto
+    loss_output: str
+    weights: tuple[str, ...]
+    batch_inputs: tuple[str, ...]
+    next_state: dict[str, str]  # state input -> output holding its next value
+    initial_state: dict[str, np.ndarray]
+
+
+def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, loss_scale,
+                     trainable: list[str] | None = None, gradient_builder=None) -> StepGraph:
+    """The float32 step graph for `model` trained on `loss` with `optimizer` and a loss-scale policy."""
+    forward = onnx.ModelProto()
+    forward.CopyFrom(model)
+    opset = opset_of(forward)
+    taken = taken_names(forward.graph)
+    _reject_existing_loss_scaling(taken)
+    loss_emitter = Emitter("loss/", forward.graph.node, forward.graph.initializer, opset, taken)
+    loss_name = attach_loss(forward, loss, loss_emitter)
+
+    build = gradient_builder or _autodiff_builder()
+    with_grads = build(forward, loss_name, list(trainable) if trainable else None, grad_output=SCALE_STATE)
+    grads = _gradient_outputs(with_grads, loss_name)
+    if not grads:
+        raise TrainingError(f"the loss {loss!r} depends on no float initializer: nothing to train")
+    weights = tuple(grads)
+    initial_weights = _take_initializers_as_inputs(with_grads, weights)
+
+    graph = with_grads.graph
+    nodes: list = []
+    initializers: list = []
+    emitter = Emitter("amp/", nodes, initializers, opset, taken_names(graph))
+    state_inputs, next_state = _emit_update(emitter, optimizer, loss_scale, loss_name, grads)
+
+    graph.node.extend(nodes)
+    graph.initializer.extend(initializers)
+    _ensure_scale_input(graph)
+    graph.input.extend(_value_infos(state_inputs, initial_weights, optimizer, exclude={i.name for i in graph.input}))
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info(loss_name, TensorProto.FLOAT, []))
+    graph.output.append(helper.make_tensor_value_info(SKIPPED_OUTPUT, TensorProto.BOOL, []))
+    inputs_by_name = {i.name: i for i in graph.input}
+    for state, out in next_state.items():
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(inputs_by_name[state])
+        value.name = out
+        graph.output.append(value)
+
+    initial_state = {w: initial_weights[w] for w in weights}
+    for w in weights:
+        for slot, array in zero_slots(optimizer, initial_weights[w]).items():
+            initial_state[slot_name(w, slot)] = array
+    initial_state[STEP_STATE] = np.array(0, np.int64)
+    initial_state.update(initial_scale_state(loss_scale))
+    non_batch = set(next_state) | {LR_INPUT}
+    batch_inputs = tuple(i.name for i in graph.input if i.name not in non_batch)
+    onnx.checker.check_model(with_grads)
+    return StepGraph(with_grads, loss_name, weights, batch_inputs, next_state, initial_state)
+
+
+def slot_name(weight: str, slot: str) -> str:
+    return f"opt/{weight}/{slot}"
+
+
+def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, grads: dict[str, str]):
+    """Unscale, finite check, optional clipping, gated update, scale update; returns (state inputs, next_state)."""
+    e.reserve([SCALE_STATE, GOOD_STEPS_STATE, STEP_STATE, LR_INPUT])
+    e.reserve(slot_name(w, s) for w in grads for s in optimizer.slots)
+    inverse_scale = e.op("Reciprocal", [SCALE_STATE], "inverse_scale")
+    unscaled = [e.op("Mul", [g, inverse_scale], f"unscaled/{w}") for w, g in grads.items()]
+    all_finite = _emit_all_finite(e, [loss_name, *unscaled])
+
+    o = e.scoped("opt/")
+    if optimizer.max_grad_norm is not None:
+        unscaled = emit_clip_by_global_norm(o, unscaled, optimizer.max_grad_norm)
+    next_step = o.op("Add", [STEP_STATE, o.const(1, np.int64, "one")], "next_step")
+    step_float = o.op("Cast", [next_step], "step_float", to=TensorProto.FLOAT)
+    next_state = {}
+    for (weight, _), grad in zip(grads.items(), unscaled):
+        slots = {s: slot_name(weight, s) for s in optimizer.slots}
+        new_weight, new_slots = optimizer.emit_update(o.scoped(f"opt/{weight}/"), weight, grad, slots, LR_INPUT, step_float)
+        next_state[weight] = _gate(o, all_finite, new_weight, weight)
+        for slot, new_value in new_slots.items():
+            next_state[slots[slot]] = _gate(o, all_finite, new_value, slots[slot])
+    next_state[STEP_STATE] = _gate(o, all_finite, next_step, STEP_STATE)
+
+    next_scale, next_good_steps = emit_scale_update(e, loss_scale, all_finite)
+    next_state[SCALE_STATE] = e.op("Identity", [next_scale], out=f"{SCALE_STATE}/next")
+    next_state[GOOD_STEPS_STATE] = e.op("Identity", [next_good_steps], out=f"{GOOD_STEPS_STATE}/next")
+    return list(next_state), next_state
+
+
+def _gate(e: Emitter, all_finite: str, new: str, old: str) -> str:
+    """The new value on a finite step, the old one (bit for bit) on a skipped step."""
+    return e.op("Where", [all_finite, new, old], out=f"{old}/next")
+
+
+def _emit_all_finite(e: Emitter, tensors: list[str]) -> str:
+    """One flag for all tensors: x - x is 0 for finite x and NaN for Inf/NaN, and NaN survives a sum."""
+    residues = [e.reduce("ReduceSum", e.op("Sub", [t, t], "residue"), None, keepdims=0, hint="residue_sum") for t in tensors]
+    total = residues[0] if len(residues) == 1 else e.op("Sum", residues, "residue_total")
+    e.op("IsNaN", [total], out=SKIPPED_OUTPUT)
+    return e.op("Not", [SKIPPED_OUTPUT], "all_finite")
+
+
+def _gradient_outputs(model: onnx.ModelProto, loss_name: str) -> dict[str, str]:
+    """weight -> gradient tensor, read from the `<weight>_grad` outputs of the gradient model."""
+    initializers = {i.name for i in model.graph.initializer}
+    grads = {}
+    for output in model.graph.output:
+        weight = output.name.removesuffix("_grad")
+        if output.name != loss_name and output.name.endswith("_grad") and weight in initializers:
+            grads[weight] = output.name
+    return grads
+
+
+def _take_initializers_as_inputs(model: onnx.ModelProto, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Remove the trainable initializers (they become state inputs); returns their float32 values."""
+    wanted = set(names)
+    values = {}
+    kept = []
+    for tensor in model.graph.initializer:
+        if tensor.name in wanted:
+            array = numpy_helper.to_array(tensor)
+            if array.dtype != np.float32:
+                raise TrainingError(f"trainable weight {tensor.name!r} is {array.dtype}, master weights must be float32")
+            values[tensor.name] = np.array(array, np.float32)
+        else:
+            kept.append(tensor)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    existing_inputs = [i for i in model.graph.input if i.name not in wanted]
+    del model.graph.input[:]
+    model.graph.input.extend(existing_inputs)
+    return values
+
+
+def _value_infos(state_inputs, weights: dict[str, np.ndarray], optimizer: Optimizer, exclude: set[str]):
+    """Graph input declarations for the weights, optimizer slots, counters and learning rate."""
+    infos = []
+    shapes = {}
+    for w, array in weights.items():
+        shapes[w] = array.shape
+        for slot in optimizer.slots:
+            shapes[slot_name(w, slot)] = array.shape
+    for name in [*state_inputs, LR_INPUT]:
+        if name in exclude:
+            continue
+        if name in (STEP_STATE, GOOD_STEPS_STATE):
+            infos.append(helper.make_tensor_value_info(name, TensorProto.INT64, []))
+        else:
+            infos.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shapes.get(name, ()))))
+    return infos
+
+
+def _ensure_scale_input(graph: onnx.GraphProto) -> None:
+    """The gradient builder declares the loss-scale seed input; declare it if it did not."""
+    if SCALE_STATE not in {i.name for i in graph.input}:
+        graph.input.append(helper.make_tensor_value_info(SCALE_STATE, TensorProto.FLOAT, []))
+
+
+def _reject_existing_loss_scaling(names: set[str]) -> None:
+    """A model that already scales its loss would be scaled twice; say so instead."""
+    clash = sorted(n for n in names if n.startswith(("amp/", "opt/")))
+    if clash:
+        raise TrainingError(f"model already has loss-scaling/optimizer tensors ({clash[0]!r}): train the plain model")
+
+
+def _autodiff_builder():
+    try:
+        from amp_rewrite.autodiff import build_gradient_graph
+    except ImportError as error:
+        raise TrainingError(f"the gradient builder (amp_rewrite.autodiff) is unavailable: {error}") from None
+    return build_gradient_graph
+
+
+def apply_precision(step: StepGraph, precision: str) -> StepGraph:
+    """Rewrite forward+backward to `precision` with the loss/scale/optimizer region pinned float32."""
+    if precision == "float32":
+        return step
+    try:
+        from amp_rewrite import rewrite
+    except ImportError as error:
+        raise TrainingError(f"mixed precision needs the AMP rewrite (amp_rewrite.rewrite): {error}") from None
+    result = rewrite(step.model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS)
+    return dataclasses.replace(step, model=result.model)

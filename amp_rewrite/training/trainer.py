@@ -1,0 +1,327 @@
+"""The loss-scaled training wrapper: one ONNX Runtime session per step graph, state kept on device.
+
+State (master weights, optimizer slots, step count, loss scale, good-step counter) lives in two
+sets of OrtValues on the session's device. Two IOBindings read one set and write the other, and
+the trainer flips between them each step, so nothing but the batch goes in and nothing but the
+loss and the skip flag come out per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+import onnxruntime as ort
+
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
+from amp_rewrite.training.optimizers import Optimizer
+from amp_rewrite.training.session import open_session
+from amp_rewrite.training.step_graph import (LR_INPUT, SKIPPED_OUTPUT, STEP_STATE, StepGraph, apply_precision,
+                                             build_step_graph)
+
+PRECISIONS = ("float16", "bfloat16", "float32")
+NONFINITE_POLICIES = ("skip", "retry")
+CHECKPOINT_FORMAT = "amp-rewrite-trainer/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One step: the unscaled loss, the loss scale after the step, whether the update was skipped,
+    and how many times the batch was recomputed (retry mode)."""
+
+    loss: float
+    loss_scale: float
+    skipped: bool
+    retries: int = 0
+
+
+class Trainer:
+    """Mixed-precision training of an ONNX model on ONNX Runtime with loss scaling.
+
+    `loss`: "cross_entropy" (first output = logits, feed `labels`), "mse" (feed `targets`), or the
+    name of a scalar model output. `loss_scale`: "dynamic", a number, or a DynamicLossScale /
+    FixedLossScale. `on_nonfinite`: "skip" the update, or "retry" the batch at half the scale until
+    finite or the scale is 1. `trainable`: weight names (default: every float initializer the loss
+    depends on). `gradient_builder`: a function with `amp_rewrite.autodiff.build_gradient_graph`'s
+    signature (the default).
+    """
+
+    def __init__(self, model, loss: str = "cross_entropy", optimizer: Optimizer | None = None,
+                 loss_scale="dynamic", precision: str = "float16", provider: str = "auto",
+                 on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None):
+        self._model = _load_model(model)
+        self.optimizer = _check_optimizer(optimizer)
+        self.loss_scale_policy = resolve_loss_scale(loss_scale)
+        self.precision = _check_choice("precision", precision, PRECISIONS)
+        self.on_nonfinite = _check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        if on_nonfinite == "retry" and not isinstance(self.loss_scale_policy, DynamicLossScale):
+            raise TrainingError("on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)")
+        step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, trainable, gradient_builder)
+        self.step_graph: StepGraph = apply_precision(step, self.precision)
+        self._session, self.device = open_session(self.step_graph.model.SerializeToString(), provider)
+        self._feed_types = _input_dtypes(self.step_graph.model)
+        self._host_arrays: list[np.ndarray] = []
+        self._buffers = [self._device_state(self.step_graph.initial_state), self._device_state(self.step_graph.initial_state)]
+        self._current = 0
+        self._loss = np.zeros((), np.float32)
+        self._skipped = np.zeros((), np.bool_)
+        self._host_outputs = [ort.OrtValue.ortvalue_from_numpy(self._loss), ort.OrtValue.ortvalue_from_numpy(self._skipped)]
+        self._lr = self._device_value(np.array(self.optimizer.lr, np.float32))
+        self._bindings = [self._binding(0, 1), self._binding(1, 0)]
+
+    # --- stepping -------------------------------------------------------------------------------
+
+    def step(self, feeds: dict) -> StepResult:
+        """One optimizer step on a batch (several session runs in retry mode while non-finite)."""
+        retries = 0
+        scale_used = self.loss_scale
+        result = self._run(feeds, retries)
+        while self.on_nonfinite == "retry" and result.skipped and scale_used > 1:
+            retries += 1
+            scale_used = result.loss_scale
+            result = self._run(feeds, retries)
+        return result
+
+    def fit(self, batches, epochs: int = 1, progress: bool = True) -> list[float]:
+        """Train for `epochs` over `batches` (a list, or a callable epoch -> iterable of feed dicts);
+        returns the mean loss of each epoch over its non-skipped steps."""
+        if epochs > 1 and not callable(batches) and iter(batches) is batches:
+            raise TrainingError("batches is a one-shot iterator: pass a list or a callable for several epochs")
+        epoch_losses = []
+        for epoch in range(epochs):
+            epoch_batches = batches(epoch) if callable(batches) else batches
+            bar = _ProgressLine(f"epoch {epoch + 1}/{epochs}", _length(epoch_batches), progress)
+            losses = []
+            for feeds in epoch_batches:
+                result = self.step(feeds)
+                if not result.skipped:
+                    losses.append(result.loss)
+                bar.update(result)
+            bar.close()
+            epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
+        return epoch_losses
+
+    def _run(self, feeds: dict, retries: int) -> StepResult:
+        binding = self._bindings[self._current]
+        for name in self.step_graph.batch_inputs:
+            if name not in feeds:
+                raise TrainingError(f"missing feed {name!r} (the step needs: {', '.join(self.step_graph.batch_inputs)})")
+            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name], dtype=self._feed_types[name]))
+        self._session.run_with_iobinding(binding)
+        self._current = 1 - self._current
+        return StepResult(float(self._loss), self.loss_scale, bool(self._skipped), retries)
+
+    # --- state ----------------------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._state_array(SCALE_STATE))
+
+    @property
+    def step_count(self) -> int:
+        """Applied (non-skipped) optimizer steps so far."""
+        return int(self._state_array(STEP_STATE))
+
+    @property
+    def lr(self) -> float:
+        return float(self._lr.numpy())
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        """Change the learning rate between steps (schedules); the step graph stays the same."""
+        self._lr.update_inplace(np.array(value, np.float32))
+
+    def state(self) -> dict[str, np.ndarray]:
+        """A host copy of every state tensor: weights, optimizer slots, step, loss-scale state."""
+        return {name: self._state_array(name) for name in self.step_graph.next_state}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """A host copy of the float32 master weights."""
+        return {name: self._state_array(name) for name in self.step_graph.weights}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Replace every state tensor (shapes and dtypes must match the step graph)."""
+        expected = self.step_graph.initial_state
+        if set(state) != set(expected):
+            missing = sorted(set(expected) ^ set(state))
+            raise TrainingError(f"state does not match this trainer's step graph (differs in {missing[0]!r})")
+        for name, reference in expected.items():
+            value = np.asarray(state[name])
+            if value.shape != reference.shape or value.dtype != reference.dtype:
+                raise TrainingError(f"state {name!r} is {value.dtype}{list(value.shape)}, expected {reference.dtype}{list(reference.shape)}")
+            self._buffers[self._current][name].update_inplace(np.ascontiguousarray(value))
+
+    # --- checkpoint and export ------------------------------------------------------------------
+
+    def save(self, path) -> None:
+        """Checkpoint weights, optimizer state and loss-scale state to an .npz (atomic, no pickle)."""
+        state = self.state()
+        arrays = {f"state_{i}": value for i, value in enumerate(state.values())}
+        arrays["names"] = np.array(list(state), dtype=np.str_)
+        arrays["meta"] = np.array(json.dumps(self._checkpoint_meta()), dtype=np.str_)
+        _atomic_write(path, lambda f: np.savez(f, **arrays))
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by `save` for the same model, optimizer and loss scale."""
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["meta"]))
+                names = [str(n) for n in data["names"]]
+                state = {name: data[f"state_{i}"] for i, name in enumerate(names)}
+        except (OSError, KeyError, ValueError) as error:
+            raise TrainingError(f"cannot read checkpoint {os.fspath(path)!r}: {error}") from None
+        expected = self._checkpoint_meta()
+        for key in ("format", "optimizer", "loss_scale"):
+            if meta.get(key) != expected[key]:
+                raise TrainingError(f"checkpoint {key} {meta.get(key)!r} does not match this trainer's {expected[key]!r}")
+        self.load_state(state)
+        self.lr = meta["lr"]
+
+    def inference_model(self, precision: str = "float32") -> onnx.ModelProto:
+        """The original model with the trained weights; rewritten to `precision` unless float32."""
+        _check_choice("precision", precision, PRECISIONS)
+        model = onnx.ModelProto()
+        model.CopyFrom(self._model)
+        weights = self.weights()
+        for i, tensor in enumerate(model.graph.initializer):
+            if tensor.name in weights:
+                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[tensor.name], tensor.name))
+        if precision == "float32":
+            return model
+        from amp_rewrite import rewrite
+
+        return rewrite(model, target=precision, keep_io_types=True).model
+
+    def export(self, path, precision: str = "float32") -> None:
+        """Write the trained inference model (float32, or rewritten to `precision`), atomically."""
+        data = self.inference_model(precision).SerializeToString()
+        _atomic_write(path, lambda f: f.write(data))
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _checkpoint_meta(self) -> dict:
+        policy = dataclasses.asdict(self.loss_scale_policy) | {"kind": type(self.loss_scale_policy).__name__}
+        meta = {"format": CHECKPOINT_FORMAT, "optimizer": self.optimizer.config(), "loss_scale": policy, "lr": self.lr}
+        return json.loads(json.dumps(meta))  # the form it has after a round trip (tuples -> lists)
+
+    def _state_array(self, name: str) -> np.ndarray:
+        return np.array(self._buffers[self._current][name].numpy(), copy=True)
+
+    def _device_value(self, array: np.ndarray) -> ort.OrtValue:
+        """An OrtValue on the session's device; on CPU it wraps a numpy copy, kept alive here."""
+        host = np.array(array, copy=True)
+        self._host_arrays.append(host)
+        return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
+
+    def _device_state(self, state: dict[str, np.ndarray]) -> dict[str, ort.OrtValue]:
+        return {name: self._device_value(value) for name, value in state.items()}
+
+    def _binding(self, read: int, write: int) -> ort.IOBinding:
+        """Reads state set `read`, writes set `write`; loss and skip flag land in host scalars."""
+        binding = self._session.io_binding()
+        for name, out in self.step_graph.next_state.items():
+            binding.bind_ortvalue_input(name, self._buffers[read][name])
+            binding.bind_ortvalue_output(out, self._buffers[write][name])
+        binding.bind_ortvalue_input(LR_INPUT, self._lr)
+        binding.bind_ortvalue_output(self.step_graph.loss_output, self._host_outputs[0])
+        binding.bind_ortvalue_output(SKIPPED_OUTPUT, self._host_outputs[1])
+        return binding
+
+
+class _ProgressLine:
+    """A one-line progress bar on stderr (no tqdm dependency)."""
+
+    def __init__(self, label: str, total: int | None, enabled: bool, width: int = 24):
+        self.label, self.total, self.enabled, self.width = label, total, enabled, width
+        self.done = self.skipped = 0
+        self.started = time.perf_counter()
+        self.last = None
+
+    def update(self, result: StepResult) -> None:
+        self.done += 1
+        self.skipped += result.skipped
+        if not result.skipped:
+            self.last = result.loss
+        if self.enabled:
+            sys.stderr.write("\r" + self._text(result.loss_scale))
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+    def _text(self, scale: float) -> str:
+        if self.total:
+            filled = self.width * self.done // self.total
+            bar = f"|{'#' * filled}{'.' * (self.width - filled)}| {self.done}/{self.total}"
+        else:
+            bar = f"{self.done} steps"
+        loss = "nan" if self.last is None else f"{self.last:.4f}"
+        rate = self.done / max(time.perf_counter() - self.started, 1e-9)
+        return f"{self.label} {bar} loss {loss} scale {scale:g} skipped {self.skipped} {rate:.0f} it/s"
+
+
+def _length(batches) -> int | None:
+    try:
+        return len(batches)
+    except TypeError:
+        return None
+
+
+def _load_model(model) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return model
+    try:
+        return onnx.load(os.fspath(model))
+    except Exception as error:  # onnx raises assorted types for unreadable files
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise TrainingError(f"cannot load model {model!r}: {reason}") from None
+
+
+_LOSS_SCALING_MARKERS = ("loss_scale", "get_scale", "loss_scale_factor", "_loss_scale")
+
+
+def _check_optimizer(optimizer) -> Optimizer:
+    """Only amp_rewrite optimizers; one that already scales the loss would scale it twice."""
+    if optimizer is None:
+        raise TrainingError("an optimizer is required, e.g. optimizer=amp_rewrite.training.SGD(lr=0.1)")
+    if any(hasattr(optimizer, marker) for marker in _LOSS_SCALING_MARKERS) or "LossScale" in type(optimizer).__name__:
+        raise TrainingError(
+            f"{type(optimizer).__name__} already does loss scaling: pass the plain optimizer and set Trainer(loss_scale=...)"
+        )
+    if not isinstance(optimizer, Optimizer):
+        raise TrainingError(f"optimizer must be an amp_rewrite.training optimizer (SGD, Adam, AdamW), got {type(optimizer).__name__}")
+    return optimizer
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise TrainingError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _input_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
+    return {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}
+
+
+def _atomic_write(path, write) -> None:
+    """Write through a temporary file in the same folder, then rename: never a half-written file."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(handle, "wb") as f:
+            write(f)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise

@@ -1,0 +1,87 @@
+"""Float32 training matches torch.optim step for step, for every optimizer and option."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import numpy_helper
+
+from amp_rewrite.training import SGD, Adam, AdamW, Trainer
+from test_training_models import classification_batches, softmax_regression, softmax_regression_gradient
+
+torch = pytest.importorskip("torch")
+
+OPTIMIZERS = {
+    "sgd": (lambda: SGD(0.5), lambda p: torch.optim.SGD(p, lr=0.5)),
+    "sgd-momentum-wd": (lambda: SGD(0.3, momentum=0.9, weight_decay=0.01),
+                        lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9, weight_decay=0.01)),
+    "sgd-nesterov": (lambda: SGD(0.3, momentum=0.8, nesterov=True),
+                     lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.8, nesterov=True)),
+    "adam": (lambda: Adam(0.05), lambda p: torch.optim.Adam(p, lr=0.05)),
+    "adam-l2": (lambda: Adam(0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+                lambda p: torch.optim.Adam(p, lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    "adamw": (lambda: AdamW(0.05, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1)),
+}
+
+
+def torch_reference(model, make_optimizer, batches, max_grad_norm=None):
+    """Weights after each step of the same model trained by torch eager."""
+    params = {t.name: torch.tensor(numpy_helper.to_array(t).copy(), requires_grad=True) for t in model.graph.initializer}
+    optimizer = make_optimizer(list(params.values()))
+    history = []
+    for batch in batches:
+        optimizer.zero_grad()
+        logits = torch.from_numpy(batch["x"]) @ params["W"] + params["b"]
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch["labels"]))
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
+        optimizer.step()
+        history.append((loss.item(), {k: v.detach().numpy().copy() for k, v in params.items()}))
+    return history
+
+
+def ours(model, optimizer, batches, **kwargs):
+    trainer = Trainer(model, optimizer=optimizer, precision="float32", provider="cpu",
+                      gradient_builder=softmax_regression_gradient, **kwargs)
+    history = []
+    for batch in batches:
+        result = trainer.step(batch)
+        assert not result.skipped
+        history.append((result.loss, trainer.weights()))
+    return history
+
+
+def assert_same_history(actual, expected):
+    assert len(actual) == len(expected)
+    for step, ((loss, weights), (ref_loss, ref_weights)) in enumerate(zip(actual, expected)):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"loss differs at step {step}"
+        for name, ref in ref_weights.items():
+            np.testing.assert_allclose(weights[name], ref, rtol=1e-5, atol=1e-5, err_msg=f"{name} at step {step}")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_float32_training_matches_torch_step_for_step(name):
+    make_ours, make_torch = OPTIMIZERS[name]
+    model = softmax_regression(features=5, classes=4)
+    batches = classification_batches(features=5, classes=4, count=6)
+    assert_same_history(ours(model, make_ours(), batches), torch_reference(model, make_torch, batches))
+
+
+def test_global_norm_clipping_matches_torch_clip_grad_norm():
+    model = softmax_regression(features=5, classes=4)
+    batches = classification_batches(features=5, classes=4, count=4)
+    expected = torch_reference(model, lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.5), batches, max_grad_norm=0.05)
+    actual = ours(model, SGD(0.5, momentum=0.5, max_grad_norm=0.05), batches)
+    assert_same_history(actual, expected)
+
+
+def test_fixed_loss_scale_changes_nothing_in_float32():
+    """Scaling the seed and unscaling by a power of two is exact in float32."""
+    model = softmax_regression()
+    batches = classification_batches(count=3)
+    unscaled = ours(model, Adam(0.05), batches, loss_scale=1.0)
+    scaled = ours(model, Adam(0.05), batches, loss_scale=2.0**20)
+    for (_, a), (_, b) in zip(unscaled, scaled):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
