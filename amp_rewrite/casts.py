@@ -1,0 +1,306 @@
+"""Materialise a precision plan: retype tensors, convert constants, insert the casts.
+
+Rules, all decided per tensor in one pass over its uses:
+- a tensor made by a node has the type of its producing group; a use that needs the other type
+  reads a Cast, one per (tensor, type, graph it is used in), placed right after the producer or at
+  the top of the using graph;
+- a use of a tensor that an existing Cast made, needing the type the Cast read, reads the Cast's
+  input instead: no Cast chains;
+- initializers and Constant nodes are free: converted in place when only low-precision groups
+  read them, duplicated when both kinds do (no runtime Cast on weights);
+- main-graph inputs and outputs keep their names; with keep_io_types they keep float32 too: an
+  output made in low precision is renamed at its producer and a Cast writes the original name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant
+from amp_rewrite.paint import Plan
+
+ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
+TAG = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
+
+
+@dataclass
+class Materialised:
+    casts: list = field(default_factory=list)  # (scope, cast node name, tensor, to)
+    converted_constants: int = 0
+    duplicated_constants: int = 0
+    clamped_values: int = 0
+    retargeted_nodes: list = field(default_factory=list)  # (scope, node index)
+
+
+class _Names:
+    """Unique, stable new names: the wanted name, or with the smallest free numeric suffix."""
+
+    def __init__(self, model: onnx.ModelProto, cg: ColouringGraph):
+        self.taken = set()
+        for scope in cg.scopes:
+            g = scope.graph
+            self.taken.update(v.name for v in g.input)
+            self.taken.update(v.name for v in g.output)
+            self.taken.update(t.name for t in g.initializer)
+            for node in g.node:
+                self.taken.add(node.name)
+                self.taken.update(node.output)
+
+    def new(self, wanted: str) -> str:
+        name, k = wanted, 1
+        while name in self.taken:
+            k += 1
+            name = f"{wanted}_{k}"
+        self.taken.add(name)
+        return name
+
+
+def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tuple[np.ndarray, int]:
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    clamped = 0
+    if clamp:
+        limit = LIMITS[target]
+        over = np.isfinite(array) & (np.abs(array) > limit)
+        clamped = int(over.sum())
+        if clamped:
+            array = np.clip(array, -limit, limit)
+    return array.astype(dtype), clamped
+
+
+def _converted_tensor(tensor: onnx.TensorProto, elem: int, clamp: bool, target: str, name: str):
+    array, clamped = _convert_array(numpy_helper.to_array(tensor), elem, clamp, target)
+    out = numpy_helper.from_array(array, name)
+    return out, clamped
+
+
+class _Materialiser:
+    def __init__(self, model, cg: ColouringGraph, plan: Plan, keep_io_types: bool, clamp: bool):
+        self.model = model
+        self.cg = cg
+        self.plan = plan
+        self.keep_io = keep_io_types
+        self.clamp = clamp
+        self.low = ELEM[cg.target]
+        self.names = _Names(model, cg)
+        self.result = Materialised()
+        self.casts = {}  # (def scope, name, elem, use scope) -> cast output name
+        self.after = {}  # (scope, node index) -> nodes to emit right after it
+        self.top = {}  # scope -> nodes to emit first
+        self.renamed = {}  # (def scope, name) -> new producer output name
+        self.low_names = set()  # (scope, name) whose final type is low precision
+        self._initializer_index = {}
+
+    # --- what each tensor is and what each use needs -------------------------------------------
+
+    def source_elem(self, s: int, name: str, d) -> int | None:
+        """Element type a defined float32 tensor will have, or None for free constants."""
+        kind, n, slot = d
+        if kind == "initializer":
+            return None
+        if kind == "input":
+            return self.low if (s == 0 and not self.keep_io) else FLOAT
+        if _is_constant(self.cg.node(s, n)):
+            return None
+        v = self.cg.slot_vertex.get((s, n, "o", slot))
+        return self.low if v is not None and self.plan.is_low(v) else FLOAT
+
+    def needed_elem(self, use) -> int:
+        s, n, slot = use
+        if n < 0:
+            return self.low if (s == 0 and not self.keep_io) else FLOAT
+        v = self.cg.slot_vertex.get((s, n, "i", slot))
+        return self.low if v is not None and self.plan.is_low(v) else FLOAT
+
+    # --- the pass ----------------------------------------------------------------------------------
+
+    def run(self) -> Materialised:
+        cg = self.cg
+        for (s, name), uses in cg.uses.items():
+            if cg.types.get(name) != FLOAT:
+                continue
+            d = cg.scopes[s].defs[name]
+            src = self.source_elem(s, name, d)
+            if src is None:
+                self.place_constant(s, name, d, uses)
+            else:
+                self.place_casts(s, name, d, src, uses)
+        self.retarget_attribute_typed_outputs()
+        self.retype_io_and_value_info()
+        self.emit_nodes()
+        return self.result
+
+    def place_casts(self, s, name, d, src, uses) -> None:
+        if src == self.low:
+            self.low_names.add((s, name))
+        rename_for_output = any(u[0] == 0 and u[1] < 0 and self.needed_elem(u) != src for u in uses)
+        if rename_for_output and d[0] == "node":
+            # Main-graph output needs the other type: producer writes a new name, a Cast the old.
+            new = self.names.new(f"{name}_{TAG[src]}")
+            self.renamed[(s, name)] = new
+            self.cg.node(s, d[1]).output[d[2]] = new
+            if src == self.low:
+                self.low_names.discard((s, name))
+                self.low_names.add((s, new))
+            out_elem = self.needed_elem(next(u for u in uses if u[0] == 0 and u[1] < 0))
+            self.add_cast(s, d, new, name, out_elem, after=True)
+            for use in uses:
+                if self.needed_elem(use) == src:
+                    self.set_input(use, new)
+            return
+        for use in uses:
+            need = self.needed_elem(use)
+            if need != src:
+                self.set_input(use, self.cast_of(s, name, d, need, use[0]))
+
+    def cast_of(self, s, name, d, elem, use_scope) -> str:
+        """The name holding `name` as `elem` in graph `use_scope`, adding one Cast if needed."""
+        key = (s, name, elem, use_scope)
+        if key in self.casts:
+            return self.casts[key]
+        reuse = self.cast_input_of_type(s, d, elem)
+        if reuse is not None:
+            self.casts[key] = reuse
+            return reuse
+        out = self.names.new(f"{name}_{TAG[elem]}")
+        self.add_cast(use_scope, d if use_scope == s else None, name, out, elem, after=use_scope == s)
+        if elem == self.low:
+            self.low_names.add((use_scope, out))
+        self.casts[key] = out
+        return out
+
+    def cast_input_of_type(self, s, d, elem) -> str | None:
+        """If `d` is made by a Cast whose own input already has type `elem`, that input."""
+        if d[0] != "node":
+            return None
+        node = self.cg.node(s, d[1])
+        if node.op_type != "Cast" or not node.input or not node.input[0]:
+            return None
+        source = node.input[0]
+        found = self.cg.resolve(s, source)
+        if found is None or (found[0], source) in self.renamed:
+            return None
+        if self.cg.types.get(source) == elem and self.cg.types.get(source) != FLOAT:
+            return source  # e.g. Cast(fp16 -> fp32) feeding a now-float16 consumer
+        if self.cg.types.get(source) == FLOAT:
+            source_elem = self.source_elem(found[0], source, found[1])
+            if source_elem == elem:
+                return source
+        return None
+
+    def add_cast(self, scope, d, source, out, elem, *, after: bool) -> None:
+        name = self.names.new(f"amp/Cast_{out}")
+        cast = helper.make_node("Cast", [source], [out], name=name, to=elem)
+        if after and d is not None and d[0] == "node":
+            self.after.setdefault((scope, d[1]), []).append(cast)
+        else:
+            self.top.setdefault(scope, []).append(cast)
+        self.result.casts.append((scope, name, source, elem))
+
+    def set_input(self, use, new_name) -> None:
+        s, n, slot = use
+        if n < 0:
+            self.cg.scopes[s].graph.output[slot].name = new_name
+        else:
+            self.cg.node(s, n).input[slot] = new_name
+
+    # --- constants -----------------------------------------------------------------------------------
+
+    def place_constant(self, s, name, d, uses) -> None:
+        needs = {self.needed_elem(u) for u in uses}
+        if self.low not in needs:
+            return
+        main_output = next((u for u in uses if u[0] == 0 and u[1] < 0), None)
+        primary = self.needed_elem(main_output) if main_output else (FLOAT if FLOAT in needs else self.low)
+        other = self.low if primary == FLOAT else FLOAT
+        other_name = self.names.new(f"{name}_{TAG[other]}") if other in needs else None
+        if primary == self.low:
+            self.low_names.add((s, name))
+            self.convert_constant(s, name, d, name, in_place=True)
+            if other_name:
+                self.convert_constant(s, name, d, other_name, in_place=False, elem=FLOAT)
+        else:
+            self.convert_constant(s, name, d, other_name, in_place=False)
+            self.low_names.add((s, other_name))
+        if other_name:
+            for use in uses:
+                if self.needed_elem(use) == other:
+                    self.set_input(use, other_name)
+
+    def convert_constant(self, s, name, d, new_name, *, in_place: bool, elem: int | None = None) -> None:
+        """Write `name` converted to `elem` (default: the target) under `new_name`."""
+        elem = elem or self.low
+        scope = self.cg.scopes[s]
+        if d[0] == "initializer":
+            source = scope.graph.initializer[self.initializer_index(s)[name]]
+            converted, clamped = _converted_tensor(source, elem, self.clamp, self.cg.target, new_name)
+            self.result.clamped_values += clamped
+            if in_place:
+                source.CopyFrom(converted)
+                self.result.converted_constants += 1
+            else:
+                scope.graph.initializer.append(converted)
+                self.result.duplicated_constants += 1
+            return
+        node = self.cg.node(s, d[1])
+        converted, clamped = _converted_tensor(_constant_tensor(node), elem, self.clamp, self.cg.target, "")
+        self.result.clamped_values += clamped
+        if in_place:
+            del node.attribute[:]
+            node.attribute.append(helper.make_attribute("value", converted))
+            self.result.converted_constants += 1
+        else:
+            copy = helper.make_node("Constant", [], [new_name], name=self.names.new(f"amp/{new_name}"), value=converted)
+            self.after.setdefault((s, d[1]), []).append(copy)
+            self.result.duplicated_constants += 1
+
+    # --- types and order ---------------------------------------------------------------------------
+
+    def retarget_attribute_typed_outputs(self) -> None:
+        for v, vertex in enumerate(self.cg.vertices):
+            if vertex.group.output_only and self.plan.is_low(v):
+                node = self.cg.node(vertex.scope, vertex.node)
+                for attr in node.attribute:
+                    if attr.name in ("to", "dtype"):
+                        attr.i = self.low
+                self.result.retargeted_nodes.append((vertex.scope, vertex.node))
+
+    def retype_io_and_value_info(self) -> None:
+        main = self.cg.scopes[0].graph
+        if not self.keep_io:
+            for value in (*main.input, *main.output):
+                if value.type.tensor_type.elem_type == FLOAT:
+                    value.type.tensor_type.elem_type = self.low
+        for s, scope in enumerate(self.cg.scopes):
+            for value in scope.graph.value_info:
+                found = self.cg.resolve(s, value.name)
+                if found is not None and (found[0], value.name) in self.low_names:
+                    value.type.tensor_type.elem_type = self.low
+                elif found is not None and (found[0], value.name) in self.renamed:
+                    pass  # the original name is now the Cast's output, of the declared type
+
+    def initializer_index(self, s: int) -> dict:
+        if s not in self._initializer_index:
+            self._initializer_index[s] = {t.name: i for i, t in enumerate(self.cg.scopes[s].graph.initializer)}
+        return self._initializer_index[s]
+
+    def emit_nodes(self) -> None:
+        changed = set(self.top) | {s for s, _ in self.after}
+        for s, scope in enumerate(self.cg.scopes):
+            if s not in changed:
+                continue
+            nodes = list(self.top.get(s, []))
+            for n, node in enumerate(scope.graph.node):
+                nodes.append(node)
+                nodes.extend(self.after.get((s, n), ()))
+            del scope.graph.node[:]
+            scope.graph.node.extend(nodes)
+
+
+def materialise(model: onnx.ModelProto, cg: ColouringGraph, plan: Plan, *, keep_io_types: bool = True,
+                clamp: bool = False) -> Materialised:
+    """Apply `plan` to `model` (the proto `cg` was built from) in place."""
+    return _Materialiser(model, cg, plan, keep_io_types, clamp).run()

@@ -1,0 +1,97 @@
+"""`amp-rewrite model.onnx`: argparse front end. Every user error is one line and an exit code.
+
+Exit codes: 0 ok; 2 bad arguments; 3 bad model; 4 bad op list; 5 output not writable;
+6 validation over tolerance; 1 anything else amp-rewrite refuses. An unexpected internal error
+prints one line too (with --debug for the traceback) and exits 70.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from amp_rewrite import model as model_io
+from amp_rewrite.errors import AmpRewriteError, UsageError
+from amp_rewrite.oplists import TARGETS
+from amp_rewrite.rewrite import rewrite
+
+SUFFIX = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="amp-rewrite", description="Rewrite an ONNX model for mixed precision (float16/bfloat16).")
+    p.add_argument("model", help="input .onnx file (never modified)")
+    p.add_argument("-o", "--output", help="output file (default: MODEL.fp16.onnx beside the input)")
+    p.add_argument("--target", choices=TARGETS, default="float16", help="low-precision type (default float16)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.add_argument("--dry-run", action="store_true", help="decide and report, write no model")
+    p.add_argument("--report", metavar="FILE.json", help="write every decision and the summary as JSON")
+    p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
+                   help="graph inputs/outputs become the target type too (default: keep float32)")
+    for name in ("allow", "deny", "infer", "clear"):
+        p.add_argument(f"--{name}", action="append", default=[], metavar="OP",
+                       help=f"put op type OP in the {name} list (repeatable; 'domain:Op' for other domains)")
+    p.add_argument("--op-lists", action="append", default=[], metavar="FILE.yaml",
+                   help="YAML file of list overrides (same format as op_lists/float16.yaml)")
+    p.add_argument("--keep-fp32-node", action="append", default=[], metavar="NAME_OR_REGEX",
+                   help="keep nodes whose name equals or fully matches this regex in float32")
+    p.add_argument("--clamp", action="store_true",
+                   help="clamp constants outside the target range instead of keeping their consumers float32")
+    p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
+    p.add_argument("--quiet", action="store_true", help="print nothing on success")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
+    return p
+
+
+def default_output(model_path: Path, target: str) -> Path:
+    return model_path.with_name(f"{model_path.stem}.{SUFFIX[target]}{model_path.suffix or '.onnx'}")
+
+
+def run(args) -> int:
+    source = Path(args.model)
+    output = Path(args.output) if args.output else default_output(source, args.target)
+    if not args.dry_run:
+        model_io.check_output_path(output, [source], args.force)
+    if args.report:
+        model_io.check_output_path(Path(args.report), [source, output], True)
+    loaded = model_io.load(source)
+    result = rewrite(loaded.model, target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
+                     allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
+                     keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp)
+    if not args.dry_run:
+        model_io.save(result.model, output, external_data=args.external_data or loaded.had_external_data)
+    if args.report:
+        model_io.atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
+    if not args.quiet:
+        print(result.report.to_text())
+        print("dry run: no model written" if args.dry_run else f"wrote {output}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        return run(build_parser().parse_args(argv))
+    except AmpRewriteError as exc:
+        print(f"amp-rewrite: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("amp-rewrite: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("amp-rewrite: error: out of memory", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug of ours: one line unless asked for more
+        if debug:
+            raise
+        print(f"amp-rewrite: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)",
+              file=sys.stderr)
+        return 70

@@ -1,0 +1,257 @@
+"""The colouring graph: one networkx DiGraph whose vertices are type groups of float32 tensors.
+
+A vertex is one type group (see schemas.py) of one node whose tensors are float32; an edge joins
+the group that produces a tensor to each group that reads it, across subgraph boundaries too
+(a tensor captured from an outer scope links the outer producer to the inner reader). Graph
+inputs, initializers and Constant nodes are not vertices: they are sources whose type the
+materialiser chooses freely. Everything is built in one pass over the nodes; lookups are dicts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from amp_rewrite import schemas
+from amp_rewrite.oplists import OpLists
+
+FLOAT = TensorProto.FLOAT
+LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
+
+
+@dataclass
+class Scope:
+    """One graph: the main graph (index 0) or a subgraph held by a node of its parent scope."""
+
+    graph: onnx.GraphProto
+    parent: int | None
+    owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
+    defs: dict = field(default_factory=dict)  # tensor name -> ("input"|"initializer"|"node", node, slot)
+
+
+@dataclass
+class Vertex:
+    scope: int
+    node: int
+    name: str  # the node's name and op type, kept for reports after nodes move
+    op_type: str
+    group: schemas.TypeGroup
+    op_list: str | None  # allow / deny / infer / clear, or None when in no list
+    list_reason: str
+    blocked: str | None  # why it may never be low precision, or None
+
+
+@dataclass
+class ColouringGraph:
+    target: str
+    scopes: list[Scope]
+    vertices: list[Vertex]
+    graph: nx.DiGraph
+    slot_vertex: dict  # (scope, node, "i"|"o", slot) -> vertex id
+    uses: dict  # (def scope, name) -> [(scope, node, slot)]; graph outputs use node -1
+    types: dict  # tensor name -> element type
+    shapes: dict  # tensor name -> TensorShapeProto when known
+    notes: list  # (scope, node, text) for ops that could not be classified
+    out_of_range: dict  # (def scope, name) -> largest finite |value| of a constant
+
+    def node(self, scope: int, index: int) -> onnx.NodeProto:
+        return self.scopes[scope].graph.node[index]
+
+    def resolve(self, scope: int, name: str):
+        """(defining scope, def) for a tensor visible from `scope`, or None if undefined."""
+        s = scope
+        while s is not None:
+            found = self.scopes[s].defs.get(name)
+            if found is not None:
+                return s, found
+            s = self.scopes[s].parent
+        return None
+
+    def is_output_only(self, v: int) -> bool:
+        return self.vertices[v].group.output_only
+
+
+def collect_scopes(graph: onnx.GraphProto) -> list[Scope]:
+    """The main graph and every subgraph, parents before children."""
+    scopes = [Scope(graph, None, None)]
+    i = 0
+    while i < len(scopes):
+        for n, node in enumerate(scopes[i].graph.node):
+            for attr in node.attribute:
+                subgraphs = [attr.g] if attr.HasField("g") else list(attr.graphs)
+                for sub in subgraphs:
+                    scopes.append(Scope(sub, i, (i, n)))
+        i += 1
+    return scopes
+
+
+def _record_defs(scope: Scope) -> None:
+    defs = scope.defs
+    for tensor in scope.graph.initializer:
+        defs[tensor.name] = ("initializer", -1, -1)
+    for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
+        defs[value.name] = ("input", -1, -1)
+    for n, node in enumerate(scope.graph.node):
+        for slot, name in enumerate(node.output):
+            if name:
+                defs[name] = ("node", n, slot)
+
+
+def _is_constant(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Constant" and node.domain in schemas.DEFAULT_DOMAINS
+
+
+def _record_uses(scopes: list[Scope], cg_resolve) -> dict:
+    uses: dict = {}
+    for s, scope in enumerate(scopes):
+        for n, node in enumerate(scope.graph.node):
+            for slot, name in enumerate(node.input):
+                if name:
+                    found = cg_resolve(s, name)
+                    if found is not None:
+                        uses.setdefault((found[0], name), []).append((s, n, slot))
+        for slot, value in enumerate(scope.graph.output):
+            found = cg_resolve(s, value.name)
+            if found is not None:
+                uses.setdefault((found[0], value.name), []).append((s, -1, slot))
+    return uses
+
+
+def _largest_finite(tensor: onnx.TensorProto) -> float:
+    array = numpy_helper.to_array(tensor)
+    finite = np.abs(array[np.isfinite(array)]) if array.size else array
+    return float(finite.max()) if finite.size else 0.0
+
+
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    for attr in node.attribute:
+        if attr.name == "value":
+            return attr.t
+        if attr.name in ("value_float", "value_floats"):
+            values = [attr.f] if attr.name == "value_float" else list(attr.floats)
+            return numpy_helper.from_array(np.array(values if attr.name == "value_floats" else values[0], np.float32))
+    return None
+
+
+def _out_of_range_constants(scopes: list[Scope], limit: float) -> dict:
+    """Float32 constants holding finite values the target type cannot represent."""
+    found = {}
+    for s, scope in enumerate(scopes):
+        for tensor in scope.graph.initializer:
+            if tensor.data_type == FLOAT:
+                largest = _largest_finite(tensor)
+                if largest > limit:
+                    found[(s, tensor.name)] = largest
+        for node in scope.graph.node:
+            if _is_constant(node) and node.output:
+                tensor = _constant_tensor(node)
+                if tensor is not None and tensor.data_type == FLOAT:
+                    largest = _largest_finite(tensor)
+                    if largest > limit:
+                        found[(s, node.output[0])] = largest
+    return found
+
+
+def _keep_fp32_matcher(patterns):
+    compiled = [re.compile(p) for p in patterns]
+    exact = set(patterns)
+    return lambda name: name in exact or any(p.fullmatch(name) for p in compiled)
+
+
+def build(
+    model: onnx.ModelProto,
+    op_lists: OpLists,
+    *,
+    types: dict,
+    shapes: dict | None = None,
+    keep_fp32_nodes=(),
+    clamp: bool = False,
+) -> ColouringGraph:
+    """Build the colouring graph of `model` for `op_lists.target`."""
+    target = op_lists.target
+    target_string = schemas.TYPE_STRING[target]
+    opsets = schemas.model_opsets(model)
+    scopes = collect_scopes(model.graph)
+    for scope in scopes:
+        _record_defs(scope)
+    cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], {})
+    cg.uses = _record_uses(scopes, cg.resolve)
+    cg.out_of_range = {} if clamp else _out_of_range_constants(scopes, LIMITS[target])
+    keep = _keep_fp32_matcher(list(keep_fp32_nodes))
+    local_functions = {(f.domain, f.name) for f in model.functions}
+
+    for s, scope in enumerate(scopes):
+        for n, node in enumerate(scope.graph.node):
+            if _is_constant(node):
+                continue
+            domain = "" if node.domain in schemas.DEFAULT_DOMAINS else node.domain
+            if (node.domain, node.op_type) in local_functions:
+                cg.notes.append((s, n, f"model-local function {node.op_type!r} stays float32"))
+                continue
+            if domain not in opsets:
+                cg.notes.append((s, n, f"op domain {domain!r} is not imported by the model; stays float32"))
+                continue
+            sig = schemas.signature(domain, node.op_type, opsets[domain])
+            if sig is None:
+                cg.notes.append((s, n, f"no schema for {domain or 'ai.onnx'}:{node.op_type} at opset {opsets[domain]}; stays float32"))
+                continue
+            entry = op_lists.classify(domain, node.op_type)
+            kept = keep(node.name) if node.name else False
+            for group in schemas.type_groups(sig, len(node.input), len(node.output)):
+                names = [node.input[i] for i in group.inputs] + [node.output[i] for i in group.outputs]
+                names = [x for x in names if x]
+                known = [types[x] for x in names if x in types]
+                if not known or known[0] != FLOAT:
+                    continue
+                for x in names:  # the schema ties them: fill types inference could not give
+                    types.setdefault(x, FLOAT)
+                blocked = None
+                if entry is None:
+                    blocked = f"{node.op_type} is in no op list"
+                elif not sig.admits(group.type_param, target_string):
+                    blocked = (f"schema {node.op_type}-{sig.since_version} does not allow {target} "
+                               f"for {group.type_param.split('@')[0]}")
+                elif kept:
+                    blocked = "kept float32 by the user (keep_fp32_nodes)"
+                else:
+                    blocked = _range_block(cg, s, node, group)
+                v = len(cg.vertices)
+                cg.vertices.append(Vertex(s, n, node.name, node.op_type, group, entry.list if entry else None,
+                                          entry.reason if entry else "", blocked))
+                cg.graph.add_node(v)
+                for i in group.inputs:
+                    cg.slot_vertex[(s, n, "i", i)] = v
+                for i in group.outputs:
+                    cg.slot_vertex[(s, n, "o", i)] = v
+    _add_edges(cg)
+    return cg
+
+
+def _range_block(cg: ColouringGraph, s: int, node: onnx.NodeProto, group) -> str | None:
+    for i in group.inputs:
+        name = node.input[i]
+        found = cg.resolve(s, name) if name else None
+        if found is not None and (found[0], name) in cg.out_of_range:
+            value = cg.out_of_range[(found[0], name)]
+            return f"constant {name!r} holds {value:.4g}, outside the {cg.target} range (use clamp to allow)"
+    return None
+
+
+def _add_edges(cg: ColouringGraph) -> None:
+    edges = []
+    for v, vertex in enumerate(cg.vertices):
+        node = cg.node(vertex.scope, vertex.node)
+        for i in vertex.group.inputs:
+            name = node.input[i]
+            found = cg.resolve(vertex.scope, name) if name else None
+            if found is None or found[1][0] != "node":
+                continue
+            producer = cg.slot_vertex.get((found[0], found[1][1], "o", found[1][2]))
+            if producer is not None:
+                edges.append((producer, v))
+    cg.graph.add_edges_from(edges)

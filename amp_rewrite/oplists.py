@@ -1,0 +1,169 @@
+"""Load, validate and merge the allow / deny / infer / clear op lists.
+
+The lists are data (`op_lists/*.yaml`); this module only reads them. A list file maps each of the
+four list names to `{op: reason}` (or a plain list of ops), may `extends:` another file whose
+entries it overrides, and names its `target`. User overrides (a YAML file of the same shape, CLI
+flags, API arguments) move an op into the list they name; naming one op in two lists of the same
+source is an error. Ops are keyed `OpType` for the default ONNX domain and `domain:OpType` else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import yaml
+
+from amp_rewrite.errors import OpListError
+
+LISTS = ("allow", "deny", "infer", "clear")
+FILE_KEYS = {"target", "extends", *LISTS}
+TARGETS = ("float16", "bfloat16")
+DEFAULT_DOMAINS = ("", "ai.onnx")
+# Installed wheels carry the lists inside the package; a source checkout keeps them at the top.
+OP_LIST_DIRS = (Path(__file__).parent / "op_lists", Path(__file__).parent.parent / "op_lists")
+
+
+def op_key(domain: str, op_type: str) -> str:
+    """The list key of an op: `Gemm`, or `com.microsoft:Attention`."""
+    return op_type if domain in DEFAULT_DOMAINS else f"{domain}:{op_type}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One op's place: which list, why, and where that was decided."""
+
+    list: str
+    reason: str
+    source: str
+
+
+@dataclass(frozen=True)
+class OpLists:
+    """The merged lists for one target: op key -> Entry."""
+
+    target: str
+    entries: Mapping[str, Entry] = field(default_factory=dict)
+
+    def classify(self, domain: str, op_type: str) -> Entry | None:
+        return self.entries.get(op_key(domain, op_type))
+
+    def ops(self, list_name: str) -> list[str]:
+        return sorted(op for op, e in self.entries.items() if e.list == list_name)
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """A safe loader that refuses aliases, so a YAML 'billion laughs' cannot blow up memory."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(f"aliases are not allowed (line {event.start_mark.line + 1})")
+        return super().compose_node(parent, index)
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise OpListError(f"{path}: cannot read op list ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise OpListError(f"{path}: op list is not UTF-8 text") from None
+    try:
+        data = yaml.load(text, Loader=_SafeLoader)
+    except yaml.YAMLError as exc:
+        detail = str(exc).replace("\n", " ")
+        raise OpListError(f"{path}: invalid YAML: {detail}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise OpListError(f"{path}: an op list must be a mapping of list names to ops")
+    return data
+
+
+def _entries_of(section, where: str) -> dict[str, str]:
+    """Normalise one list section (mapping op -> reason, or a list of ops) to op -> reason."""
+    if section is None:
+        return {}
+    if isinstance(section, list):
+        section = {op: None for op in section}
+    if not isinstance(section, dict):
+        raise OpListError(f"{where}: expected a mapping of op -> reason or a list of ops")
+    out = {}
+    for op, reason in section.items():
+        if not isinstance(op, str) or not op or any(c.isspace() for c in op):
+            raise OpListError(f"{where}: entry {op!r} is not an op type name")
+        if reason is not None and not isinstance(reason, str):
+            raise OpListError(f"{where}: entry {op!r} must have a text reason")
+        out[op] = reason or "user list"
+    return out
+
+
+def _check_one_list_each(sections: Mapping[str, Mapping[str, str]], source: str) -> None:
+    seen: dict[str, str] = {}
+    for list_name in LISTS:
+        for op in sections.get(list_name, {}):
+            if op in seen:
+                raise OpListError(f"{source}: op {op!r} is in both '{seen[op]}' and '{list_name}'")
+            seen[op] = list_name
+
+
+def _parse_file(path: Path, chain: tuple[Path, ...] = ()) -> tuple[str | None, dict[str, Entry]]:
+    """Entries of one file with its `extends` chain applied (later files override earlier)."""
+    path = path.resolve()
+    if path in chain:
+        raise OpListError(f"{path}: 'extends' loops back to itself")
+    data = _read_yaml(path)
+    unknown = sorted(set(map(str, data)) - FILE_KEYS)
+    if unknown:
+        raise OpListError(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(FILE_KEYS))})")
+    target = data.get("target")
+    if target is not None and target not in TARGETS:
+        raise OpListError(f"{path}: target {target!r} is not one of {', '.join(TARGETS)}")
+    entries: dict[str, Entry] = {}
+    if data.get("extends"):
+        if not isinstance(data["extends"], str):
+            raise OpListError(f"{path}: 'extends' must name one file")
+        base_target, entries = _parse_file(path.parent / data["extends"], chain + (path,))
+        target = target or base_target
+    sections = {name: _entries_of(data.get(name), f"{path}: {name}") for name in LISTS}
+    _check_one_list_each(sections, str(path))
+    for list_name, ops in sections.items():
+        for op, reason in ops.items():
+            entries[op] = Entry(list_name, reason, path.name)
+    return target, entries
+
+
+def default_list_path(target: str) -> Path:
+    if target not in TARGETS:
+        raise OpListError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
+    for folder in OP_LIST_DIRS:
+        if (folder / f"{target}.yaml").is_file():
+            return folder / f"{target}.yaml"
+    raise OpListError(f"default op list for {target!r} is missing from the installation")
+
+
+def load_op_lists(
+    target: str = "float16",
+    *,
+    user_files: Iterable[str | Path] = (),
+    allow: Iterable[str] = (),
+    deny: Iterable[str] = (),
+    infer: Iterable[str] = (),
+    clear: Iterable[str] = (),
+) -> OpLists:
+    """The default lists for `target`, then each user file, then the explicit op arguments."""
+    list_target, entries = _parse_file(default_list_path(target))
+    for user_file in user_files:
+        file_target, user_entries = _parse_file(Path(user_file))
+        if file_target is not None and file_target != target:
+            raise OpListError(f"{user_file}: written for target {file_target!r}, not {target!r}")
+        entries.update(user_entries)
+    explicit = {"allow": allow, "deny": deny, "infer": infer, "clear": clear}
+    sections = {name: _entries_of(list(ops), f"--{name}") for name, ops in explicit.items()}
+    _check_one_list_each(sections, "op arguments")
+    for list_name, ops in sections.items():
+        for op in ops:
+            entries[op] = Entry(list_name, f"moved to {list_name} by the user", "arguments")
+    return OpLists(list_target or target, dict(entries))

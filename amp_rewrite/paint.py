@@ -1,0 +1,191 @@
+"""The colouring passes, in TensorFlow AutoMixedPrecision's order.
+
+Each pass is a small function from the colouring graph and the paint so far to the vertices it
+paints, each with a Reason naming the pass and the vertex it came from, so every decision can be
+explained as a chain. Every pass is one breadth-first walk (or one sweep) over the graph: linear.
+
+1. allow ops are low precision;
+2. deny spreads forward through infer and clear ops (clear ones only when they lead to an infer or
+   deny op);
+3. infer and clear ops on a path between two allow ops become low precision;
+4. (bfloat16) an infer op fed by an allow op and by no deny op becomes low precision;
+5. allow spreads through clear ops in both directions;
+6. an output group typed by an attribute (Cast's `to`) whose consumers are all low precision
+   becomes low precision itself.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import chain
+from types import MappingProxyType
+
+from amp_rewrite.graph import ColouringGraph
+
+LOW, FP32 = "low", "float32"
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a vertex got its colour: the step, and the neighbour it came through (if any)."""
+
+    step: str
+    via: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The frozen result: colour and reason of every vertex."""
+
+    colour: MappingProxyType  # vertex -> LOW | FP32
+    reason: MappingProxyType  # vertex -> Reason
+
+    def is_low(self, v: int) -> bool:
+        return self.colour.get(v) == LOW
+
+
+def reach(neighbours, roots, may_enter) -> dict:
+    """Multi-source BFS: vertex -> the vertex it was reached from (None for roots)."""
+    parent = dict.fromkeys(roots)
+    queue = deque(parent)
+    while queue:
+        v = queue.popleft()
+        for w in neighbours(v):
+            if w not in parent and may_enter(w):
+                parent[w] = v
+                queue.append(w)
+    return parent
+
+
+def _paintable(cg: ColouringGraph, v: int) -> bool:
+    return cg.vertices[v].blocked is None and not cg.is_output_only(v)
+
+
+def _of_list(cg: ColouringGraph, name: str) -> list[int]:
+    return [v for v, vertex in enumerate(cg.vertices) if vertex.op_list == name]
+
+
+def paint_allow(cg: ColouringGraph) -> dict:
+    return {v: Reason("allow list") for v in _of_list(cg, "allow") if _paintable(cg, v)}
+
+
+def propagate_deny(cg: ColouringGraph, allow: dict) -> dict:
+    """Deny spreads forward into infer/clear vertices that lead back to a deny or infer op."""
+    g = cg.graph
+    lists = [vx.op_list for vx in cg.vertices]
+    roots = [v for v in range(len(lists)) if lists[v] in ("deny", "infer")]
+    upstream = reach(g.predecessors, roots, lambda w: lists[w] == "clear")
+    deny_roots = [v for v in roots if lists[v] == "deny"]
+    parent = reach(g.successors, deny_roots, lambda w: w in upstream and w not in allow)
+    return {v: Reason("deny list") if p is None else Reason("downstream of deny", p) for v, p in parent.items()}
+
+
+def paint_between_allow(cg: ColouringGraph, allow: dict, deny: dict) -> dict:
+    """Infer/clear vertices on a path from an allow vertex to another allow vertex."""
+    g = cg.graph
+    lists = [vx.op_list for vx in cg.vertices]
+
+    def passable(w):
+        return lists[w] in ("infer", "clear") and w not in deny and _paintable(cg, w)
+
+    downstream = reach(g.successors, list(allow), passable)
+    back = reach(g.predecessors, list(allow), lambda w: w in downstream and w not in allow)
+    return {v: Reason("between allow ops", downstream[v]) for v, p in back.items() if p is not None}
+
+
+def paint_infer_after_allow(cg: ColouringGraph, low: dict, deny: dict) -> dict:
+    """bfloat16 only: an infer vertex fed by low precision and by no deny vertex follows it."""
+    g = cg.graph
+    painted = {}
+    for v, vertex in enumerate(cg.vertices):  # vertices are in node order: chains follow
+        if vertex.op_list != "infer" or v in low or v in deny or not _paintable(cg, v):
+            continue
+        preds = list(g.predecessors(v))
+        source = next((p for p in preds if p in low or p in painted), None)
+        if source is not None and not any(p in deny for p in preds):
+            painted[v] = Reason("infer fed by allow (bfloat16)", source)
+    return painted
+
+
+def propagate_allow_through_clear(cg: ColouringGraph, low: dict, deny: dict) -> dict:
+    g = cg.graph
+
+    def neighbours(v):
+        return chain(g.successors(v), g.predecessors(v))
+
+    def passable(w):
+        return cg.vertices[w].op_list == "clear" and w not in deny and _paintable(cg, w)
+
+    parent = reach(neighbours, list(low), passable)
+    return {v: Reason("clear next to low precision", p) for v, p in parent.items() if p is not None}
+
+
+def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: set) -> dict:
+    """Output groups typed by an attribute (Cast) whose every consumer is low precision."""
+    g = cg.graph
+    painted = {}
+    for v, vertex in enumerate(cg.vertices):
+        if not vertex.group.output_only or vertex.blocked is not None or vertex.op_list is None:
+            continue
+        node = cg.node(vertex.scope, vertex.node)
+        if not any(a.name in ("to", "dtype") for a in node.attribute):
+            continue
+        if any((vertex.scope, node.output[i]) in graph_outputs for i in vertex.group.outputs):
+            continue
+        consumers = list(g.successors(v))
+        if consumers and all(c in low for c in consumers) and _only_vertex_uses(cg, vertex, node):
+            painted[v] = Reason("all consumers low precision", consumers[0])
+    return painted
+
+
+def _only_vertex_uses(cg: ColouringGraph, vertex, node) -> bool:
+    """Every reader of the group's outputs is a vertex (not a fixed-type or untyped slot)."""
+    for i in vertex.group.outputs:
+        for scope, n, slot in cg.uses.get((vertex.scope, node.output[i]), []):
+            if n < 0 or (scope, n, "i", slot) not in cg.slot_vertex:
+                return False
+    return True
+
+
+def colour(cg: ColouringGraph, *, keep_io_types: bool = True) -> Plan:
+    """Run the passes in order and freeze the result."""
+    reasons: dict = {}
+    allow = paint_allow(cg)
+    if not allow:  # as TF: without allow ops, casts cannot pay off
+        return _freeze(cg, {}, {})
+    deny = propagate_deny(cg, allow)
+    low = dict(allow)
+    low.update(paint_between_allow(cg, low, deny))
+    if cg.target == "bfloat16":
+        low.update(paint_infer_after_allow(cg, low, deny))
+    low.update(propagate_allow_through_clear(cg, low, deny))
+    graph_outputs = _graph_output_keys(cg) if keep_io_types else _subgraph_output_keys(cg)
+    low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
+    reasons.update(deny)
+    reasons.update(low)
+    return _freeze(cg, low, reasons)
+
+
+def _graph_output_keys(cg: ColouringGraph) -> set:
+    return {(s, o.name) for s, scope in enumerate(cg.scopes) for o in scope.graph.output}
+
+
+def _subgraph_output_keys(cg: ColouringGraph) -> set:
+    return {(s, o.name) for s, scope in enumerate(cg.scopes) if s > 0 for o in scope.graph.output}
+
+
+def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:
+    colours = {v: (LOW if v in low else FP32) for v in range(len(cg.vertices))}
+    for v, vertex in enumerate(cg.vertices):
+        if v not in reasons:
+            reasons[v] = Reason(vertex.blocked or _unpainted_reason(vertex))
+    return Plan(MappingProxyType(colours), MappingProxyType(reasons))
+
+
+def _unpainted_reason(vertex) -> str:
+    if vertex.op_list == "deny":
+        return "deny list"
+    if vertex.op_list in ("infer", "clear"):
+        return f"{vertex.op_list} op not between low-precision ops"
+    return "not painted"
