@@ -1,0 +1,71 @@
+"""The float16 step graph: low-precision forward/backward, float32 loss/scale/optimizer region,
+checked on ONNX Runtime and on onnx.reference (which keeps float16 tensors float16, like a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+from onnx.reference import ReferenceEvaluator
+
+from amp_rewrite.training import Adam, Trainer
+from test_training_models import classification_batches, softmax_regression, softmax_regression_gradient
+
+pytest.importorskip("amp_rewrite.rewrite")
+
+
+def make_trainer(precision="float16", **kwargs):
+    return Trainer(softmax_regression(), optimizer=Adam(0.05), precision=precision, provider="cpu",
+                   gradient_builder=softmax_regression_gradient, **kwargs)
+
+
+def float16_tensors(model: onnx.ModelProto) -> set[str]:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    return {v.name for v in inferred.graph.value_info if v.type.tensor_type.elem_type == TensorProto.FLOAT16}
+
+
+def reference_step(trainer, batch, state=None):
+    """One step of the trainer's step graph under onnx.reference, from `state` (default: current)."""
+    feeds = dict(state or trainer.state())
+    feeds.update(batch)
+    feeds["opt/lr"] = np.array(trainer.lr, np.float32)
+    names = [o.name for o in trainer.step_graph.model.graph.output]
+    return dict(zip(names, ReferenceEvaluator(trainer.step_graph.model).run(None, feeds)))
+
+
+def test_float16_step_graph_computes_matmuls_in_float16_and_keeps_the_training_region_float32():
+    model = make_trainer().step_graph.model
+    low = float16_tensors(model)
+    assert {"logits", "W_grad"} <= low
+    assert not any(name.startswith(("loss/", "opt/")) or name == "amp/loss_scale" for name in low)
+    assert all(i.type.tensor_type.elem_type != TensorProto.FLOAT16 for i in model.graph.input)
+    assert all(o.type.tensor_type.elem_type != TensorProto.FLOAT16 for o in model.graph.output)
+
+
+def test_float16_steps_track_float32_steps_on_ort_and_on_the_reference_evaluator():
+    batches = classification_batches(count=4)
+    mixed, full = make_trainer(), make_trainer("float32")
+    for batch in batches:
+        expected = reference_step(mixed, batch)
+        result, reference = mixed.step(batch), full.step(batch)
+        assert not result.skipped and not expected["amp/skipped"]
+        assert result.loss == pytest.approx(reference.loss, rel=1e-2, abs=1e-3)
+        assert result.loss == pytest.approx(float(expected[mixed.step_graph.loss_output]), rel=1e-2, abs=1e-3)
+        for name, array in full.weights().items():
+            np.testing.assert_allclose(mixed.weights()[name], array, rtol=1e-2, atol=1e-2)
+            np.testing.assert_allclose(mixed.weights()[name], expected[f"{name}/next"], rtol=1e-2, atol=1e-2)
+
+
+def test_float16_gradient_overflow_is_caught_in_graph_and_leaves_state_bit_identical():
+    """At scale 2^24 the float16 logits gradient overflows (65504 max): the step must be skipped."""
+    trainer = make_trainer()
+    state = trainer.state()
+    state["amp/loss_scale"] = np.array(2.0**24, np.float32)
+    out = reference_step(trainer, classification_batches(count=1)[0], state)
+    assert bool(out["amp/skipped"]) and float(out["amp/loss_scale/next"]) == 2.0**23
+    for name in trainer.step_graph.weights:
+        assert out[f"{name}/next"].tobytes() == state[name].tobytes()
+    state["amp/loss_scale"] = np.array(2.0**10, np.float32)
+    out = reference_step(trainer, classification_batches(count=1)[0], state)
+    assert not bool(out["amp/skipped"])
