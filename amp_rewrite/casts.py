@@ -289,7 +289,9 @@ class _Materialiser:
 
     def emit_nodes(self) -> None:
         changed = set(self.top) | {s for s, _ in self.after}
-        for s, scope in enumerate(self.cg.scopes):
+        # Children first: re-adding a parent's nodes copies them, subgraphs included.
+        for s in reversed(range(len(self.cg.scopes))):
+            scope = self.cg.scopes[s]
             if s not in changed:
                 continue
             nodes = list(self.top.get(s, []))

@@ -1,0 +1,111 @@
+"""The command line (one line per error, exit codes, never over the input) and the API toggles."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+import amp_rewrite
+from amp_rewrite.cli import main
+from helpers import assert_close, random_feeds, run_ort
+from test_rewrite_core import mlp
+
+
+@pytest.fixture()
+def model_file(tmp_path):
+    path = tmp_path / "net.onnx"
+    onnx.save(mlp(), path)
+    return path
+
+
+def test_cli_writes_default_output_beside_input_and_report(model_file, capsys):
+    report = model_file.parent / "r.json"
+    assert main([str(model_file), "--report", str(report)]) == 0
+    out_path = model_file.parent / "net.fp16.onnx"
+    printed = capsys.readouterr().out
+    assert "casts inserted: 2" in printed and str(out_path) in printed
+    original, rewritten = onnx.load(model_file), onnx.load(out_path)
+    onnx.checker.check_model(rewritten, full_check=True)
+    feeds = random_feeds(original)
+    assert_close(run_ort(rewritten, feeds), run_ort(original, feeds))
+    data = json.loads(report.read_text())
+    assert data["summary"]["casts_inserted"] == 2
+    assert {n["name"]: n["precision"] for n in data["nodes"]}["sm"] == "float32"
+
+
+def test_cli_refuses_existing_output_without_force_and_never_the_input(model_file, capsys):
+    before = model_file.read_bytes()
+    assert main([str(model_file)]) == 0
+    assert main([str(model_file)]) == 5
+    assert "already exists" in capsys.readouterr().err
+    assert main([str(model_file), "--force"]) == 0
+    assert main([str(model_file), "-o", str(model_file), "--force"]) == 5
+    assert "is the input" in capsys.readouterr().err
+    assert model_file.read_bytes() == before
+
+
+def test_cli_dry_run_writes_nothing(model_file):
+    assert main([str(model_file), "--dry-run", "--quiet"]) == 0
+    assert sorted(p.name for p in model_file.parent.iterdir()) == ["net.onnx"]
+
+
+def test_cli_flags_move_ops_and_pin_nodes(model_file, tmp_path):
+    report = tmp_path / "r.json"
+    assert main([str(model_file), "--allow", "Softmax", "--keep-fp32-node", "mm2", "--report", str(report),
+                 "--dry-run", "--quiet"]) == 0
+    precision = {n["name"]: n["precision"] for n in json.loads(report.read_text())["nodes"]}
+    assert precision["sm"] == "float16" and precision["mm2"] == "float32"
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["missing.onnx"], 3, "no such file"),
+    (["--target", "float8", "X"], 2, "invalid choice"),
+    (["X", "--allow", "Softmax", "--deny", "Softmax"], 4, "both"),
+    (["X", "--keep-fp32-node", "("], 2, "regular expression"),
+    (["X", "--op-lists", "nope.yaml"], 4, "cannot read op list"),
+])
+def test_cli_errors_are_one_line_with_exit_code(model_file, capsys, args, code, message):
+    args = [str(model_file) if a == "X" else a for a in args]
+    assert main(args) == code
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_rejects_non_model_files_without_traceback(tmp_path):
+    for name, data in [("empty.onnx", b""), ("text.onnx", b"hello world\n"), ("random.onnx", bytes(range(256)) * 4)]:
+        path = tmp_path / name
+        path.write_bytes(data)
+        done = subprocess.run([sys.executable, "-m", "amp_rewrite", str(path)], capture_output=True, text=True)
+        assert done.returncode == 3, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / name.replace(".onnx", ".fp16.onnx")).exists()
+
+
+def test_toggles_follow_tensorflow_semantics():
+    model = mlp()
+    assert not amp_rewrite.is_enabled()
+    assert amp_rewrite.maybe_rewrite(model) is model
+    amp_rewrite.enable(target="bfloat16")
+    try:
+        assert amp_rewrite.is_enabled()
+        out = amp_rewrite.maybe_rewrite(model)
+        assert any(t.data_type == onnx.TensorProto.BFLOAT16 for t in out.graph.initializer)
+    finally:
+        amp_rewrite.disable()
+    assert not amp_rewrite.is_enabled()
+    with pytest.warns(UserWarning, match="already disabled"):
+        amp_rewrite.disable()
+    with amp_rewrite.enabled():
+        out = amp_rewrite.maybe_rewrite(model)
+        assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in out.graph.initializer)
+    assert not amp_rewrite.is_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp_rewrite.enabled(False):
+            assert amp_rewrite.maybe_rewrite(model) is model
+    feeds = random_feeds(model)
+    assert_close(run_ort(out, feeds), run_ort(model, feeds))
