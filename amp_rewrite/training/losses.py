@@ -20,17 +20,19 @@ TARGETS_INPUT = "targets"
 BUILTIN_LOSSES = ("cross_entropy", "mse")
 
 
-def attach_loss(model: onnx.ModelProto, loss: str, emitter: Emitter) -> str:
-    """Make the model's only output a float32 scalar loss; returns the loss tensor's name.
+def attach_loss(model: onnx.ModelProto, loss: str, emitter: Emitter) -> tuple[str, list[str]]:
+    """Make the model's only output a float32 scalar loss; returns the loss tensor's name and the
+    loss tensors that are constants for the gradient (the one-hot labels).
 
     Built-in losses read the first model output and add a `labels` or `targets` feed; any other
     string names a model output that already is the scalar loss.
     """
     graph = model.graph
     if loss == "cross_entropy":
-        return _attach(graph, _cross_entropy(graph, emitter), extra_input=_labels_input(graph))
+        loss_name, one_hot = _cross_entropy(graph, emitter)
+        return _attach(graph, loss_name, extra_input=_labels_input(graph)), [one_hot]
     if loss == "mse":
-        return _attach(graph, _mean_squared_error(graph, emitter), extra_input=_targets_input(graph))
+        return _attach(graph, _mean_squared_error(graph, emitter), extra_input=_targets_input(graph)), [TARGETS_INPUT]
     outputs = {o.name: o for o in graph.output}
     if loss not in outputs:
         raise TrainingError(
@@ -38,7 +40,7 @@ def attach_loss(model: onnx.ModelProto, loss: str, emitter: Emitter) -> str:
             f"(outputs: {', '.join(outputs) or 'none'})"
         )
     _check_scalar_float(outputs[loss])
-    return _attach(graph, loss, extra_input=None)
+    return _attach(graph, loss, extra_input=None), []
 
 
 def _attach(graph: onnx.GraphProto, loss_name: str, extra_input) -> str:
@@ -49,7 +51,7 @@ def _attach(graph: onnx.GraphProto, loss_name: str, extra_input) -> str:
     return loss_name
 
 
-def _cross_entropy(graph: onnx.GraphProto, e: Emitter) -> str:
+def _cross_entropy(graph: onnx.GraphProto, e: Emitter) -> tuple[str, str]:
     """mean over samples of -log softmax(logits)[label], classes on the last axis."""
     logits = graph.output[0].name
     log_probs = e.op("LogSoftmax", [logits], "log_probs", axis=-1)
@@ -60,7 +62,7 @@ def _cross_entropy(graph: onnx.GraphProto, e: Emitter) -> str:
     picked = e.op("Mul", [log_probs, one_hot], "picked")
     per_sample = e.reduce("ReduceSum", picked, [-1], keepdims=0, hint="log_likelihood")
     mean = e.reduce("ReduceMean", per_sample, None, keepdims=0, hint="mean_log_likelihood")
-    return e.op("Neg", [mean], LOSS_OUTPUT)
+    return e.op("Neg", [mean], LOSS_OUTPUT), one_hot
 
 
 def _mean_squared_error(graph: onnx.GraphProto, e: Emitter) -> str:

@@ -25,7 +25,9 @@ from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm,
 LR_INPUT = "opt/lr"
 STEP_STATE = "opt/step"
 SKIPPED_OUTPUT = "amp/skipped"
-FLOAT32_REGIONS = (r"loss/.*", r"amp/.*", r"opt/.*")
+# The loss, its backward (autodiff names it grad/<forward node>/...), the seed, loss scaling,
+# finite check and optimizer stay float32: the loss is scaled and gradients unscaled in float32.
+FLOAT32_REGIONS = (r"loss/.*", r"grad/loss/.*", r"grad/seed.*", r"amp/.*", r"opt/.*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +51,11 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     taken = taken_names(forward.graph)
     _reject_existing_loss_scaling(taken)
     loss_emitter = Emitter("loss/", forward.graph.node, forward.graph.initializer, opset, taken)
-    loss_name = attach_loss(forward, loss, loss_emitter)
+    loss_name, loss_constants = attach_loss(forward, loss, loss_emitter)
 
     build = gradient_builder or _autodiff_builder()
-    with_grads = build(forward, loss_name, list(trainable) if trainable else None, grad_output=SCALE_STATE)
+    with_grads = build(forward, loss_name, list(trainable) if trainable else None, grad_output=SCALE_STATE,
+                       stop_gradients=loss_constants)
     grads = _gradient_outputs(with_grads, loss_name)
     if not grads:
         raise TrainingError(f"the loss {loss!r} depends on no float initializer: nothing to train")
