@@ -1,0 +1,268 @@
+"""The gradient graph builder, after TensorFlow's `gradients_util`.
+
+1. Mark the tensors that lie on a differentiable path from a source (`wrt`) to the loss.
+2. Count, per tensor, how many gradient contributions it will receive.
+3. Visit ops in reverse order once every output gradient is complete, calling the op's rule.
+4. Aggregate several contributions with one Sum (or pairwise Adds as they arrive).
+
+The forward graph is kept as it is (a rule may only give a node one of its optional outputs), and
+the backward nodes, named `grad/...`, are appended after it, so the node list stays topological.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import onnx
+from onnx import helper
+
+from ..errors import GradientError
+from .emitter import Emitter
+from .graphinfo import GraphIndex, TypeInfo
+from .registry import GradContext, lookup
+
+MIN_OPSET = 13
+UNCONNECTED = ("none", "zeros")
+AGGREGATION = ("sum", "pairwise")
+
+
+def build_gradient_graph(
+    model: onnx.ModelProto,
+    loss: str,
+    wrt: Sequence[str] | None = None,
+    *,
+    stop_gradients: Sequence[str] = (),
+    grad_output: str | None = None,
+    unconnected: str = "none",
+    aggregation: str = "sum",
+) -> onnx.ModelProto:
+    """Return a copy of `model` that also outputs `<name>_grad` = d loss / d name for each wrt tensor.
+
+    wrt: tensors to differentiate against; default every float initializer the loss depends on.
+    stop_gradients: tensors treated as constants (no gradient flows through them).
+    grad_output: name of a graph input that seeds d loss (e.g. the loss scale); default ones.
+    unconnected: "none" drops the output of a wrt tensor the loss does not depend on, "zeros" emits zeros.
+    aggregation: "sum" adds a tensor's contributions with one Sum; "pairwise" adds them as they
+    arrive, which frees each contribution earlier.
+    """
+    if unconnected not in UNCONNECTED:
+        raise GradientError(f"unconnected must be one of {UNCONNECTED}, not {unconnected!r}")
+    if aggregation not in AGGREGATION:
+        raise GradientError(f"aggregation must be one of {AGGREGATION}, not {aggregation!r}")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    _Builder(out, loss, wrt, set(stop_gradients), grad_output, unconnected, aggregation).run()
+    return out
+
+
+def model_opset(model: onnx.ModelProto) -> int:
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    raise GradientError("the model imports no default-domain opset")
+
+
+class _Builder:
+    def __init__(self, model, loss, wrt, stops, grad_output, unconnected, aggregation):
+        self.model = model
+        self.graph = model.graph
+        self.loss = loss
+        self.stops = stops
+        self.grad_output = grad_output
+        self.unconnected = unconnected
+        self.aggregation = aggregation
+        self.opset = model_opset(model)
+        if self.opset < MIN_OPSET:
+            raise GradientError(f"autodiff needs opset {MIN_OPSET} or newer; the model has opset {self.opset}")
+        self.index = GraphIndex.of(self.graph)
+        self.info = TypeInfo.of(model)
+        self.nodes = self.graph.node
+        self.rules = [lookup(node) for node in self.nodes]
+        self._check_loss()
+        self.wrt = self._default_wrt() if wrt is None else list(dict.fromkeys(wrt))
+        self._check_wrt()
+        taken = {name for node in self.nodes for name in (*node.input, *node.output, node.name)}
+        taken |= {v.name for v in (*self.graph.input, *self.graph.output, *self.graph.initializer)}
+        self.emit = Emitter(self.graph, self.opset, taken)
+
+    # -- checks --------------------------------------------------------------------------------
+    def _known(self, name: str) -> bool:
+        graph_inputs = {v.name for v in self.graph.input}
+        return name in self.index.producer or name in graph_inputs or name in self.index.constants
+
+    def _check_loss(self) -> None:
+        if not self._known(self.loss):
+            raise GradientError(f"loss tensor '{self.loss}' is not in the graph")
+        if not self.info.is_float(self.loss):
+            raise GradientError(f"loss tensor '{self.loss}' is not a floating-point tensor")
+
+    def _check_wrt(self) -> None:
+        for name in self.wrt:
+            if not self._known(name):
+                raise GradientError(f"wrt tensor '{name}' is not in the graph")
+            if not self.info.is_float(name):
+                raise GradientError(f"wrt tensor '{name}' is not a floating-point tensor")
+            if f"{name}_grad" in self.index.producer or f"{name}_grad" in self.index.consumers:
+                raise GradientError(f"the graph already has a tensor named '{name}_grad'")
+
+    def _default_wrt(self) -> list[str]:
+        relevant = self._reaches_loss()
+        return [i.name for i in self.graph.initializer if i.name in relevant and self.info.is_float(i.name)]
+
+    # -- reachability --------------------------------------------------------------------------
+    def _carries(self, n: int, slot: int) -> bool:
+        """Whether input `slot` of node n can carry a gradient at all."""
+        name = self.nodes[n].input[slot]
+        if not name or name in self.stops or not self.info.is_float(name):
+            return False
+        rule = self.rules[n]
+        return rule is None or rule.carries(slot)
+
+    def _reaches_loss(self) -> set[str]:
+        """Tensors the loss depends on through differentiable edges."""
+        seen, stack = set(), [self.loss]
+        while stack:
+            name = stack.pop()
+            if name in seen or name in self.stops:
+                continue
+            seen.add(name)
+            n = self.index.producer.get(name)
+            if n is not None:
+                stack.extend(self.nodes[n].input[s] for s in range(len(self.nodes[n].input)) if self._carries(n, s))
+        return seen
+
+    def _reached_from_sources(self) -> set[str]:
+        """Tensors that depend on a wrt tensor through differentiable edges."""
+        seen, stack = set(), [w for w in self.wrt if w not in self.stops]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for n, slot in self.index.consumers.get(name, ()):
+                if self._carries(n, slot):
+                    stack.extend(o for o in self.nodes[n].output if o and self.info.is_float(o) and o not in self.stops)
+        return seen
+
+    # -- the walk ------------------------------------------------------------------------------
+    def run(self) -> None:
+        on_path = self._reaches_loss() & self._reached_from_sources()
+        self.on_path = on_path
+        path_nodes = sorted({self.index.producer[t] for t in on_path if t in self.index.producer})
+        self._check_rules(path_nodes)
+        # pending contributions per tensor, pending output gradients per node
+        self.pending = {t: 0 for t in on_path}
+        for n in path_nodes:
+            for slot, name in enumerate(self.nodes[n].input):
+                if name in on_path and self._carries(n, slot):
+                    self.pending[name] += 1
+        self.node_pending = {n: sum(1 for o in self.nodes[n].output if o in on_path) for n in path_nodes}
+        self.partial: dict[str, list[str]] = {t: [] for t in on_path}
+        self.done: dict[str, str | None] = {}
+        self.ready: deque[int] = deque()
+        if self.loss in on_path:
+            self.pending[self.loss] += 1
+            self._contribute(self.loss, self._seed())
+        while self.ready:
+            self._visit(self.ready.popleft())
+        stuck = [t for t in on_path if t not in self.done]
+        if stuck:
+            raise GradientError(f"gradient never completed for '{stuck[0]}' (is the graph cyclic?)")
+        self._add_outputs()
+
+    def _check_rules(self, path_nodes: list[int]) -> None:
+        for n in path_nodes:
+            if self.rules[n] is None:
+                node = self.nodes[n]
+                domain = f"{node.domain}::" if node.domain else ""
+                raise GradientError(
+                    f"no gradient rule for op {domain}{node.op_type} (node '{node.name}'): mark its inputs "
+                    f"stop-gradient (stop_gradients=[...]) or add a rule with "
+                    f"@register_gradient('{node.op_type}'{', domain=' + repr(node.domain) if node.domain else ''})"
+                )
+
+    def _seed(self) -> str:
+        elem = self.info.elem.get(self.loss, onnx.TensorProto.FLOAT)
+        self.emit.scope = "grad/seed"
+        if self.grad_output:
+            if self.grad_output not in {v.name for v in self.graph.input}:
+                dims = self.info.dims.get(self.loss)
+                self.graph.input.append(helper.make_tensor_value_info(self.grad_output, elem, dims))
+            return self.grad_output
+        dims = self.info.dims.get(self.loss)
+        if dims is not None and all(isinstance(d, int) for d in dims):
+            import numpy as np
+
+            return self.emit.const(np.ones(dims), elem)
+        return self.emit.ones_of_shape(self.emit.shape(self.loss), elem)
+
+    def _visit(self, n: int) -> None:
+        node = self.nodes[n]
+        output_grads = [self.done.get(o) if o in self.on_path else None for o in node.output]
+        needs = [bool(name) and name in self.on_path and self._carries(n, s) for s, name in enumerate(node.input)]
+        grads: list[str | None] = []
+        if any(output_grads):
+            self.emit.scope = f"grad/{node.name or node.op_type + str(n)}"
+            ctx = GradContext(node, output_grads, needs, self.emit, self.info, self.index)
+            grads = list(self.rules[n].fn(ctx) or ())
+        for slot, name in enumerate(node.input):
+            if needs[slot]:
+                self._contribute(name, grads[slot] if slot < len(grads) else None)
+
+    def _contribute(self, name: str, grad: str | None) -> None:
+        if grad is not None:
+            self.info.copy_from(grad, name)
+            parts = self.partial[name]
+            self.emit.scope = f"grad/accumulate/{name}"
+            last = self.pending[name] == 1
+            if self.aggregation == "pairwise" and parts:
+                out = [self._final_name(name)] if last and name in self.wrt else 1
+                parts[:] = [self.emit.op("Add", [parts[0], grad], out)]
+            else:
+                parts.append(grad)
+        self.pending[name] -= 1
+        if self.pending[name] == 0:
+            self._finish(name)
+
+    def _final_name(self, name: str) -> str:
+        return self.emit.claim(f"{name}_grad")
+
+    def _finish(self, name: str) -> None:
+        parts = self.partial.pop(name)
+        self.emit.scope = f"grad/accumulate/{name}"
+        if name in self.wrt:
+            final = f"{name}_grad"
+            if not parts:
+                self.emit.op("ConstantOfShape", [self.emit.shape(name)], [self._final_name(name)],
+                             value=helper.make_tensor("value", self.info.elem[name], [1], [0]))
+            elif final not in self.emit.taken:
+                op = "Sum" if len(parts) > 1 else "Identity"
+                self.emit.op(op, parts, [self._final_name(name)])
+            grad = final
+        elif not parts:
+            grad = None
+        elif len(parts) == 1:
+            grad = parts[0]
+        else:
+            grad = self.emit.op("Sum", parts)
+        if grad is not None:
+            self.info.copy_from(grad, name)
+        self.done[name] = grad
+        n = self.index.producer.get(name)
+        if n is not None and n in self.node_pending:
+            self.node_pending[n] -= 1
+            if self.node_pending[n] == 0:
+                self.ready.append(n)
+
+    def _add_outputs(self) -> None:
+        self.emit.scope = "grad/unconnected"
+        for name in self.wrt:
+            if name not in self.done:
+                if self.unconnected == "none":
+                    continue
+                self.emit.op("ConstantOfShape", [self.emit.shape(name)], [self._final_name(name)],
+                             value=helper.make_tensor("value", self.info.elem[name], [1], [0]))
+            elem = self.info.elem.get(name, onnx.TensorProto.FLOAT)
+            self.graph.output.append(helper.make_tensor_value_info(f"{name}_grad", elem, self.info.dims.get(name)))
+        self.graph.node.extend(self.emit.new_nodes)

@@ -1,0 +1,155 @@
+"""A tiny graph emitter: unique names, cached constants and opset-aware forms of common ops.
+
+Rules never build NodeProtos by hand; they call `Emitter.op` and the helpers below, which pick the
+right form for the model's opset (ReduceMean takes axes as an input from opset 18, Shape has
+start/end from 15) so every rule is valid at every supported opset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+# Ops whose `axes` moved from attribute to input, with the opset where that happened.
+AXES_INPUT_SINCE = {
+    "ReduceSum": 13,
+    "ReduceMean": 18,
+    "ReduceMax": 18,
+    "ReduceMin": 18,
+    "ReduceProd": 18,
+    "ReduceL1": 18,
+    "ReduceL2": 18,
+    "ReduceLogSum": 18,
+    "ReduceLogSumExp": 18,
+    "ReduceSumSquare": 18,
+    "Squeeze": 13,
+    "Unsqueeze": 13,
+}
+
+
+class Emitter:
+    """Appends backward nodes and constants to a graph, with names that never collide."""
+
+    def __init__(self, graph: onnx.GraphProto, opset: int, taken: Iterable[str]):
+        self.graph = graph
+        self.opset = opset
+        self.taken = set(taken)
+        self.scope = "grad"
+        self.new_nodes: list[onnx.NodeProto] = []
+        self._constants: dict[tuple, str] = {}
+
+    # -- names ---------------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        """A name not used by any tensor or node so far: base, then base_1, base_2..."""
+        name, k = base, 0
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def claim(self, name: str) -> str:
+        """Reserve an exact name (a graph output such as `W_grad`)."""
+        if name in self.taken:
+            raise ValueError(name)
+        self.taken.add(name)
+        return name
+
+    # -- nodes ---------------------------------------------------------------------------------
+    def op(self, op_type: str, inputs: Sequence[str | None], outputs: int | Sequence[str] = 1, **attrs):
+        """Emit one node; returns its output name, or a list of names when it has several."""
+        if isinstance(outputs, int):
+            outputs = [self.fresh(f"{self.scope}/{op_type}_out") for _ in range(outputs)]
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = helper.make_node(
+            op_type,
+            [name or "" for name in inputs],
+            list(outputs),
+            name=self.fresh(f"{self.scope}/{op_type}"),
+            **attrs,
+        )
+        self.new_nodes.append(node)
+        return outputs[0] if len(outputs) == 1 else list(outputs)
+
+    # -- constants -----------------------------------------------------------------------------
+    def const(self, value, elem_type: int = TensorProto.FLOAT) -> str:
+        """A constant initializer, shared by every rule that needs the same value."""
+        array = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(elem_type))
+        key = (elem_type, array.shape, array.tobytes())
+        if key not in self._constants:
+            name = self.fresh(f"grad/const_{len(self._constants)}")
+            tensor = numpy_helper.from_array(array, name)
+            if tensor.data_type != elem_type:  # float16 vs bfloat16 share a numpy dtype in ml_dtypes
+                tensor = helper.make_tensor(name, elem_type, array.shape, array.flatten().tolist())
+            self.graph.initializer.append(tensor)
+            self._constants[key] = name
+        return self._constants[key]
+
+    def ints(self, values: Sequence[int]) -> str:
+        return self.const(np.asarray(list(values), dtype=np.int64), TensorProto.INT64)
+
+    def scalar(self, value: float, elem_type: int) -> str:
+        return self.const(np.asarray(value), elem_type)
+
+    # -- opset-aware helpers -------------------------------------------------------------------
+    def axes_op(self, op_type: str, x: str, axes: Sequence[int] | str | None, **attrs) -> str:
+        """Reduce/Squeeze/Unsqueeze with `axes` as attribute or input, whichever the opset wants.
+
+        `axes` may be a name of a runtime tensor only where the opset takes axes as an input.
+        """
+        if axes is None:
+            return self.op(op_type, [x], **attrs)
+        if self.opset >= AXES_INPUT_SINCE.get(op_type, 1):
+            axes_input = axes if isinstance(axes, str) else self.ints(axes)
+            return self.op(op_type, [x, axes_input], **attrs)
+        if isinstance(axes, str):
+            raise ValueError(f"{op_type} at opset {self.opset} needs constant axes")
+        return self.op(op_type, [x], axes=list(axes), **attrs)
+
+    def reduce_sum(self, x: str, axes: Sequence[int] | str, keepdims: bool = True) -> str:
+        """Sum over axes; an empty runtime axes tensor means 'nothing to sum', never 'sum all'."""
+        return self.axes_op("ReduceSum", x, axes, keepdims=int(keepdims), noop_with_empty_axes=1)
+
+    def reduce_mean(self, x: str, axes: Sequence[int], keepdims: bool = True) -> str:
+        return self.axes_op("ReduceMean", x, list(axes), keepdims=int(keepdims))
+
+    def unsqueeze(self, x: str, axes: Sequence[int] | str) -> str:
+        return self.axes_op("Unsqueeze", x, axes)
+
+    def squeeze(self, x: str, axes: Sequence[int]) -> str:
+        return self.axes_op("Squeeze", x, list(axes))
+
+    def shape(self, x: str, start: int = 0, end: int | None = None) -> str:
+        """Shape(x)[start:end] as int64, using Shape's start/end attributes where the opset has them."""
+        if start == 0 and end is None:
+            return self.op("Shape", [x])
+        if self.opset >= 15:
+            return self.op("Shape", [x], start=start, end=end)
+        full = self.op("Shape", [x])
+        stop = np.iinfo(np.int64).max if end is None else end
+        return self.op("Slice", [full, self.ints([start]), self.ints([stop]), self.ints([0])])
+
+    def dim(self, x: str, axis: int) -> str:
+        """One dimension of x as a 1-element int64 tensor."""
+        return self.shape(x, axis, axis + 1 if axis != -1 else None)
+
+    def reshape_like(self, g: str, like: str) -> str:
+        return self.op("Reshape", [g, self.shape(like)])
+
+    def zeros_like(self, x: str, elem_type: int) -> str:
+        value = helper.make_tensor("value", elem_type, [1], [0])
+        return self.op("ConstantOfShape", [self.shape(x)], value=value)
+
+    def ones_of_shape(self, shape: str, elem_type: int) -> str:
+        value = helper.make_tensor("value", elem_type, [1], [1])
+        return self.op("ConstantOfShape", [shape], value=value)
+
+    def cast(self, x: str, to: int) -> str:
+        return self.op("Cast", [x], to=to)
+
+    def transpose_last_two(self, x: str, rank: int) -> str:
+        perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+        return self.op("Transpose", [x], perm=perm)

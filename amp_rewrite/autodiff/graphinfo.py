@@ -1,0 +1,101 @@
+"""What the builder knows about the forward graph: producers, consumers, types and ranks.
+
+Everything is indexed once (one pass over nodes), so every later question is a dict hit and the
+builder stays linear in graph size.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+
+Dims = list  # one entry per axis: int (static), str (symbolic) or None (unknown)
+
+
+@dataclass
+class GraphIndex:
+    """Producer and consumers of every tensor name, plus constant values where they are known."""
+
+    producer: dict[str, int] = field(default_factory=dict)
+    consumers: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    constants: dict[str, onnx.TensorProto] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, graph: onnx.GraphProto) -> "GraphIndex":
+        index = cls()
+        for init in graph.initializer:
+            index.constants[init.name] = init
+        for n, node in enumerate(graph.node):
+            for slot, name in enumerate(node.input):
+                if name:
+                    index.consumers[name].append((n, slot))
+            for name in node.output:
+                if name:
+                    index.producer[name] = n
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        index.constants[node.output[0]] = attr.t
+        return index
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of an initializer or Constant output, or None when it is computed at run time."""
+        tensor = self.constants.get(name)
+        return None if tensor is None else numpy_helper.to_array(tensor)
+
+
+@dataclass
+class TypeInfo:
+    """Element type and dims per tensor name, from ONNX shape inference and the graph's declarations."""
+
+    elem: dict[str, int] = field(default_factory=dict)
+    dims: dict[str, Dims | None] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "TypeInfo":
+        info = cls()
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        except Exception:  # noqa: BLE001 - models over 2 GB or with unknown domains: use declarations
+            inferred = model
+        graph = inferred.graph
+        for value in [*graph.input, *graph.value_info, *graph.output]:
+            info._add_value(value)
+        for init in model.graph.initializer:
+            info.elem[init.name] = init.data_type
+            info.dims[init.name] = list(init.dims)
+        return info
+
+    def _add_value(self, value: onnx.ValueInfoProto) -> None:
+        if not value.type.HasField("tensor_type"):
+            return
+        tensor_type = value.type.tensor_type
+        if tensor_type.elem_type:
+            self.elem[value.name] = tensor_type.elem_type
+        if tensor_type.HasField("shape"):
+            self.dims[value.name] = [_dim(d) for d in tensor_type.shape.dim]
+
+    def copy_from(self, name: str, like: str) -> None:
+        """Declare that `name` has the type and shape of `like` (a gradient has its tensor's shape)."""
+        if like in self.elem:
+            self.elem[name] = self.elem[like]
+        if like in self.dims:
+            self.dims[name] = self.dims[like]
+
+    def is_float(self, name: str) -> bool:
+        """Unknown types count as float, so a missing rule is reported rather than skipped."""
+        return self.elem.get(name, TensorProto.FLOAT) in FLOAT_TYPES
+
+
+def _dim(d: onnx.TensorShapeProto.Dimension):
+    if d.HasField("dim_value"):
+        return d.dim_value
+    if d.HasField("dim_param"):
+        return d.dim_param
+    return None

@@ -1,0 +1,96 @@
+"""Helpers shared by the rules: un-broadcasting and axis normalisation."""
+
+from __future__ import annotations
+
+from ..registry import GradContext
+
+
+def normalize_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def unbroadcast(ctx: GradContext, g: str, x: str, g_dims: list | None = None, x_dims: list | None = None) -> str:
+    """Sum g (shaped like a broadcast result) back to the shape of x.
+
+    Leading extra axes are summed away; an axis where x has size 1 is summed with keepdims. Where
+    x's size on an axis is not known to differ from 1 (a dynamic batch dim), the axes are found at
+    run time from Shape(x), so the graph is right for any batch size.
+    """
+    g_dims = ctx.dims(g) if g_dims is None else g_dims
+    x_dims = ctx.dims(x) if x_dims is None else x_dims
+    if g_dims is None or x_dims is None:
+        return unbroadcast_at_runtime(ctx, g, x)
+    lead = len(g_dims) - len(x_dims)
+    if lead > 0:
+        g = ctx.emit.reduce_sum(g, list(range(lead)), keepdims=False)
+    g_tail = g_dims[lead:] if lead >= 0 else g_dims
+    static_axes, unsure = [], False
+    for axis, (xd, gd) in enumerate(zip(x_dims, g_tail)):
+        if xd == 1 and gd != 1:
+            static_axes.append(axis)
+        elif xd != gd and not (isinstance(xd, int) and xd > 1):
+            unsure = True
+    if unsure:
+        return _sum_where_x_is_one(ctx, g, x)
+    if static_axes:
+        g = ctx.emit.reduce_sum(g, static_axes, keepdims=True)
+    return g
+
+
+def _sum_where_x_is_one(ctx: GradContext, g: str, x: str) -> str:
+    """ReduceSum over the axes where Shape(x) is 1, computed at run time (same rank as x)."""
+    e = ctx.emit
+    is_one = e.op("Equal", [e.shape(x), e.ints([1])])
+    axes = e.op("Reshape", [e.op("NonZero", [is_one]), e.ints([-1])])
+    return e.reduce_sum(g, axes, keepdims=True)
+
+
+def unbroadcast_at_runtime(ctx: GradContext, g: str, x: str) -> str:
+    """Rank-agnostic form: leading axes from Size(Shape(g)) - Size(Shape(x)), then the size-1 axes."""
+    e = ctx.emit
+    lead = e.op("Sub", [e.op("Size", [e.shape(g)]), e.op("Size", [e.shape(x)])])
+    axes = e.op("Range", [e.const(0, 7), lead, e.const(1, 7)])
+    g = e.reduce_sum(g, axes, keepdims=False)
+    return _sum_where_x_is_one(ctx, g, x)
+
+
+def reduce_axes(ctx: GradContext, rank: int) -> list[int] | None:
+    """Axes of a Reduce* node as sorted non-negative ints; None means 'all axes'."""
+    if ctx.opset >= _axes_input_since(ctx.node.op_type):
+        name = ctx.x(1)
+        if not name:
+            return None if not ctx.attr("noop_with_empty_axes", 0) else []
+        axes = ctx.constant_ints(name, "axes")
+    else:
+        axes = ctx.attr("axes")
+        if axes is None:
+            return None
+    if not axes:
+        return [] if ctx.attr("noop_with_empty_axes", 0) else None
+    return sorted(normalize_axis(a, rank) for a in axes)
+
+
+def _axes_input_since(op_type: str) -> int:
+    from ..emitter import AXES_INPUT_SINCE
+
+    return AXES_INPUT_SINCE.get(op_type, 1)
+
+
+def expand_reduced(ctx: GradContext, g: str, x: str) -> str:
+    """Broadcast the gradient of a Reduce* output back to the shape of its input."""
+    rank = ctx.rank(x)
+    axes = reduce_axes(ctx, rank)
+    if axes == []:
+        return g
+    if not ctx.attr("keepdims", 1):
+        g = ctx.emit.unsqueeze(g, axes if axes is not None else list(range(rank)))
+    return ctx.emit.op("Expand", [g, ctx.emit.shape(x)])
+
+
+def reduced_with_keepdims(ctx: GradContext, y: str, x: str) -> str:
+    """The Reduce* output reshaped so it broadcasts against the input (keepdims=1 form)."""
+    rank = ctx.rank(x)
+    axes = reduce_axes(ctx, rank)
+    if axes == [] or ctx.attr("keepdims", 1):
+        return y
+    return ctx.emit.unsqueeze(y, axes if axes is not None else list(range(rank)))

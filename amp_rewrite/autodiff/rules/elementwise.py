@@ -1,0 +1,352 @@
+"""Elementwise arithmetic and activations: the local derivative times dY, un-broadcast."""
+
+from __future__ import annotations
+
+import math
+
+
+from ..registry import GradContext, register_gradient
+from ._common import unbroadcast
+
+
+def _binary(ctx: GradContext, grad_a, grad_b):
+    """Un-broadcast the gradients of a two-input broadcasting op; skip inputs that need none."""
+    a, b = ctx.x(0), ctx.x(1)
+    return [
+        unbroadcast(ctx, grad_a(), a, ctx.dims(ctx.y())) if ctx.needs(0) else None,
+        unbroadcast(ctx, grad_b(), b, ctx.dims(ctx.y())) if ctx.needs(1) else None,
+    ]
+
+
+@register_gradient("Add")
+def add_grad(ctx):
+    """d(a+b) = dY for both, summed over broadcast axes."""
+    return _binary(ctx, ctx.dy, ctx.dy)
+
+
+@register_gradient("Sub")
+def sub_grad(ctx):
+    """d(a-b): dY and -dY."""
+    return _binary(ctx, ctx.dy, lambda: ctx.emit.op("Neg", [ctx.dy()]))
+
+
+@register_gradient("Mul")
+def mul_grad(ctx):
+    """d(a*b): dY*b and dY*a."""
+    e = ctx.emit
+    return _binary(ctx, lambda: e.op("Mul", [ctx.dy(), ctx.x(1)]), lambda: e.op("Mul", [ctx.dy(), ctx.x(0)]))
+
+
+@register_gradient("Div")
+def div_grad(ctx):
+    """d(a/b): dY/b and -dY*y/b."""
+    e = ctx.emit
+    return _binary(
+        ctx,
+        lambda: e.op("Div", [ctx.dy(), ctx.x(1)]),
+        lambda: e.op("Neg", [e.op("Div", [e.op("Mul", [ctx.dy(), ctx.y()]), ctx.x(1)])]),
+    )
+
+
+@register_gradient("Pow")
+def pow_grad(ctx):
+    """d(a^b): dY*b*a^(b-1) and dY*y*log(a) (the latter only where a > 0)."""
+    e = ctx.emit
+    a, b, y = ctx.x(0), ctx.x(1), ctx.y()
+    b_as_a = b if ctx.dtype(b) == ctx.dtype(a) else e.cast(b, ctx.dtype(a))
+
+    def grad_a():
+        power = e.op("Pow", [a, e.op("Sub", [b_as_a, ctx.const(1, a)])])
+        return e.op("Mul", [ctx.dy(), e.op("Mul", [b_as_a, power])])
+
+    return _binary(ctx, grad_a, lambda: e.op("Mul", [e.op("Mul", [ctx.dy(), y]), e.op("Log", [a])]))
+
+
+def _unary(op_type: str, doc: str):
+    """Register a one-input op whose gradient is dY * local(ctx)."""
+
+    def decorate(local):
+        def rule(ctx):
+            return [ctx.emit.op("Mul", [ctx.dy(), local(ctx, ctx.emit, ctx.x(0), ctx.y())])]
+
+        rule.__doc__ = doc
+        rule.__name__ = f"{op_type.lower()}_grad"
+        register_gradient(op_type)(rule)
+        return local
+
+    return decorate
+
+
+@_unary("Exp", "dY*y.")
+def _exp(ctx, e, x, y):
+    return y
+
+
+@_unary("Log", "dY/x.")
+def _log(ctx, e, x, y):
+    return e.op("Reciprocal", [x])
+
+
+@_unary("Sqrt", "dY*0.5/y.")
+def _sqrt(ctx, e, x, y):
+    return e.op("Div", [ctx.const(0.5, x), y])
+
+
+@_unary("Reciprocal", "-dY*y^2.")
+def _reciprocal(ctx, e, x, y):
+    return e.op("Neg", [e.op("Mul", [y, y])])
+
+
+@_unary("Tanh", "dY*(1-y^2).")
+def _tanh(ctx, e, x, y):
+    return e.op("Sub", [ctx.const(1, x), e.op("Mul", [y, y])])
+
+
+@_unary("Sigmoid", "dY*y*(1-y).")
+def _sigmoid(ctx, e, x, y):
+    return e.op("Mul", [y, e.op("Sub", [ctx.const(1, x), y])])
+
+
+@_unary("Erf", "dY*2/sqrt(pi)*exp(-x^2).")
+def _erf(ctx, e, x, y):
+    return e.op("Mul", [ctx.const(2 / math.sqrt(math.pi), x), e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])])])
+
+
+@_unary("Sin", "dY*cos(x).")
+def _sin(ctx, e, x, y):
+    return e.op("Cos", [x])
+
+
+@_unary("Cos", "-dY*sin(x).")
+def _cos(ctx, e, x, y):
+    return e.op("Neg", [e.op("Sin", [x])])
+
+
+@_unary("Tan", "dY*(1+y^2).")
+def _tan(ctx, e, x, y):
+    return e.op("Add", [ctx.const(1, x), e.op("Mul", [y, y])])
+
+
+@_unary("Atan", "dY/(1+x^2).")
+def _atan(ctx, e, x, y):
+    return e.op("Reciprocal", [e.op("Add", [ctx.const(1, x), e.op("Mul", [x, x])])])
+
+
+@_unary("Sinh", "dY*cosh(x).")
+def _sinh(ctx, e, x, y):
+    return e.op("Cosh", [x])
+
+
+@_unary("Cosh", "dY*sinh(x).")
+def _cosh(ctx, e, x, y):
+    return e.op("Sinh", [x])
+
+
+@_unary("Abs", "dY*sign(x).")
+def _abs(ctx, e, x, y):
+    return e.op("Sign", [x])
+
+
+@_unary("Softplus", "dY*sigmoid(x).")
+def _softplus(ctx, e, x, y):
+    return e.op("Sigmoid", [x])
+
+
+@_unary("Softsign", "dY/(1+|x|)^2.")
+def _softsign(ctx, e, x, y):
+    d = e.op("Add", [ctx.const(1, x), e.op("Abs", [x])])
+    return e.op("Reciprocal", [e.op("Mul", [d, d])])
+
+
+@_unary("Mish", "dY*(tanh(sp) + x*sigmoid(x)*(1-tanh(sp)^2)), sp = softplus(x).")
+def _mish(ctx, e, x, y):
+    t = e.op("Tanh", [e.op("Softplus", [x])])
+    one_minus_t2 = e.op("Sub", [ctx.const(1, x), e.op("Mul", [t, t])])
+    return e.op("Add", [t, e.op("Mul", [e.op("Mul", [x, e.op("Sigmoid", [x])]), one_minus_t2])])
+
+
+def _where_positive(ctx, x, if_pos: str, if_not: str) -> str:
+    return ctx.emit.op("Where", [ctx.emit.op("Greater", [x, ctx.const(0, x)]), if_pos, if_not])
+
+
+@register_gradient("Relu")
+def relu_grad(ctx):
+    """dY where x > 0, else 0."""
+    return [_where_positive(ctx, ctx.x(0), ctx.dy(), ctx.const(0, ctx.x(0)))]
+
+
+@register_gradient("LeakyRelu")
+def leaky_relu_grad(ctx):
+    """dY where x > 0, else alpha*dY."""
+    x = ctx.x(0)
+    alpha = ctx.const(ctx.attr("alpha", 0.01), x)
+    return [_where_positive(ctx, x, ctx.dy(), ctx.emit.op("Mul", [ctx.dy(), alpha]))]
+
+
+@register_gradient("Elu")
+def elu_grad(ctx):
+    """dY where x > 0, else dY*(y+alpha)."""
+    x, e = ctx.x(0), ctx.emit
+    slope = e.op("Add", [ctx.y(), ctx.const(ctx.attr("alpha", 1.0), x)])
+    return [_where_positive(ctx, x, ctx.dy(), e.op("Mul", [ctx.dy(), slope]))]
+
+
+@register_gradient("Selu")
+def selu_grad(ctx):
+    """dY*gamma where x > 0, else dY*(y+alpha*gamma)."""
+    x, e = ctx.x(0), ctx.emit
+    alpha, gamma = ctx.attr("alpha", 1.67326319217681884765625), ctx.attr("gamma", 1.05070102214813232421875)
+    pos = e.op("Mul", [ctx.dy(), ctx.const(gamma, x)])
+    neg = e.op("Mul", [ctx.dy(), e.op("Add", [ctx.y(), ctx.const(alpha * gamma, x)])])
+    return [_where_positive(ctx, x, pos, neg)]
+
+
+@register_gradient("Celu")
+def celu_grad(ctx):
+    """dY where x > 0, else dY*exp(x/alpha)."""
+    x, e = ctx.x(0), ctx.emit
+    neg = e.op("Mul", [ctx.dy(), e.op("Exp", [e.op("Div", [x, ctx.const(ctx.attr("alpha", 1.0), x)])])])
+    return [_where_positive(ctx, x, ctx.dy(), neg)]
+
+
+@register_gradient("ThresholdedRelu")
+def thresholded_relu_grad(ctx):
+    """dY where x > alpha, else 0."""
+    x, e = ctx.x(0), ctx.emit
+    above = e.op("Greater", [x, ctx.const(ctx.attr("alpha", 1.0), x)])
+    return [e.op("Where", [above, ctx.dy(), ctx.const(0, x)])]
+
+
+@register_gradient("HardSigmoid")
+def hard_sigmoid_grad(ctx):
+    """dY*alpha inside the linear band 0 < alpha*x+beta < 1, else 0."""
+    x, e = ctx.x(0), ctx.emit
+    alpha, beta = ctx.attr("alpha", 0.2), ctx.attr("beta", 0.5)
+    z = e.op("Add", [e.op("Mul", [x, ctx.const(alpha, x)]), ctx.const(beta, x)])
+    band = e.op("And", [e.op("Greater", [z, ctx.const(0, x)]), e.op("Less", [z, ctx.const(1, x)])])
+    return [e.op("Where", [band, e.op("Mul", [ctx.dy(), ctx.const(alpha, x)]), ctx.const(0, x)])]
+
+
+@register_gradient("HardSwish")
+def hard_swish_grad(ctx):
+    """dY*(x/3 + 0.5) for -3 < x < 3, dY for x >= 3, else 0."""
+    x, e = ctx.x(0), ctx.emit
+    inner = e.op("Add", [e.op("Div", [x, ctx.const(3, x)]), ctx.const(0.5, x)])
+    inside = e.op("And", [e.op("Greater", [x, ctx.const(-3, x)]), e.op("Less", [x, ctx.const(3, x)])])
+    above = e.op("Where", [e.op("Less", [x, ctx.const(3, x)]), ctx.const(0, x), ctx.const(1, x)])
+    return [e.op("Mul", [ctx.dy(), e.op("Where", [inside, inner, above])])]
+
+
+@register_gradient("PRelu")
+def prelu_grad(ctx):
+    """x: dY where x > 0 else slope*dY; slope: dY*x where x <= 0, un-broadcast to the slope's shape."""
+    x, slope, e = ctx.x(0), ctx.x(1), ctx.emit
+    zero = ctx.const(0, x)
+    positive = e.op("Greater", [x, zero])
+    grads = [None, None]
+    if ctx.needs(0):
+        grads[0] = unbroadcast(ctx, e.op("Where", [positive, ctx.dy(), e.op("Mul", [ctx.dy(), slope])]), x, ctx.dims(ctx.y()))
+    if ctx.needs(1):
+        grads[1] = unbroadcast(ctx, e.op("Where", [positive, zero, e.op("Mul", [ctx.dy(), x])]), slope, ctx.dims(ctx.y()))
+    return grads
+
+
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+@register_gradient("Gelu")
+def gelu_grad(ctx):
+    """Exact: Phi(x) + x*phi(x). Tanh form: 0.5(1+t) + 0.5x(1-t^2)*sqrt(2/pi)(1+3*0.044715x^2)."""
+    x, e = ctx.x(0), ctx.emit
+    c = lambda v: ctx.const(v, x)  # noqa: E731 - a constant of x's type
+    if ctx.attr("approximate", "none") == "tanh":
+        x2 = e.op("Mul", [x, x])
+        u = e.op("Mul", [c(_SQRT_2_OVER_PI), e.op("Add", [x, e.op("Mul", [c(0.044715), e.op("Mul", [x2, x])])])])
+        t = e.op("Tanh", [u])
+        du = e.op("Mul", [c(_SQRT_2_OVER_PI), e.op("Add", [c(1), e.op("Mul", [c(3 * 0.044715), x2])])])
+        left = e.op("Mul", [c(0.5), e.op("Add", [c(1), t])])
+        right = e.op("Mul", [e.op("Mul", [c(0.5), x]), e.op("Mul", [e.op("Sub", [c(1), e.op("Mul", [t, t])]), du])])
+    else:
+        cdf = e.op("Mul", [c(0.5), e.op("Add", [c(1), e.op("Erf", [e.op("Mul", [x, c(1 / math.sqrt(2))])])])])
+        pdf = e.op("Mul", [c(1 / math.sqrt(2 * math.pi)), e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), c(-0.5)])])])
+        left, right = cdf, e.op("Mul", [x, pdf])
+    return [e.op("Mul", [ctx.dy(), e.op("Add", [left, right])])]
+
+
+@register_gradient("Neg")
+def neg_grad(ctx):
+    """-dY."""
+    return [ctx.emit.op("Neg", [ctx.dy()])]
+
+
+@register_gradient("Identity")
+def identity_grad(ctx):
+    """dY."""
+    return [ctx.dy()]
+
+
+@register_gradient("Cast")
+def cast_grad(ctx):
+    """dY cast back to the input's type (only float-to-float casts carry a gradient)."""
+    x = ctx.x(0)
+    return [ctx.dy() if ctx.dtype(x) == ctx.dtype(ctx.y()) else ctx.emit.cast(ctx.dy(), ctx.dtype(x))]
+
+
+for _op in ("Floor", "Ceil", "Round", "Sign"):
+    register_gradient(_op)(lambda ctx: [None])  # piecewise constant: the gradient is zero
+
+
+@register_gradient("Clip", differentiable=(0,))
+def clip_grad(ctx):
+    """dY where min <= x <= max, else 0 (bounds are constants, not trained)."""
+    x, e = ctx.x(0), ctx.emit
+    inside = None
+    for bound, op in ((ctx.x(1), "GreaterOrEqual"), (ctx.x(2), "LessOrEqual")):
+        if bound:
+            test = e.op(op, [x, bound])
+            inside = test if inside is None else e.op("And", [inside, test])
+    return [ctx.dy() if inside is None else e.op("Where", [inside, ctx.dy(), ctx.const(0, x)])]
+
+
+def _select_grads(ctx: GradContext):
+    """Min/Max: each input gets dY where it equals the result, split evenly between ties."""
+    e, y = ctx.emit, ctx.y()
+    hits = [e.op("Cast", [e.op("Equal", [x, y])], to=ctx.dtype(y)) for x in ctx.node.input]
+    count = hits[0] if len(hits) == 1 else e.op("Sum", hits)
+    share = e.op("Div", [ctx.dy(), count])
+    return [
+        unbroadcast(ctx, e.op("Mul", [share, hit]), x, ctx.dims(y)) if ctx.needs(i) else None
+        for i, (x, hit) in enumerate(zip(ctx.node.input, hits))
+    ]
+
+
+register_gradient("Min")(_select_grads)
+register_gradient("Max")(_select_grads)
+
+
+@register_gradient("Sum")
+def sum_grad(ctx):
+    """dY to every input, un-broadcast."""
+    return [unbroadcast(ctx, ctx.dy(), x, ctx.dims(ctx.y())) if ctx.needs(i) else None for i, x in enumerate(ctx.node.input)]
+
+
+@register_gradient("Mean")
+def mean_grad(ctx):
+    """dY/n to every input, un-broadcast."""
+    share = ctx.emit.op("Div", [ctx.dy(), ctx.const(len(ctx.node.input), ctx.y())])
+    return [unbroadcast(ctx, share, x, ctx.dims(ctx.y())) if ctx.needs(i) else None for i, x in enumerate(ctx.node.input)]
+
+
+@register_gradient("Where", differentiable=(1, 2))
+def where_grad(ctx):
+    """dY where the condition holds to X, elsewhere to Y, each un-broadcast."""
+    e, cond, y = ctx.emit, ctx.x(0), ctx.y()
+    zero = ctx.const(0, y)
+    grads = [None, None, None]
+    if ctx.needs(1):
+        grads[1] = unbroadcast(ctx, e.op("Where", [cond, ctx.dy(), zero]), ctx.x(1), ctx.dims(y))
+    if ctx.needs(2):
+        grads[2] = unbroadcast(ctx, e.op("Where", [cond, zero, ctx.dy()]), ctx.x(2), ctx.dims(y))
+    return grads
+
+

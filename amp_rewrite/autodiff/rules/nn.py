@@ -1,0 +1,301 @@
+"""Neural-network ops: softmax, convolution, pooling, normalisation and dropout.
+
+Where ONNX Runtime's builders call training kernels (ConvGrad, MaxPoolGrad, SoftmaxGrad,
+LayerNormalizationGrad...), these rules spell the same math in standard ops: ConvTranspose and a
+transposed Conv for convolutions, the MaxPool Indices output plus a scatter for max pooling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import TensorProto
+
+from ..registry import register_gradient
+from ._common import normalize_axis, unbroadcast
+from .shape import SCATTER_ADD_SINCE, _flat_positions, _scatter_flat  # noqa: F401
+
+
+@register_gradient("Softmax")
+def softmax_grad(ctx):
+    """y * (dY - sum(dY*y, axis))."""
+    e, y = ctx.emit, ctx.y()
+    axis = [normalize_axis(ctx.attr("axis", -1), ctx.rank(y))]
+    inner = e.reduce_sum(e.op("Mul", [ctx.dy(), y]), axis)
+    return [e.op("Mul", [y, e.op("Sub", [ctx.dy(), inner])])]
+
+
+@register_gradient("LogSoftmax")
+def log_softmax_grad(ctx):
+    """dY - exp(y) * sum(dY, axis)."""
+    e, y = ctx.emit, ctx.y()
+    axis = [normalize_axis(ctx.attr("axis", -1), ctx.rank(y))]
+    return [e.op("Sub", [ctx.dy(), e.op("Mul", [e.op("Exp", [y]), e.reduce_sum(ctx.dy(), axis)])])]
+
+
+# -- convolution ----------------------------------------------------------------------------------
+def _geometry(ctx, x, kernel):
+    """strides, dilations and explicit pads (begins then ends), auto_pad resolved."""
+    spatial = len(kernel)
+    strides = list(ctx.attr("strides") or [1] * spatial)
+    dilations = list(ctx.attr("dilations") or [1] * spatial)
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    if auto_pad in ("NOTSET", ""):
+        return strides, dilations, list(ctx.attr("pads") or [0] * 2 * spatial)
+    if auto_pad == "VALID":
+        return strides, dilations, [0] * 2 * spatial
+    sizes = (ctx.dims(x) or [None] * (spatial + 2))[2:]
+    if not all(isinstance(s, int) for s in sizes):
+        raise ctx.error(f"auto_pad={auto_pad} needs static spatial sizes")
+    begins, ends = [], []
+    for size, s, d, k in zip(sizes, strides, dilations, kernel):
+        total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        small, large = total // 2, total - total // 2
+        begins.append(small if auto_pad == "SAME_UPPER" else large)
+        ends.append(large if auto_pad == "SAME_UPPER" else small)
+    return strides, dilations, begins + ends
+
+
+def _conv_input_grad(ctx, dy, w, x, kernel, strides, dilations, pads, group):
+    """dX of a convolution: ConvTranspose of dY, sized exactly like x.
+
+    With static spatial sizes the output padding is computed; otherwise the largest output is
+    produced and sliced to Shape(x), which keeps a dynamic image size working.
+    """
+    e = ctx.emit
+    spatial = len(kernel)
+    sizes = (ctx.dims(x) or [None] * (spatial + 2))[2:]
+    out_sizes = (ctx.dims(dy) or [None] * (spatial + 2))[2:]
+    attrs = dict(strides=strides, dilations=dilations, pads=pads, group=group, kernel_shape=kernel)
+    if all(isinstance(s, int) for s in [*sizes, *out_sizes]):
+        extra = [
+            size + pads[i] + pads[i + spatial] - d * (k - 1) - 1 - s * (out - 1)
+            for i, (size, out, s, d, k) in enumerate(zip(sizes, out_sizes, strides, dilations, kernel))
+        ]
+        return e.op("ConvTranspose", [dy, w], output_padding=extra, **attrs)
+    grown = e.op("ConvTranspose", [dy, w], output_padding=[s - 1 for s in strides], **attrs)
+    axes = list(range(2, spatial + 2))
+    return e.op("Slice", [grown, e.ints([0] * spatial), e.shape(x, 2), e.ints(axes)])
+
+
+def _conv_weight_grad(ctx, dy, x, kernel, strides, dilations, pads, group, w_dims):
+    """dW of a convolution: correlate x with dY, batch and channel axes swapped (per group)."""
+    e = ctx.emit
+    spatial = len(kernel)
+    swap = [1, 0, *range(2, spatial + 2)]
+    if group == 1:
+        xt = e.op("Transpose", [x], perm=swap)
+    else:  # channels grouped as [C/g, g*N]: Conv's group split then pairs each group with its dY
+        per_group = w_dims[1]
+        split = e.op("Concat", [e.shape(x, 0, 1), e.ints([group, per_group]), e.shape(x, 2)], axis=0)
+        grouped = e.op("Transpose", [e.op("Reshape", [x, split])], perm=[2, 1, 0, *range(3, spatial + 3)])
+        xt = e.op("Reshape", [grouped, e.op("Concat", [e.ints([per_group, -1]), e.shape(x, 2)], axis=0)])
+    dyt = e.op("Transpose", [dy], perm=swap)
+    corr = e.op("Conv", [xt, dyt], strides=dilations, dilations=strides, pads=pads, group=group)
+    dw = e.op("Transpose", [corr], perm=swap)
+    axes = list(range(2, spatial + 2))
+    return e.op("Slice", [dw, e.ints([0] * spatial), e.ints(kernel), e.ints(axes)])
+
+
+@register_gradient("Conv")
+def conv_grad(ctx):
+    """dX by ConvTranspose, dW by a transposed Conv of x with dY, dB by summing dY."""
+    x, w, dy = ctx.x(0), ctx.x(1), ctx.dy()
+    w_dims = ctx.dims(w)
+    if w_dims is None:
+        raise ctx.error("the weight's shape must be known")
+    kernel = list(ctx.attr("kernel_shape") or w_dims[2:])
+    if not all(isinstance(k, int) for k in kernel):
+        raise ctx.error("the kernel size must be static")
+    strides, dilations, pads = _geometry(ctx, x, kernel)
+    group = ctx.attr("group", 1)
+    grads = [None, None, None]
+    if ctx.needs(0):
+        grads[0] = _conv_input_grad(ctx, dy, w, x, kernel, strides, dilations, pads, group)
+    if ctx.needs(1):
+        grads[1] = _conv_weight_grad(ctx, dy, x, kernel, strides, dilations, pads, group, w_dims)
+    if ctx.needs(2):
+        grads[2] = ctx.emit.reduce_sum(dy, [0, *range(2, len(kernel) + 2)], keepdims=False)
+    return grads
+
+
+# -- pooling --------------------------------------------------------------------------------------
+def _no_ceil_mode(ctx):
+    if ctx.attr("ceil_mode", 0):
+        raise ctx.error("ceil_mode=1 is not supported")
+
+
+@register_gradient("MaxPool")
+def max_pool_grad(ctx):
+    """Scatter dY to the argmax positions given by MaxPool's own Indices output."""
+    _no_ceil_mode(ctx)
+    if ctx.attr("storage_order", 0):
+        raise ctx.error("storage_order=1 is not supported")
+    kernel, strides = ctx.attr("kernel_shape"), ctx.attr("strides") or [1] * len(ctx.attr("kernel_shape"))
+    overlapping = any(s < k for s, k in zip(strides, kernel))
+    if overlapping and ctx.opset < SCATTER_ADD_SINCE:
+        raise ctx.error(f"overlapping windows need scatter-add (opset {SCATTER_ADD_SINCE}+)")
+    indices = ctx.ensure_output(1, "indices")
+    ctx.info.elem[indices] = TensorProto.INT64
+    return [_scatter_flat(ctx, ctx.x(0), indices, ctx.dy(), reduction="add" if overlapping else None)]
+
+
+@register_gradient("AveragePool")
+def average_pool_grad(ctx):
+    """Spread dY/count evenly over each window: a depthwise ConvTranspose with a ones kernel."""
+    _no_ceil_mode(ctx)
+    e, x, dy = ctx.emit, ctx.x(0), ctx.dy()
+    dims = ctx.dims(x)
+    if dims is None or not isinstance(dims[1], int):
+        raise ctx.error("the channel count must be static")
+    kernel = list(ctx.attr("kernel_shape"))
+    strides, dilations, pads = _geometry(ctx, x, kernel)
+    channels, elem = dims[1], ctx.dtype(x)
+    ones = e.const(np.ones([channels, 1, *kernel]), elem)
+    if ctx.attr("count_include_pad", 0) or not any(pads):
+        g = e.op("Div", [dy, e.const(float(np.prod(kernel)), elem)])
+    else:  # each window's divisor is how many real (unpadded) elements it covers
+        counts = e.op("Conv", [e.ones_of_shape(e.shape(x), elem), ones], strides=strides, dilations=dilations,
+                      pads=pads, group=channels)
+        g = e.op("Div", [dy, counts])
+    return [_conv_input_grad(ctx, g, ones, x, kernel, strides, dilations, pads, channels)]
+
+
+@register_gradient("GlobalAveragePool")
+def global_average_pool_grad(ctx):
+    """dY / (H*W...) broadcast over the spatial axes."""
+    e, x = ctx.emit, ctx.x(0)
+    count = e.cast(e.op("Div", [e.op("Size", [x]), e.op("Size", [ctx.y()])]), ctx.dtype(x))
+    return [e.op("Expand", [e.op("Div", [ctx.dy(), count]), e.shape(x)])]
+
+
+@register_gradient("GlobalMaxPool")
+def global_max_pool_grad(ctx):
+    """dY to the spatial maxima, split evenly between ties."""
+    e, x = ctx.emit, ctx.x(0)
+    hit = e.cast(e.op("Equal", [x, ctx.y()]), ctx.dtype(x))
+    count = e.reduce_sum(hit, list(range(2, ctx.rank(x))), keepdims=True)
+    return [e.op("Mul", [ctx.dy(), e.op("Div", [hit, count])])]
+
+
+# -- normalisation --------------------------------------------------------------------------------
+def _normalized_input_grad(ctx, dxhat, xhat, inv_std, axes):
+    """dX of (x - mean(x)) * inv_std given d xhat: inv_std * (dxhat - mean(dxhat) - xhat*mean(dxhat*xhat))."""
+    e = ctx.emit
+    centered = e.op("Sub", [dxhat, e.reduce_mean(dxhat, axes)])
+    along = e.op("Mul", [xhat, e.reduce_mean(e.op("Mul", [dxhat, xhat]), axes)])
+    return e.op("Mul", [inv_std, e.op("Sub", [centered, along])])
+
+
+@register_gradient("LayerNormalization")
+def layer_norm_grad(ctx):
+    """Uses the node's Mean and InvStdDev outputs (added when missing) instead of recomputing them."""
+    e, x, scale = ctx.emit, ctx.x(0), ctx.x(1)
+    rank = ctx.rank(x)
+    axes = list(range(normalize_axis(ctx.attr("axis", -1), rank), rank))
+    mean, inv_std = ctx.ensure_output(1, "mean"), ctx.ensure_output(2, "inv_std_dev")
+    stash = ctx.attr("stash_type", TensorProto.FLOAT)
+    for stat in (mean, inv_std):
+        ctx.info.elem[stat] = stash
+    if stash != ctx.dtype(x):
+        mean, inv_std = e.cast(mean, ctx.dtype(x)), e.cast(inv_std, ctx.dtype(x))
+    xhat = e.op("Mul", [e.op("Sub", [x, mean]), inv_std])
+    dy = ctx.dy()
+    grads = [None, None, None]
+    if ctx.needs(0):
+        grads[0] = _normalized_input_grad(ctx, e.op("Mul", [dy, scale]), xhat, inv_std, axes)
+    if ctx.needs(1):
+        grads[1] = unbroadcast(ctx, e.op("Mul", [dy, xhat]), scale, ctx.dims(x))
+    if ctx.needs(2):
+        grads[2] = unbroadcast(ctx, dy, ctx.x(2), ctx.dims(x))
+    return grads
+
+
+def _channel_vector(ctx, v, rank):
+    """A [C] vector as [C, 1, ...], broadcastable against [N, C, spatial...]."""
+    return ctx.emit.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
+
+
+def _is_training_batch_norm(ctx):
+    if ctx.opset >= 14:
+        return bool(ctx.attr("training_mode", 0))
+    return len([o for o in ctx.node.output if o]) > 1
+
+
+@register_gradient("BatchNormalization", differentiable=(0, 1, 2))
+def batch_norm_grad(ctx):
+    """Inference form: a per-channel affine map. Training form: batch statistics, as LayerNorm over N and spatial axes.
+
+    The running mean and variance are statistics, not trained: they never get a gradient.
+    """
+    e, x, scale, dy = ctx.emit, ctx.x(0), ctx.x(1), ctx.dy()
+    rank = ctx.rank(x)
+    axes = [0, *range(2, rank)]
+    eps = ctx.const(ctx.attr("epsilon", 1e-5), x)
+    if _is_training_batch_norm(ctx):
+        mean = e.reduce_mean(x, axes)
+        centered = e.op("Sub", [x, mean])
+        var = e.reduce_mean(e.op("Mul", [centered, centered]), axes)
+        inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, eps])])])
+        xhat = e.op("Mul", [centered, inv_std])
+    else:
+        inv_std = _channel_vector(ctx, e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ctx.x(4), eps])])]), rank)
+        xhat = e.op("Mul", [e.op("Sub", [x, _channel_vector(ctx, ctx.x(3), rank)]), inv_std])
+    grads = [None, None, None]
+    if ctx.needs(0):
+        dxhat = e.op("Mul", [dy, _channel_vector(ctx, scale, rank)])
+        if _is_training_batch_norm(ctx):
+            grads[0] = _normalized_input_grad(ctx, dxhat, xhat, inv_std, axes)
+        else:
+            grads[0] = e.op("Mul", [dxhat, inv_std])
+    if ctx.needs(1):
+        grads[1] = e.reduce_sum(e.op("Mul", [dy, xhat]), axes, keepdims=False)
+    if ctx.needs(2):
+        grads[2] = e.reduce_sum(dy, axes, keepdims=False)
+    return grads
+
+
+@register_gradient("InstanceNormalization", differentiable=(0, 1, 2))
+def instance_norm_grad(ctx):
+    """Normalisation over the spatial axes of each (sample, channel), then a per-channel affine map."""
+    e, x, scale, dy = ctx.emit, ctx.x(0), ctx.x(1), ctx.dy()
+    rank = ctx.rank(x)
+    axes = list(range(2, rank))
+    mean = e.reduce_mean(x, axes)
+    centered = e.op("Sub", [x, mean])
+    var = e.reduce_mean(e.op("Mul", [centered, centered]), axes)
+    inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])])
+    xhat = e.op("Mul", [centered, inv_std])
+    grads = [None, None, None]
+    if ctx.needs(0):
+        dxhat = e.op("Mul", [dy, _channel_vector(ctx, scale, rank)])
+        grads[0] = _normalized_input_grad(ctx, dxhat, xhat, inv_std, axes)
+    if ctx.needs(1):
+        grads[1] = e.reduce_sum(e.op("Mul", [dy, xhat]), [0, *axes], keepdims=False)
+    if ctx.needs(2):
+        grads[2] = e.reduce_sum(dy, [0, *axes], keepdims=False)
+    return grads
+
+
+@register_gradient("Dropout", differentiable=(0,))
+def dropout_grad(ctx):
+    """dY * mask / (1 - ratio) in training mode (the node's mask output is added when missing), else dY."""
+    training = ctx.x(2)
+    if not training:
+        return [ctx.dy()]
+    value = ctx.constant(training)
+    if value is not None and not bool(np.asarray(value)):
+        return [ctx.dy()]
+    e, x = ctx.emit, ctx.x(0)
+    elem = ctx.dtype(x)
+    mask = ctx.ensure_output(1, "mask")
+    ctx.info.elem[mask] = TensorProto.BOOL
+    ratio = ctx.x(1) or e.const(0.5, elem)
+    if ctx.dtype(ratio) != elem:
+        ratio = e.cast(ratio, elem)
+    keep_scale = e.op("Reciprocal", [e.op("Sub", [e.const(1, elem), ratio])])
+    factor = e.op("Mul", [e.cast(mask, elem), keep_scale])
+    if value is None:  # training mode decided at run time
+        factor = e.op("Where", [training, factor, e.const(1, elem)])
+    return [e.op("Mul", [ctx.dy(), factor])]
