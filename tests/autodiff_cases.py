@@ -31,6 +31,7 @@ class OpCase:
     rtol: float = 1e-5
     fd_elem: int = TensorProto.DOUBLE  # FLOAT where onnx.reference lacks double (Erf runs in float32)
     eps: float = 1e-6
+    reference_runs_gradient: bool = True  # False: onnx.reference mis-evaluates the backward ops
 
 
 def float32_fd(case: OpCase) -> OpCase:
@@ -129,4 +130,127 @@ CASES += [
     OpCase("Einsum-ellipsis", "Einsum", [n("Einsum", ["a", "b"], equation="...ij,...jk->...ik")],
            {"a": [N, 2, 3], "b": [N, 3, 2]}),  # onnx infers 1 for a broadcast 1 vs N ellipsis
     OpCase("Einsum-implicit", "Einsum", [n("Einsum", ["a", "b"], equation="ij,jk")], {"a": [2, 3], "b": [3, 2]}),
+]
+
+
+def reduce_case(op, axes, keepdims, tag, opsets=(17, 18), positive=False):
+    """Reduce with axes as attribute below the opset where they became an input, else as input."""
+
+    def build(opset):
+        since = 13 if op == "ReduceSum" else 18
+        if axes is None:
+            return [n(op, ["x"], keepdims=keepdims)], {}
+        if opset >= since:
+            return [n(op, ["x", "axes"], keepdims=keepdims)], {"axes": i64(*axes)}
+        return [n(op, ["x"], axes=list(axes), keepdims=keepdims)], {}
+
+    return [
+        OpCase(f"{op}-{tag}-op{opset}", op, build(opset)[0], {"x": [N, 3, 2]}, consts=build(opset)[1],
+               opsets=(opset,), positive=("x",) if positive else ())
+        for opset in opsets
+    ]
+
+
+for _op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp"):
+    CASES += reduce_case(_op, [1], 0, "axis1")
+    CASES += reduce_case(_op, [0, -1], 1, "keep")
+CASES += reduce_case("ReduceMean", None, 0, "all")
+CASES += reduce_case("ReduceL1", [2], 1, "axis2")
+CASES += reduce_case("ReduceLogSum", [1], 0, "axis1", positive=True)
+CASES += reduce_case("ReduceProd", [1], 0, "axis1", positive=True)
+
+CASES += [
+    OpCase("CumSum", "CumSum", [n("CumSum", ["x", "axis"])], {"x": [N, 4]}, consts={"axis": np.array(1)}),
+    OpCase("CumSum-rev-excl", "CumSum", [n("CumSum", ["x", "axis"], exclusive=1, reverse=1)], {"x": [N, 4]},
+           consts={"axis": np.array(-1)}),
+    # shapes
+    OpCase("Reshape", "Reshape", [n("Reshape", ["x", "s"])], {"x": [N, 6]}, consts={"s": i64(0, 2, 3)}),
+    OpCase("Flatten", "Flatten", [n("Flatten", ["x"], axis=2)], {"x": [N, 2, 3]}),
+    OpCase("Squeeze", "Squeeze", [n("Squeeze", ["x", "ax"])], {"x": [N, 1, 3]}, consts={"ax": i64(1)}),
+    OpCase("Unsqueeze", "Unsqueeze", [n("Unsqueeze", ["x", "ax"])], {"x": [N, 3]}, consts={"ax": i64(0, -1)}),
+    OpCase("Transpose", "Transpose", [n("Transpose", ["x"], perm=[2, 0, 1])], {"x": [N, 2, 3]}),
+    OpCase("Transpose-default", "Transpose", [n("Transpose", ["x"])], {"x": [N, 2, 3]}),
+    OpCase("Expand", "Expand", [n("Expand", ["x", "s"])], {"x": [3, 1]}, consts={"s": i64(2, 3, 4)}),
+    OpCase("Tile", "Tile", [n("Tile", ["x", "r"])], {"x": [N, 3]}, consts={"r": i64(2, 3)}),
+    OpCase("Concat", "Concat", [n("Concat", ["a", "b", "c"], axis=1)], {"a": [N, 2], "b": [N, 3], "c": [N, 1]}),
+    OpCase("Concat-neg-axis", "Concat", [n("Concat", ["a", "b"], axis=-2)], {"a": [2, 3], "b": [N, 3]}),
+    OpCase("Split", "Split", [n("Split", ["x", "s"], ["y", "z"], axis=1)], {"x": [N, 5]},
+           consts={"s": i64(2, 3)}, outputs=("y", "z")),
+    OpCase("Split-one-output-used", "Split", [n("Split", ["x", "s"], ["y", "z"], axis=1)], {"x": [N, 5]},
+           consts={"s": i64(2, 3)}, outputs=("z",)),
+    OpCase("Slice", "Slice", [n("Slice", ["x", "st", "en", "ax"])], {"x": [N, 5]},
+           consts={"st": i64(1), "en": i64(4), "ax": i64(1)}),
+    OpCase("Slice-steps-negative", "Slice", [n("Slice", ["x", "st", "en", "ax", "sp"])], {"x": [N, 6, 2]},
+           consts={"st": i64(-1, 0), "en": i64(-100, 9), "ax": i64(1, 0), "sp": i64(-2, 2)}),
+    OpCase("Gather-axis0-repeats", "Gather", [n("Gather", ["x", "i"])], {"x": [4, 3]},
+           consts={"i": np.array([[0, 2], [2, -1]], dtype=np.int64)}),
+    OpCase("Gather-axis1", "Gather", [n("Gather", ["x", "i"], axis=1)], {"x": [N, 4, 2]},
+           consts={"i": np.array([3, 0, 3], dtype=np.int32)}),
+    OpCase("Gather-scalar-index", "Gather", [n("Gather", ["x", "i"], axis=1)], {"x": [N, 4]},
+           consts={"i": np.array(2, dtype=np.int64)}),
+    OpCase("GatherElements", "GatherElements", [n("GatherElements", ["x", "i"], axis=1)], {"x": [2, 3]},
+           consts={"i": np.array([[0, 0, 2], [1, -1, 1]], dtype=np.int64)}),
+    OpCase("GatherND", "GatherND", [n("GatherND", ["x", "i"])], {"x": [3, 2]},
+           consts={"i": np.array([[0, 1], [2, 0], [0, 1]], dtype=np.int64)}),
+    OpCase("Pad", "Pad", [n("Pad", ["x", "p", "v"])], {"x": [N, 3]},
+           consts={"p": i64(0, 1, 1, 2), "v": np.array(0.5)}),
+    OpCase("Pad-axes", "Pad", [n("Pad", ["x", "p", "", "ax"])], {"x": [N, 3, 2]},
+           consts={"p": i64(2, 1), "ax": i64(-1)}, opsets=(18,)),
+    # neural-network ops
+    OpCase("Softmax", "Softmax", [n("Softmax", ["x"])], {"x": [N, 4]}),
+    OpCase("Softmax-axis0", "Softmax", [n("Softmax", ["x"], axis=0)], {"x": [N, 4]}),
+    OpCase("LogSoftmax", "LogSoftmax", [n("LogSoftmax", ["x"], axis=1)], {"x": [N, 4, 2]}),
+    OpCase("Conv", "Conv", [n("Conv", ["x", "w", "b"], pads=[1, 0, 1, 1])], {"x": [N, 2, 4, 3], "w": [3, 2, 3, 2], "b": [3]}),
+    OpCase("Conv-stride-dilation", "Conv", [n("Conv", ["x", "w"], strides=[2, 2], dilations=[2, 1], pads=[1, 1, 0, 1])],
+           {"x": [2, 2, 6, 5], "w": [2, 2, 2, 2]}),
+    OpCase("Conv-stride-dynamic", "Conv", [n("Conv", ["x", "w"], strides=[2, 2])], {"x": [N, 2, "H", "W"], "w": [2, 2, 2, 2]},
+           feeds=lambda rng: {"x": rng.standard_normal((2, 2, 5, 6))}),
+    # onnx.reference's grouped ConvTranspose slices the weight by output channels: ORT computes dX
+    OpCase("Conv-group", "Conv", [n("Conv", ["x", "w", "b"], group=2, pads=[1, 1, 1, 1])],
+           {"x": [N, 4, 3, 3], "w": [6, 2, 2, 2], "b": [6]}, reference_runs_gradient=False),
+    OpCase("Conv-depthwise-same", "Conv", [n("Conv", ["x", "w"], group=3, auto_pad="SAME_UPPER", strides=[2, 2])],
+           {"x": [2, 3, 5, 4], "w": [3, 1, 3, 3]}),
+    OpCase("Conv-1d", "Conv", [n("Conv", ["x", "w"], strides=[2])], {"x": [N, 2, 7], "w": [3, 2, 3]}),
+    OpCase("MaxPool", "MaxPool", [n("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2])], {"x": [N, 2, 4, 4]}),
+    OpCase("MaxPool-overlap-pads", "MaxPool", [n("MaxPool", ["x"], kernel_shape=[3, 3], strides=[1, 2], pads=[1, 1, 1, 1])],
+           {"x": [N, 2, 4, 5]}),
+    OpCase("AveragePool", "AveragePool", [n("AveragePool", ["x"], kernel_shape=[2, 2], strides=[2, 1])],
+           {"x": [N, 2, 4, 3]}),
+    OpCase("AveragePool-pads-exclude", "AveragePool",
+           [n("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])], {"x": [N, 2, 5, 4]}),
+    OpCase("AveragePool-pads-include", "AveragePool",
+           [n("AveragePool", ["x"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)], {"x": [N, 2, 4, 4]}),
+    OpCase("GlobalAveragePool", "GlobalAveragePool", [n("GlobalAveragePool", ["x"])], {"x": [N, 2, 3, 2]}),
+    OpCase("GlobalMaxPool", "GlobalMaxPool", [n("GlobalMaxPool", ["x"])], {"x": [N, 2, 3, 2]}),
+    OpCase("BatchNormalization-inference", "BatchNormalization", [n("BatchNormalization", ["x", "s", "b", "m", "v"])],
+           {"x": [N, 3, 2, 2], "s": [3], "b": [3]}, consts={"m": np.array([0.1, -0.2, 0.3]), "v": np.array([0.5, 1.5, 2.0])}),
+    OpCase("BatchNormalization-training", "BatchNormalization",
+           [n("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)],
+           {"x": [N, 3, 2, 2], "s": [3], "b": [3]}, consts={"m": np.array([0.1, -0.2, 0.3]), "v": np.array([0.5, 1.5, 2.0])}),
+    OpCase("BatchNormalization-training-2d", "BatchNormalization",
+           [n("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)],
+           {"x": [N, 3], "s": [3], "b": [3]}, consts={"m": np.zeros(3), "v": np.ones(3)}, batch=4),
+    OpCase("InstanceNormalization", "InstanceNormalization", [n("InstanceNormalization", ["x", "s", "b"])],
+           {"x": [N, 2, 3, 2], "s": [2], "b": [2]}),
+    OpCase("LayerNormalization", "LayerNormalization", [n("LayerNormalization", ["x", "s", "b"])],
+           {"x": [N, 2, 4], "s": [4], "b": [4]}),
+    OpCase("LayerNormalization-axis1", "LayerNormalization", [n("LayerNormalization", ["x", "s"], axis=1, epsilon=1e-3)],
+           {"x": [N, 2, 3], "s": [2, 3]}),
+    OpCase("Dropout-inference", "Dropout", [n("Dropout", ["x", "r"])], {"x": [N, 4]}, consts={"r": np.array(0.3)}),
+    # losses
+    OpCase("SoftmaxCrossEntropyLoss-mean", "SoftmaxCrossEntropyLoss", [n("SoftmaxCrossEntropyLoss", ["x", "t"])],
+           {"x": [N, 4]}, consts={"t": i64(1, 3, 0)}),
+    OpCase("SoftmaxCrossEntropyLoss-weights-ignore", "SoftmaxCrossEntropyLoss",
+           [n("SoftmaxCrossEntropyLoss", ["x", "t", "w"], ignore_index=-1)],
+           {"x": [N, 4]}, consts={"t": i64(1, -1, 3), "w": np.array([0.5, 2.0, 1.0, 1.5])}),
+    OpCase("SoftmaxCrossEntropyLoss-none-spatial", "SoftmaxCrossEntropyLoss",
+           [n("SoftmaxCrossEntropyLoss", ["x", "t"], ["y", "lp"], reduction="none")],
+           {"x": [N, 3, 2]}, consts={"t": np.array([[0, 2], [1, 1], [2, 0]], dtype=np.int64)}, outputs=("y", "lp")),
+    OpCase("SoftmaxCrossEntropyLoss-sum", "SoftmaxCrossEntropyLoss", [n("SoftmaxCrossEntropyLoss", ["x", "t"], reduction="sum")],
+           {"x": [N, 4]}, consts={"t": i64(1, 3, 0)}),
+    OpCase("NegativeLogLikelihoodLoss", "NegativeLogLikelihoodLoss",
+           [n("NegativeLogLikelihoodLoss", ["x", "t", "w"], ignore_index=2)],
+           {"x": [N, 4]}, consts={"t": i64(1, 2, 3), "w": np.array([0.5, 2.0, 1.0, 1.5])}),
+    OpCase("MSE-primitives", "Pow", [n("Sub", ["p", "q"], ["d"]), n("Pow", ["d", "two"], ["sq"]), n("ReduceMean", ["sq"], keepdims=0)],
+           {"p": [N, 3], "q": [N, 3]}, consts={"two": np.array(2.0)}),
 ]
