@@ -44,6 +44,7 @@ class Vertex:
     op_list: str | None  # allow / deny / infer / clear, or None when in no list
     list_reason: str
     blocked: str | None  # why it may never be low precision, or None
+    forced: str | None = None  # a deny root by measurement (calibration), with the deciding value
 
 
 @dataclass
@@ -171,8 +172,14 @@ def build(
     shapes: dict | None = None,
     keep_fp32_nodes=(),
     clamp: bool = False,
+    force_fp32=None,
 ) -> ColouringGraph:
-    """Build the colouring graph of `model` for `op_lists.target`."""
+    """Build the colouring graph of `model` for `op_lists.target`.
+
+    `force_fp32` maps node names (the first output's name for unnamed nodes) to a reason; those
+    nodes become deny roots, so float32 spreads from them as from a deny op.
+    """
+    force_fp32 = dict(force_fp32 or {})
     target = op_lists.target
     target_string = schemas.TYPE_STRING[target]
     opsets = schemas.model_opsets(model)
@@ -202,6 +209,7 @@ def build(
                 continue
             entry = op_lists.classify(domain, node.op_type)
             kept = keep(node.name) if node.name else False
+            forced = force_fp32.get(node.name or (node.output[0] if node.output else ""))
             for group in schemas.type_groups(sig, len(node.input), len(node.output)):
                 names = [node.input[i] for i in group.inputs] + [node.output[i] for i in group.outputs]
                 names = [x for x in names if x]
@@ -221,8 +229,11 @@ def build(
                 else:
                     blocked = _range_block(cg, s, node, group)
                 v = len(cg.vertices)
-                cg.vertices.append(Vertex(s, n, node.name, node.op_type, group, entry.list if entry else None,
-                                          entry.reason if entry else "", blocked))
+                op_list = entry.list if entry else None
+                if forced is not None:  # measured unsafe: a deny root whatever its list
+                    op_list = "deny"
+                cg.vertices.append(Vertex(s, n, node.name, node.op_type, group, op_list,
+                                          entry.reason if entry else "", blocked, forced))
                 cg.graph.add_node(v)
                 for i in group.inputs:
                     cg.slot_vertex[(s, n, "i", i)] = v

@@ -78,7 +78,8 @@ def propagate_deny(cg: ColouringGraph, allow: dict) -> dict:
     upstream = reach(g.predecessors, roots, lambda w: lists[w] == "clear")
     deny_roots = [v for v in roots if lists[v] == "deny"]
     parent = reach(g.successors, deny_roots, lambda w: w in upstream and w not in allow)
-    return {v: Reason("deny list") if p is None else Reason("downstream of deny", p) for v, p in parent.items()}
+    return {v: Reason(cg.vertices[v].forced or "deny list") if p is None else Reason("downstream of deny", p)
+            for v, p in parent.items()}
 
 
 def paint_between_allow(cg: ColouringGraph, allow: dict, deny: dict) -> dict:

@@ -10,10 +10,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from amp_rewrite.graph import ColouringGraph
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from amp_rewrite.graph import ColouringGraph, collect_scopes
 from amp_rewrite.paint import LOW, Plan
 
 MAX_CHAIN = 32
+_HEAVY = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul", "FusedGemm", "FusedConv"}
 
 
 def _label(cg: ColouringGraph, v: int) -> str:
@@ -43,6 +48,92 @@ def explain(cg: ColouringGraph, plan: Plan, v: int) -> str:
     return head
 
 
+def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
+    """One sentence a user can follow, e.g. "Add 'a' kept float32: infer op downstream of deny op
+    ReduceMean 'ln/ReduceMean' through Reshape 'r1'"."""
+    vertex = cg.vertices[v]
+    low = plan.colour[v] == LOW
+    verb = f"in {cg.target}" if low else "kept float32"
+    path = [v]
+    seen = {v}
+    while plan.reason[path[-1]].via is not None and len(path) < MAX_CHAIN:
+        nxt = plan.reason[path[-1]].via
+        if nxt in seen:
+            break
+        seen.add(nxt)
+        path.append(nxt)
+    step = plan.reason[v].step
+    kind = f"{vertex.op_list} op" if vertex.op_list else "op"
+    through = ""
+    if len(path) > 2:
+        through = " through " + ", ".join(_label(cg, w) for w in path[1:-1])
+    root = _label(cg, path[-1])
+    root_step = plan.reason[path[-1]].step
+    if step == "deny list":
+        text = f"deny list ({vertex.list_reason})" if vertex.list_reason else "deny list"
+    elif step == "allow list":
+        text = f"allow list ({vertex.list_reason})" if vertex.list_reason else "allow list"
+    elif step == "downstream of deny":
+        why = "deny op" if root_step == "deny list" else f"deny op ({root_step})"
+        text = f"{kind} downstream of {why} {root}{through}"
+    elif step == "between allow ops":
+        text = f"{kind} between allow ops, reached from {root}{through}"
+    elif step == "clear next to low precision":
+        text = f"clear op next to low-precision {root}{through}"
+    elif step == "infer fed by allow (bfloat16)":
+        text = f"infer op fed by low-precision {root}{through}"
+    elif step == "all consumers low precision":
+        text = f"every consumer is low precision (e.g. {root})"
+    else:
+        text = step
+    return f"{_label(cg, v)} {verb}: {text}"
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of float weights: initializers and Constant tensors, in every graph."""
+    total = 0
+    for scope in collect_scopes(model.graph):
+        tensors = list(scope.graph.initializer)
+        tensors += [a.t for n in scope.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+        for t in tensors:
+            if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE):
+                count = int(np.prod(t.dims)) if len(t.dims) else 1
+                total += count * {TensorProto.DOUBLE: 8, TensorProto.FLOAT: 4}.get(t.data_type, 2)
+    return total
+
+
+def _dims(shapes: dict, name: str):
+    shape = shapes.get(name)
+    if shape is None:
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in shape.dim]
+    return None if any(d is None or d <= 0 for d in dims) else dims
+
+
+def estimate_flops(node: onnx.NodeProto, shapes: dict) -> int | None:
+    """Multiply-adds x 2 of a MatMul / Gemm / Conv / ConvTranspose from known shapes, else None."""
+    op = node.op_type
+    if op in ("MatMul", "FusedMatMul", "Gemm", "FusedGemm"):
+        a = _dims(shapes, node.input[0]) if node.input else None
+        y = _dims(shapes, node.output[0]) if node.output else None
+        if a is None or y is None or not a:
+            return None
+        k = a[-1]
+        if op in ("Gemm", "FusedGemm") and any(at.name == "transA" and at.i for at in node.attribute):
+            k = a[0]
+        return 2 * int(np.prod(y)) * k
+    if op in ("Conv", "FusedConv", "ConvTranspose"):
+        x = _dims(shapes, node.input[0]) if node.input else None
+        w = _dims(shapes, node.input[1]) if len(node.input) > 1 else None
+        y = _dims(shapes, node.output[0]) if node.output else None
+        if x is None or w is None or y is None:
+            return None
+        if op == "ConvTranspose":  # each input element meets Cout/g x kernel weights
+            return 2 * int(np.prod(x)) * int(np.prod(w[1:]))
+        return 2 * int(np.prod(y)) * int(np.prod(w[1:]))
+    return None
+
+
 @dataclass
 class Report:
     """Decisions and figures of one rewrite; `to_dict()` is what `--report` writes as JSON."""
@@ -51,9 +142,38 @@ class Report:
     summary: dict
     nodes: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    sections: dict = field(default_factory=dict)  # "calibration", "validation", "fallback" when run
 
     def to_dict(self) -> dict:
-        return {"target": self.target, "summary": self.summary, "nodes": self.nodes, "notes": self.notes}
+        out = {"target": self.target, "summary": self.summary, "nodes": self.nodes, "notes": self.notes}
+        out.update(self.sections)
+        return out
+
+    def op_table(self) -> list[dict]:
+        """Per op type: node count and how many are low precision, mixed, float32."""
+        rows: dict = {}
+        for n in self.nodes:
+            row = rows.setdefault(n["op_type"], {"op_type": n["op_type"], "list": n["list"], "nodes": 0,
+                                                 self.target: 0, "mixed": 0, "float32": 0})
+            row["nodes"] += 1
+            row[n["precision"]] += 1
+        return sorted(rows.values(), key=lambda r: (-r["nodes"], r["op_type"]))
+
+    def explain(self, name: str) -> list[str]:
+        """The sentence and chain of every type group of node `name` (empty if unknown)."""
+        node = self.node(name)
+        if node is None:
+            return []
+        return [f"{g['because']}\n    chain: {g['reason']}" for g in node["groups"].values()]
+
+    def table_text(self) -> str:
+        rows = self.op_table()
+        head = f"{'op type':<24}{'list':<8}{'nodes':>7}{self.target:>10}{'mixed':>7}{'float32':>9}"
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            lines.append(f"{r['op_type']:<24}{str(r['list'] or '-'):<8}{r['nodes']:>7}{r[self.target]:>10}"
+                         f"{r['mixed']:>7}{r['float32']:>9}")
+        return "\n".join(lines)
 
     def node(self, name: str) -> dict | None:
         return next((n for n in self.nodes if n["name"] == name), None)
@@ -70,32 +190,61 @@ class Report:
             f"deny ops: {s['deny_ops']}, nodes they kept float32: {s['deny_blocked']}",
             f"model size: {s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB",
         ]
+        if "low_by_list" in s:
+            lines.insert(1, "low-precision nodes by list: " + (", ".join(
+                f"{k} {v}" for k, v in s["low_by_list"].items()) or "none"))
+        if s.get("flops_total"):
+            lines.insert(-1, f"compute-heavy FLOPs in {self.target}: {100 * s['flops_share']:.1f}% of "
+                             f"{s['flops_total']:.3g} (shapes known for {s['flops_ops_known']}/{s['allow_ops']} ops)")
+        if "weight_bytes_before" in s:
+            lines.insert(-1, f"weights: {s['weight_bytes_before'] / 1e6:.3f} MB -> {s['weight_bytes_after'] / 1e6:.3f} MB")
+        cal = self.sections.get("calibration")
+        if cal:
+            lines.append(f"calibration: {cal['samples']} sample(s), {cal['tensors']} tensors measured, "
+                         f"{len(cal['forced'])} node(s) forced float32")
+            lines += [f"  {f['node']}: {f['reason']}" for f in cal["forced"]]
+        fb = self.sections.get("fallback")
+        if fb:
+            lines.append(f"fallback: {'passed' if fb['passed'] else 'NOT passed'} after {fb['validation_runs']} "
+                         f"validation run(s); pinned float32: {', '.join(fb['pinned']) or 'none'}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
-          seconds: float = 0.0) -> Report:
+          seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None) -> Report:
     by_node: dict = {}
     for v, vertex in enumerate(cg.vertices):
         by_node.setdefault((vertex.scope, vertex.node), []).append(v)
     nodes = []
     precision_counts = Counter()
     allow_ops = allow_low = 0
-    for (scope, _), vs in by_node.items():
+    low_by_list = Counter()
+    flops_total = flops_low = 0
+    flops_known = 0
+    for (scope, index), vs in by_node.items():
         first = cg.vertices[vs[0]]
         lows = [plan.colour[v] == LOW for v in vs if not cg.vertices[v].group.output_only or plan.colour[v] == LOW]
         precision = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
         precision_counts[precision] += 1
-        if first.op_list == "allow":
+        flops = None
+        if precision != "float32":
+            low_by_list[first.op_list or "none"] += 1
+        if first.op_list == "allow" or (first.forced and cg.node(scope, index).op_type in _HEAVY):
             allow_ops += 1
             allow_low += precision != "float32"
+            flops = estimate_flops(cg.node(scope, index), cg.shapes)
+            if flops is not None:
+                flops_known += 1
+                flops_total += flops
+                flops_low += flops if precision != "float32" else 0
         nodes.append({
-            "name": first.name, "op_type": first.op_type, "scope": scope, "list": first.op_list,
-            "precision": precision,
+            "name": first.name, "op_type": first.op_type, "scope": scope, "index": index, "list": first.op_list,
+            "precision": precision, "flops": flops,
+            "because": sentence(cg, plan, vs[0]),
             "groups": {cg.vertices[v].group.type_param.split("@")[0]: {
                 "precision": cg.target if plan.colour[v] == LOW else "float32",
-                "reason": explain(cg, plan, v)} for v in vs},
+                "reason": explain(cg, plan, v), "because": sentence(cg, plan, v)} for v in vs},
         })
     deny_roots = sum(1 for (s, n), vs in by_node.items() if cg.vertices[vs[0]].op_list == "deny")
     deny_blocked = len({(cg.vertices[v].scope, cg.vertices[v].node) for v, r in plan.reason.items()
@@ -114,12 +263,20 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
         "allow_ops": allow_ops,
         "allow_ops_low": allow_low,
         "allow_share": allow_low / allow_ops if allow_ops else 0.0,
+        "low_by_list": dict(sorted(low_by_list.items())),
+        "flops_total": flops_total,
+        "flops_low": flops_low,
+        "flops_share": flops_low / flops_total if flops_total else 0.0,
+        "flops_ops_known": flops_known,
         "deny_ops": deny_roots,
         "deny_blocked": deny_blocked,
         "bytes_before": bytes_before,
         "bytes_after": bytes_after,
         "seconds": round(seconds, 4),
     }
+    if weights_before is not None:
+        summary["weight_bytes_before"] = weights_before
+        summary["weight_bytes_after"] = weights_after
     notes = [f"{_node_label(cg, s, n)}: {text}" for s, n, text in cg.notes]
     return Report(cg.target, summary, nodes, notes)
 

@@ -59,13 +59,17 @@ def rewrite(
     check: bool = True,
     op_block_list=None,
     node_block_list=None,
+    force_fp32=None,
+    calibration=None,
 ) -> RewriteResult:
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
     between lists; `keep_fp32_nodes` pins nodes by name or full-match regex. The
     onnxconverter-common names are accepted: `op_block_list` adds to `deny`, `node_block_list`
-    to `keep_fp32_nodes`. Raises AmpRewriteError subclasses on bad input.
+    to `keep_fp32_nodes`. `force_fp32` ({node name: reason}) and `calibration` (a
+    `calibrate.CalibrationResult`) make nodes deny roots: float32 spreads from them as from a deny
+    op, and the report gives the reason. Raises AmpRewriteError subclasses on bad input.
     """
     started = time.perf_counter()
     if target not in TARGETS:
@@ -80,14 +84,20 @@ def rewrite(
     work.CopyFrom(loaded.model)
     bytes_before = work.ByteSize()
     types, shapes = model_io.tensor_types(work)
-    cg = graph.build(work, lists, types=types, shapes=shapes, keep_fp32_nodes=keep_fp32_nodes, clamp=clamp)
+    forced = dict(force_fp32 or {})
+    if calibration is not None:
+        forced = {**calibration.force_fp32(target), **forced}
+    weights_before = report_mod.weight_bytes(work)
+    cg = graph.build(work, lists, types=types, shapes=shapes, keep_fp32_nodes=keep_fp32_nodes, clamp=clamp,
+                     force_fp32=forced)
     plan = paint.colour(cg, keep_io_types=keep_io_types)
     materialised = casts.materialise(work, cg, plan, keep_io_types=keep_io_types, clamp=clamp)
     sort_graphs(work)
     if check:
         _check(work)
     rep = report_mod.build(cg, plan, materialised, bytes_before=bytes_before, bytes_after=work.ByteSize(),
-                           seconds=time.perf_counter() - started)
+                           seconds=time.perf_counter() - started, weights_before=weights_before,
+                           weights_after=report_mod.weight_bytes(work))
     changed = bool(materialised.casts or rep.summary["groups_low"] or not keep_io_types)
     return RewriteResult(work, rep, changed)
 
