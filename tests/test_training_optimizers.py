@@ -1,4 +1,8 @@
-"""Float32 training matches torch.optim step for step, for every optimizer and option."""
+"""Float32 training matches torch.optim step for step, for every optimizer and option.
+
+The MLP runs the whole pipeline (autodiff gradients); the softmax regression uses a hand-written
+gradient, so the step-graph assembly is also checked independently of the autodiff package.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import pytest
 from onnx import numpy_helper
 
 from amp_rewrite.training import SGD, Adam, AdamW, Trainer
-from test_training_models import classification_batches, softmax_regression, softmax_regression_gradient
+from test_training_models import classification_batches, mlp, softmax_regression, softmax_regression_gradient
 
 torch = pytest.importorskip("torch")
 
@@ -24,14 +28,25 @@ OPTIMIZERS = {
 }
 
 
+def torch_forward(params, x):
+    """Softmax regression (W, b) or the Gemm/Relu MLP (w0, b0, w1, b1, ...)."""
+    if "W" in params:
+        return x @ params["W"] + params["b"]
+    layers = len(params) // 2
+    for i in range(layers):
+        x = x @ params[f"w{i}"] + params[f"b{i}"]
+        x = torch.relu(x) if i < layers - 1 else x
+    return x
+
+
 def torch_reference(model, make_optimizer, batches, max_grad_norm=None):
-    """Weights after each step of the same model trained by torch eager."""
+    """Loss and weights after each step of the same model trained by torch eager."""
     params = {t.name: torch.tensor(numpy_helper.to_array(t).copy(), requires_grad=True) for t in model.graph.initializer}
     optimizer = make_optimizer(list(params.values()))
     history = []
     for batch in batches:
         optimizer.zero_grad()
-        logits = torch.from_numpy(batch["x"]) @ params["W"] + params["b"]
+        logits = torch_forward(params, torch.from_numpy(batch["x"]))
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch["labels"]))
         loss.backward()
         if max_grad_norm is not None:
@@ -41,9 +56,9 @@ def torch_reference(model, make_optimizer, batches, max_grad_norm=None):
     return history
 
 
-def ours(model, optimizer, batches, **kwargs):
+def ours(model, optimizer, batches, gradient_builder=softmax_regression_gradient, **kwargs):
     trainer = Trainer(model, optimizer=optimizer, precision="float32", provider="cpu",
-                      gradient_builder=softmax_regression_gradient, **kwargs)
+                      gradient_builder=gradient_builder, **kwargs)
     history = []
     for batch in batches:
         result = trainer.step(batch)
@@ -61,7 +76,16 @@ def assert_same_history(actual, expected):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_float32_training_matches_torch_step_for_step(name):
+def test_float32_mlp_training_with_autodiff_matches_torch_step_for_step(name):
+    make_ours, make_torch = OPTIMIZERS[name]
+    model = mlp(sizes=(6, 16, 4))
+    batches = classification_batches(features=6, classes=4, count=6)
+    actual = ours(model, make_ours(), batches, gradient_builder=None)
+    assert_same_history(actual, torch_reference(model, make_torch, batches))
+
+
+@pytest.mark.parametrize("name", ["sgd-nesterov", "adamw"])
+def test_step_graph_assembly_with_a_hand_written_gradient_matches_torch(name):
     make_ours, make_torch = OPTIMIZERS[name]
     model = softmax_regression(features=5, classes=4)
     batches = classification_batches(features=5, classes=4, count=6)
@@ -69,10 +93,10 @@ def test_float32_training_matches_torch_step_for_step(name):
 
 
 def test_global_norm_clipping_matches_torch_clip_grad_norm():
-    model = softmax_regression(features=5, classes=4)
-    batches = classification_batches(features=5, classes=4, count=4)
+    model = mlp(sizes=(6, 16, 4))
+    batches = classification_batches(features=6, classes=4, count=4)
     expected = torch_reference(model, lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.5), batches, max_grad_norm=0.05)
-    actual = ours(model, SGD(0.5, momentum=0.5, max_grad_norm=0.05), batches)
+    actual = ours(model, SGD(0.5, momentum=0.5, max_grad_norm=0.05), batches, gradient_builder=None)
     assert_same_history(actual, expected)
 
 
