@@ -80,8 +80,11 @@ def rewrite(
                           deny=_as_list(deny) + _as_list(op_block_list), infer=_as_list(infer),
                           clear=_as_list(clear))
     loaded = model_io.load(model)
-    work = onnx.ModelProto()
-    work.CopyFrom(loaded.model)
+    if loaded.owned:  # read from a file here: nobody else holds it, so no second copy in memory
+        work = loaded.model
+    else:
+        work = onnx.ModelProto()
+        work.CopyFrom(loaded.model)
     bytes_before = work.ByteSize()
     types, shapes = model_io.tensor_types(work)
     forced = dict(force_fp32 or {})
