@@ -62,7 +62,7 @@ def run(args) -> int:
     if args.report:
         model_io.check_output_path(Path(args.report), [source, output], True)
     loaded = model_io.load(source)
-    result = rewrite(loaded.model, target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
+    result = rewrite(loaded, target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
                      allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
                      keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp)
     if not args.dry_run:

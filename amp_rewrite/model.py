@@ -9,12 +9,15 @@ into place, so a crash never leaves half a file, and it never writes over the in
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import TensorProto, external_data_helper
+from onnx import TensorProto, external_data_helper, helper
 
 from amp_rewrite.errors import ModelError, OutputError
 
@@ -23,11 +26,20 @@ TWO_GB = 2**31
 INFERENCE_DATA_LIMIT = 1024
 
 
+# What ONNX Runtime accepts, by its version: (max IR version, max ai.onnx opset). Measured for the
+# installed release; an unknown release uses the newest entry not above it, capped by the opsets
+# of ORT's own schema registry. A model beyond these would load here but not in ONNX Runtime.
+ORT_LIMITS = {(1, 31): (13, 26)}
+# Above this many bytes of tensor data, onnx.checker runs on a data-free skeleton (it serialises).
+CHECK_IN_FULL_LIMIT = 256 * 2**20
+
+
 @dataclass
 class LoadedModel:
     model: onnx.ModelProto
     path: Path | None  # None when the model came in memory
     had_external_data: bool
+    owned: bool = False  # True when nobody else holds `model` (read from a file): no copy needed
 
 
 def _fail(path, message: str):
@@ -87,9 +99,14 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> bool:
 
 def load(source) -> LoadedModel:
     """A path or a ModelProto -> LoadedModel; every failure is one ModelError line."""
+    if isinstance(source, LoadedModel):
+        return source
     if isinstance(source, onnx.ModelProto):
         if not source.HasField("graph"):
             raise ModelError("model has no graph")
+        if any(True for _ in _external_tensors(source.graph)):
+            raise ModelError("model refers to external data but came in memory: pass its path instead")
+        validate(source, "model")
         return LoadedModel(source, None, False)
     if not isinstance(source, (str, os.PathLike)):
         raise ModelError(f"expected a path or an onnx.ModelProto, got {type(source).__name__}")
@@ -109,10 +126,225 @@ def load(source) -> LoadedModel:
         model.ParseFromString(data)
     except Exception:
         _fail(path, "not an ONNX model (protobuf parse failed: truncated or not a model file)")
+    del data
     if not model.HasField("graph") or not model.opset_import:
         _fail(path, "not an ONNX model (no graph or no opset imports)")
     had_external = _load_external_data(model, path)
-    return LoadedModel(model, path, had_external)
+    validate(model, path)
+    return LoadedModel(model, path, had_external, owned=True)
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def ort_limits() -> tuple[int, dict[str, int]]:
+    """(max IR version, {domain: max opset}) that the installed ONNX Runtime accepts."""
+    if "ort" in _LIMITS_CACHE:
+        return _LIMITS_CACHE["ort"]
+    try:
+        import onnxruntime
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+        version = tuple(int(x) for x in re.findall(r"\d+", onnxruntime.__version__)[:2])
+        registry: dict[str, int] = {}
+        for schema in ort_state.get_all_operator_schema():
+            registry[schema.domain] = max(registry.get(schema.domain, 0), schema.since_version)
+    except Exception:  # no ONNX Runtime: nothing to hold the model to
+        _LIMITS_CACHE["ort"] = (onnx.IR_VERSION, {})
+        return _LIMITS_CACHE["ort"]
+    known = sorted(k for k in ORT_LIMITS if k <= version) or sorted(ORT_LIMITS)[:1]
+    max_ir, max_opset = ORT_LIMITS[known[-1]]
+    opsets = {d: v for d, v in registry.items() if d not in ("", "ai.onnx")}
+    opsets[""] = min(max_opset, registry.get("", max_opset)) if known[-1] == version else registry.get("", max_opset)
+    _LIMITS_CACHE["ort"] = (max_ir, opsets)
+    return _LIMITS_CACHE["ort"]
+
+
+_LIMITS_CACHE: dict = {}
+
+_ELEMENT_SIZE = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
+                 for t in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16,
+                           TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16,
+                           TensorProto.INT32, TensorProto.UINT32, TensorProto.INT64, TensorProto.UINT64,
+                           TensorProto.BOOL, TensorProto.COMPLEX64, TensorProto.COMPLEX128)}
+_TYPED_FIELD = {TensorProto.FLOAT: "float_data", TensorProto.DOUBLE: "double_data", TensorProto.INT64: "int64_data",
+                TensorProto.UINT64: "uint64_data", TensorProto.UINT32: "uint64_data",
+                TensorProto.COMPLEX64: "float_data", TensorProto.COMPLEX128: "double_data"}
+
+
+def _where(path) -> str:
+    return str(path) if path is not None else "model"
+
+
+def _check_tensor_sizes(model: onnx.ModelProto, path) -> int:
+    """Every tensor holds exactly the data its shape asks for; returns the total bytes of data."""
+    total = 0
+    for tensor in _all_tensors(model.graph):
+        if any(d < 0 for d in tensor.dims):
+            _fail(path, f"tensor {tensor.name!r} has a negative dimension {list(tensor.dims)}")
+        count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+        size = _ELEMENT_SIZE.get(tensor.data_type)
+        if tensor.HasField("raw_data") and size is not None:
+            have, need = len(tensor.raw_data), count * size
+            total += have
+            if have != need:
+                _fail(path, f"tensor {tensor.name!r} holds {have} bytes of data but its shape "
+                            f"{list(tensor.dims)} needs {need}")
+        elif tensor.data_type in (TensorProto.STRING,):
+            continue
+        elif size is not None:
+            field = _TYPED_FIELD.get(tensor.data_type, "int32_data")
+            have = len(getattr(tensor, field))
+            if tensor.data_type in (TensorProto.COMPLEX64, TensorProto.COMPLEX128):
+                have //= 2
+            total += have * size
+            if have != count:
+                _fail(path, f"tensor {tensor.name!r} holds {have} values but its shape {list(tensor.dims)} "
+                            f"needs {count}")
+    return total
+
+
+def _free_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a (sub)graph reads that it does not define: what it takes from outer scopes."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined.update(name for node in graph.node for name in node.output if name)
+    free = set()
+    for node in graph.node:
+        free.update(name for name in node.input if name and name not in defined)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                free.update(_free_names(sub) - defined)
+    free.update(v.name for v in graph.output if v.name not in defined)
+    return free
+
+
+def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str = "main graph") -> None:
+    """Names defined once, every input defined somewhere visible, no cycles: one line each."""
+    defined: dict[str, str] = {}
+    for kind, names in (("graph input", [v.name for v in graph.input]),
+                        ("initializer", [t.name for t in graph.initializer])):
+        for name in names:
+            if not name:
+                _fail(path, f"{label}: an {kind} has an empty name")
+            if name in defined and not (kind == "initializer" and defined[name] == "graph input"):
+                _fail(path, f"{label}: tensor name {name!r} is defined twice ({defined[name]} and {kind})")
+            defined[name] = kind
+    node_names: set[str] = set()
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        if node.name:
+            if node.name in node_names:
+                _fail(path, f"{label}: node name {node.name!r} is used twice (ONNX requires unique node names)")
+            node_names.add(node.name)
+        for name in node.output:
+            if not name:
+                continue
+            if name in defined or name in producer:
+                _fail(path, f"{label}: tensor name {name!r} is defined twice (output of node "
+                            f"{node.name or node.op_type!r})")
+            producer[name] = i
+    visible = outer | set(defined) | set(producer)
+    edges: list[set[int]] = [set() for _ in graph.node]
+    for i, node in enumerate(graph.node):
+        reads = [name for name in node.input if name]
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                _check_structure(sub, visible, path, f"subgraph {attr.name!r} of node {node.name or node.op_type!r}")
+                reads.extend(_free_names(sub))
+        for name in reads:
+            if name not in visible:
+                _fail(path, f"{label}: node {node.name or node.op_type!r} reads {name!r}, which nothing defines")
+            if name in producer:
+                edges[producer[name]].add(i)
+    for value in graph.output:
+        if value.name not in visible:
+            _fail(path, f"{label}: graph output {value.name!r} is not produced by any node")
+    indegree = [0] * len(graph.node)
+    for targets in edges:
+        for j in targets:
+            indegree[j] += 1
+    ready = [i for i, d in enumerate(indegree) if d == 0]
+    done = 0
+    while ready:
+        i = ready.pop()
+        done += 1
+        for j in edges[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    if done != len(graph.node):
+        stuck = next(graph.node[i] for i, d in enumerate(indegree) if d > 0)
+        _fail(path, f"{label}: the graph has a cycle (through node {stuck.name or stuck.op_type!r})")
+
+
+def _one_line(message: str) -> str:
+    text = message.split("==> Context:")[0]
+    text = " ".join(text.split())
+    return text[:300] or "invalid model"
+
+
+def _checker_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its big initializers as typed graph inputs (for the checker at any size)."""
+    skeleton = _inference_skeleton(model)
+    skeleton.ir_version = model.ir_version
+    skeleton.metadata_props.extend(model.metadata_props)
+    return skeleton
+
+
+def validate(model: onnx.ModelProto, path=None) -> None:
+    """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
+
+    Checks, cheapest first: versions against ONNX Runtime's limits, names and structure (cycles,
+    undefined inputs, duplicates), tensor data sizes, then onnx.checker (on a data-free skeleton
+    when the model is big, so no 2 GB serialisation).
+    """
+    where = _where(path)
+    if not model.HasField("graph"):
+        _fail(where, "model has no graph")
+    if model.ir_version <= 0:
+        _fail(where, "model has no IR version")
+    max_ir, max_opsets = ort_limits()
+    if model.ir_version > max(max_ir, 3) or model.ir_version > onnx.IR_VERSION:
+        _fail(where, f"IR version {model.ir_version} is newer than ONNX Runtime supports (at most {max_ir}); "
+                     f"re-export with an older IR version")
+    seen_domains = set()
+    for opset in model.opset_import:
+        domain = "" if opset.domain == "ai.onnx" else opset.domain
+        if domain in seen_domains:
+            _fail(where, f"opset for domain {opset.domain or 'ai.onnx'!r} is imported twice")
+        seen_domains.add(domain)
+        limit = max_opsets.get(domain)
+        if domain == "" and opset.version > onnx.defs.onnx_opset_version():
+            limit = min(limit or opset.version, onnx.defs.onnx_opset_version())
+        if limit is not None and opset.version > limit:
+            _fail(where, f"opset {opset.version} of domain {opset.domain or 'ai.onnx'!r} is newer than "
+                         f"ONNX Runtime supports (at most {limit})")
+        if opset.version < 1:
+            _fail(where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid")
+    if "" not in seen_domains:
+        _fail(where, "model imports no ai.onnx opset")
+    _check_structure(model.graph, set(), where)
+    data_bytes = _check_tensor_sizes(model, where)
+    target = model if data_bytes < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)
+    for attempt in range(2):
+        try:
+            onnx.checker.check_model(target)
+            return
+        except onnx.checker.ValidationError as exc:
+            message = _one_line(str(exc))
+            if attempt == 0 and "topologically sorted" in message:
+                # structure was checked above, so the nodes are only out of order: the rewrite
+                # sorts them; check the rest on a sorted copy
+                from amp_rewrite.rewrite import sort_graphs
+
+                copy = onnx.ModelProto()
+                copy.CopyFrom(target)
+                sort_graphs(copy)
+                target = copy
+                continue
+            _fail(where, f"invalid ONNX model: {message}")
+        except Exception as exc:  # the checker's own failures are ours to state plainly
+            _fail(where, f"invalid ONNX model: {_one_line(str(exc)) or type(exc).__name__}")
 
 
 def _inference_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -217,6 +449,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        _interrupt_hook("rename")
         os.replace(tmp, path)
     except OSError as exc:
         _remove_quietly(tmp)
@@ -233,29 +466,145 @@ def _remove_quietly(path) -> None:
         pass
 
 
+EXTERNAL_THRESHOLD = 1024  # tensors of at least this many bytes go to the external data file
+_ALIGN = 4096
+
+
+def _interrupt_hook(stage: str) -> None:
+    """Test hook: AMP_REWRITE_TEST_PAUSE=stage:seconds sleeps at that point of a write."""
+    spec = os.environ.get("AMP_REWRITE_TEST_PAUSE", "")
+    if spec.startswith(stage + ":"):
+        time.sleep(float(spec.split(":", 1)[1]))
+
+
+def _tensor_bytes(tensor: TensorProto) -> bytes:
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    from onnx import numpy_helper
+
+    return numpy_helper.to_array(tensor).tobytes()
+
+
+def _big_tensors(model: onnx.ModelProto):
+    for graph in _graphs(model.graph):
+        for tensor in graph.initializer:
+            if tensor.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+                continue
+            size = _ELEMENT_SIZE.get(tensor.data_type)
+            count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+            if size is not None and count * size >= EXTERNAL_THRESHOLD:
+                yield tensor
+
+
+def _graphs(graph: onnx.GraphProto):
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield g
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)
+
+
+def _write_tmp(path: Path, write) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return tmp
+
+
 def save(model: onnx.ModelProto, path, *, external_data: bool = False) -> None:
-    """Save atomically; with external data (or above 2 GB) weights go to `<name>.data` beside it."""
+    """Save atomically; with external data (or above 2 GB) weights go to `<name>.data` beside it.
+
+    External data is streamed tensor by tensor (no copy of the model, no 2 GB serialisation):
+    each big initializer is written to the data file and replaced by a reference while the model
+    is serialised, then given its bytes back, so `model` is unchanged afterwards. Both files are
+    written to temporary names and renamed into place, data first.
+    """
     path = Path(path)
-    if not external_data and model.ByteSize() < TWO_GB:
+    if not external_data and _data_size(model) < TWO_GB - 2**26:
         atomic_write_bytes(path, model.SerializeToString())
         return
     data_name = f"{path.name}.data"
-    tmp_dir = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    data_path = path.parent / data_name
+    moved: list[tuple[TensorProto, int, int]] = []
+    data_tmp = model_tmp = None
     try:
-        tmp_model = Path(tmp_dir) / path.name
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        onnx.save_model(copy, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_name, size_threshold=1024)
-        if (Path(tmp_dir) / data_name).exists():
-            os.replace(Path(tmp_dir) / data_name, path.parent / data_name)
-        os.replace(tmp_model, path)
+        def write_data(handle):
+            offset = 0
+            for tensor in _big_tensors(model):
+                blob = _tensor_bytes(tensor)
+                pad = (-offset) % _ALIGN
+                if pad:
+                    handle.write(b"\0" * pad)
+                    offset += pad
+                handle.write(blob)
+                moved.append((tensor, offset, len(blob)))
+                offset += len(blob)
+                del blob
+
+        data_tmp = _write_tmp(data_path, write_data)
+        if not moved:  # nothing big enough: one plain file
+            _remove_quietly(data_tmp)
+            data_tmp = None
+            atomic_write_bytes(path, model.SerializeToString())
+            return
+        for tensor, offset, length in moved:  # the references replace the bytes while serialising
+            tensor.ClearField("raw_data")
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(field)
+            tensor.data_location = TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+        model_bytes = model.SerializeToString()
+        model_tmp = _write_tmp(path, lambda handle: handle.write(model_bytes))
+        del model_bytes
+        _interrupt_hook("rename")
+        os.replace(data_tmp, data_path)
+        data_tmp = None
+        _interrupt_hook("between")
+        os.replace(model_tmp, path)
+        model_tmp = None
     except OSError as exc:
         raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
     finally:
-        for leftover in Path(tmp_dir).glob("*"):
-            _remove_quietly(leftover)
-        try:
-            os.rmdir(tmp_dir)
-        except OSError:
-            pass
+        if moved:
+            _restore(moved, Path(data_tmp) if data_tmp else data_path)
+        for leftover in (data_tmp, model_tmp):
+            if leftover:
+                _remove_quietly(leftover)
+
+
+def _restore(moved, source: Path) -> None:
+    """Give moved tensors their bytes back (read from the data file just written)."""
+    pending = [m for m in moved if m[0].data_location == TensorProto.EXTERNAL]
+    if not pending:
+        return
+    with open(source, "rb") as handle:
+        for tensor, offset, length in pending:
+            handle.seek(offset)
+            tensor.raw_data = handle.read(length)
+            tensor.data_location = TensorProto.DEFAULT
+            del tensor.external_data[:]
+
+
+def _data_size(model: onnx.ModelProto) -> int:
+    """Bytes of tensor data in the model (without serialising it)."""
+    total = 0
+    for tensor in _all_tensors(model.graph):
+        if tensor.HasField("raw_data"):
+            total += tensor.ByteSize()
+        else:
+            size = _ELEMENT_SIZE.get(tensor.data_type, 8)
+            total += size * (int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1)
+    return total
