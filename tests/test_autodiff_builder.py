@@ -227,3 +227,19 @@ def test_gradient_graph_goes_through_the_amp_rewrite():
     for name in ("W_grad", "b_grad"):
         assert fp16[name].dtype == np.float32  # keep_io_types
         np.testing.assert_allclose(fp16[name], fp32[name], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_gradient_uses_the_forward_mask(training):
+    """Random masks defeat finite differences: check dX = R * mask / (1 - ratio) from the same run."""
+    r = RNG.standard_normal((4, 6)).astype(np.float32)
+    nodes = [node("Dropout", ["x", "ratio", "training"], ["y"], seed=3), node("Mul", ["y", "R"], ["yr"]),
+             node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [tensor("x", ["N", 6]), tensor("training", [], TensorProto.BOOL)], [tensor("loss", [])],
+                       [init("ratio", np.array(0.3, np.float32)), init("R", r)])
+    grad = build_gradient_graph(model, "loss", ["x"])
+    grad.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
+    x = RNG.standard_normal((4, 6)).astype(np.float32)
+    got = outputs(grad, {"x": x, "training": np.array(training)})
+    expected = r * (got["y"] != 0) / 0.7 if training else r
+    np.testing.assert_allclose(got["x_grad"], expected, rtol=1e-5)
