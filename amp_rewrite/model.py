@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper
 
+from amp_rewrite import elemtypes
 from amp_rewrite.errors import ModelError, OutputError
 
 TWO_GB = 2**31
@@ -390,19 +391,27 @@ def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict) -> N
                 stack.extend(attr.graphs)
 
 
-def tensor_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, object]]:
-    """Element type and shape (when known) of every named tensor, from shape inference.
+# Above this many nodes, shape inference (20-40 µs a node) runs only when the schemas alone
+# leave a type unknown: shapes then come from the model's own value_info (FLOPs "where known").
+SHAPE_INFERENCE_NODE_LIMIT = 20_000
 
-    Inference runs on a skeleton so models of any size work; where it cannot run, the declared
-    types stand and the graph builder completes them from the schemas.
+
+def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None):
+    """Element type and shape (when known) of every named tensor: (types, shapes).
+
+    Types come from the declarations and the schemas (`elemtypes.propagate`); ONNX shape
+    inference, on a skeleton so models of any size work, adds shapes and any type the schemas
+    could not give. `shape_inference=None` runs it for models up to SHAPE_INFERENCE_NODE_LIMIT
+    nodes, and beyond only when a type is missing.
     """
     types: dict[str, int] = {}
     shapes: dict[str, object] = {}
     _collect_value_infos(model.graph, types, shapes)
-    for node in _constant_nodes(model.graph):
-        value = next((a for a in node.attribute if a.name == "value"), None)
-        if value is not None and node.output:
-            types.setdefault(node.output[0], value.t.data_type)
+    complete = elemtypes.propagate(model, types)
+    if shape_inference is None:
+        shape_inference = not complete or len(model.graph.node) <= SHAPE_INFERENCE_NODE_LIMIT
+    if not shape_inference:
+        return types, shapes
     try:
         inferred = onnx.shape_inference.infer_shapes(_inference_skeleton(model), strict_mode=False)
     except Exception:

@@ -32,7 +32,7 @@ class Formal:
     variadic: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: `signature` returns one object per version
 class Signature:
     """What the colouring needs of one schema version."""
 
@@ -121,6 +121,7 @@ def _formal_at(formals: tuple[Formal, ...], index: int) -> Formal | None:
     return None
 
 
+@lru_cache(maxsize=None)
 def type_groups(sig: Signature, n_inputs: int, n_outputs: int) -> tuple[TypeGroup, ...]:
     """Group a node's input and output slots by the type parameter of their formal parameter."""
     inputs: dict[str, list[int]] = {}
