@@ -74,8 +74,8 @@ def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
     elif step == "allow list":
         text = f"allow list ({vertex.list_reason})" if vertex.list_reason else "allow list"
     elif step == "downstream of deny":
-        why = "deny op" if root_step == "deny list" else f"deny op ({root_step})"
-        text = f"{kind} downstream of {why} {root}{through}"
+        why = "" if root_step == "deny list" else f" ({root_step})"
+        text = f"{kind} downstream of deny op {root}{through}{why}"
     elif step == "between allow ops":
         text = f"{kind} between allow ops, reached from {root}{through}"
     elif step == "clear next to low precision":
@@ -116,6 +116,9 @@ def estimate_flops(node: onnx.NodeProto, shapes: dict) -> int | None:
     if op in ("MatMul", "FusedMatMul", "Gemm", "FusedGemm"):
         a = _dims(shapes, node.input[0]) if node.input else None
         y = _dims(shapes, node.output[0]) if node.output else None
+        b = _dims(shapes, node.input[1]) if len(node.input) > 1 else None
+        if y is None and op in ("MatMul", "FusedMatMul") and a and b and len(a) >= 2 and len(b) >= 2:
+            y = a[:-1] + [b[-1]]  # batch dims of b broadcast against a's: a lower bound
         if a is None or y is None or not a:
             return None
         k = a[-1]
@@ -132,6 +135,15 @@ def estimate_flops(node: onnx.NodeProto, shapes: dict) -> int | None:
             return 2 * int(np.prod(x)) * int(np.prod(w[1:]))
         return 2 * int(np.prod(y)) * int(np.prod(w[1:]))
     return None
+
+
+def flops_by_node(cg: ColouringGraph) -> dict:
+    """(scope, node index) -> FLOPs of compute-heavy nodes; call before materialising moves nodes."""
+    out = {}
+    for vertex in cg.vertices:
+        if vertex.op_type in _HEAVY and (vertex.scope, vertex.node) not in out:
+            out[(vertex.scope, vertex.node)] = estimate_flops(cg.node(vertex.scope, vertex.node), cg.shapes)
+    return out
 
 
 @dataclass
@@ -212,7 +224,8 @@ class Report:
 
 
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
-          seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None) -> Report:
+          seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None,
+          node_flops: dict | None = None) -> Report:
     by_node: dict = {}
     for v, vertex in enumerate(cg.vertices):
         by_node.setdefault((vertex.scope, vertex.node), []).append(v)
@@ -230,10 +243,10 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
         flops = None
         if precision != "float32":
             low_by_list[first.op_list or "none"] += 1
-        if first.op_list == "allow" or (first.forced and cg.node(scope, index).op_type in _HEAVY):
+        if first.op_list == "allow" or (first.forced and first.op_type in _HEAVY):
             allow_ops += 1
             allow_low += precision != "float32"
-            flops = estimate_flops(cg.node(scope, index), cg.shapes)
+            flops = (node_flops or {}).get((scope, index))
             if flops is not None:
                 flops_known += 1
                 flops_total += flops

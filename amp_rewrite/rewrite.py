@@ -94,13 +94,14 @@ def rewrite(
     cg = graph.build(work, lists, types=types, shapes=shapes, keep_fp32_nodes=keep_fp32_nodes, clamp=clamp,
                      force_fp32=forced)
     plan = paint.colour(cg, keep_io_types=keep_io_types)
+    flops = report_mod.flops_by_node(cg)
     materialised = casts.materialise(work, cg, plan, keep_io_types=keep_io_types, clamp=clamp)
     sort_graphs(work)
     if check:
         _check(work)
     rep = report_mod.build(cg, plan, materialised, bytes_before=bytes_before, bytes_after=work.ByteSize(),
                            seconds=time.perf_counter() - started, weights_before=weights_before,
-                           weights_after=report_mod.weight_bytes(work))
+                           weights_after=report_mod.weight_bytes(work), node_flops=flops)
     changed = bool(materialised.casts or rep.summary["groups_low"] or not keep_io_types)
     return RewriteResult(work, rep, changed)
 

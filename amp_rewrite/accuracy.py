@@ -1,0 +1,248 @@
+"""Accuracy-guided fallback, and the one call that runs calibrate -> rewrite -> validate -> fallback.
+
+`fit` rewrites, runs the candidate once per sample with every main-graph float tensor exposed
+(ONNX Runtime on the chosen provider and, on CPU, `onnx.reference`, which keeps float16 as
+float16), and compares each tensor with the float32 original. Where the relative error *jumps*
+(a node's output error minus its inputs' error) is where the error enters: the top-k such nodes
+are pinned float32 (as deny roots, so float32 spreads as from a deny op), k grows 1, 2, 4, ...
+A node that is already float32 yet still shows a jump only amplifies what it is fed (a
+subtraction of nearly equal values): its low-precision producers are blamed instead. Each
+candidate costs one validation run; the search stops at `max_runs` (10) including the final check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from amp_rewrite import calibrate as cal_mod
+from amp_rewrite import model as model_io
+from amp_rewrite import validate as val
+from amp_rewrite.rewrite import RewriteResult, rewrite
+
+HUGE = 1e30
+
+
+@dataclass
+class FallbackResult:
+    result: RewriteResult
+    validation: val.ValidationResult
+    passed: bool
+    runs: int
+    pinned: dict  # node key -> reason
+    history: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "validation_runs": self.runs, "pinned": list(self.pinned),
+                "reasons": self.pinned, "history": self.history}
+
+
+def _rel_error(ref: list, got: list) -> float:
+    num = den = 0.0
+    for r, g in zip(ref, got):
+        r = np.asarray(r, np.float64)
+        g = np.asarray(g, np.float64)
+        if r.shape != g.shape:
+            return HUGE
+        finite = np.isfinite(r)
+        if np.any(finite & ~np.isfinite(g)):
+            return HUGE
+        num += float(np.sum((g[finite] - r[finite]) ** 2))
+        den += float(np.sum(r[finite] ** 2))
+    return float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else HUGE)
+
+
+@dataclass
+class _Structure:
+    keys: list  # node key per main-graph node index
+    float_in: dict  # key -> float tensors read (node outputs or graph inputs)
+    float_out: dict  # key -> float tensors written
+    producer: dict  # tensor -> node key
+
+
+def _structure(model: onnx.ModelProto, measured: dict) -> _Structure:
+    keys, float_in, float_out, producer = [], {}, {}, {}
+    for node in model.graph.node:
+        key = cal_mod._node_key(node)
+        keys.append(key)
+        float_in[key] = [x for x in node.input if x in measured]
+        float_out[key] = [x for x in node.output if x in measured]
+        for x in float_out[key]:
+            producer[x] = key
+    return _Structure(keys, float_in, float_out, producer)
+
+
+def _precision_by_key(result: RewriteResult, st: _Structure) -> dict:
+    out = {}
+    for n in result.report.nodes:
+        if n["scope"] == 0 and n.get("index") is not None and n["index"] < len(st.keys):
+            out[st.keys[n["index"]]] = n["precision"]
+    return out
+
+
+def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, provider: str, reference,
+              progress) -> tuple[dict, dict]:
+    """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
+    exposed = val.expose(candidate, measured)
+    sess, used = val.session(exposed, provider)
+    available = [o.name for o in sess.get_outputs()]
+    inter = [m for m in measured if m in available and m not in names]
+    got = val.run_samples(sess, samples, outputs=names + inter, progress=progress, label="fallback: validate")
+    outputs = {f"ort:{used}": [g[:len(names)] for g in got]}
+    tensors = {f"ort:{used}": {t: [g[len(names) + i] for g in got] for i, t in enumerate(inter)}}
+    if val.use_reference(candidate, used, reference):
+        from onnx.reference import ReferenceEvaluator
+
+        try:
+            evaluator = ReferenceEvaluator(candidate)
+            rows = []
+            with val.Progress(len(samples), "fallback: reference", progress) as bar, np.errstate(all="ignore"):
+                for feeds in samples:
+                    rows.append(evaluator.run(None, feeds, intermediate=True))
+                    bar.step()
+            outputs["reference"] = [[row[n] for n in names] for row in rows]
+            tensors["reference"] = {t: [row[t] for row in rows] for t in measured if t in rows[0]}
+        except Exception:  # an op onnx.reference lacks: ORT's figures only
+            pass
+    return outputs, tensors
+
+
+def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider: str = "auto",
+        calibration=None, max_runs: int = 10, reference="auto", progress=None, dims=None,
+        **rewrite_kwargs) -> FallbackResult:
+    """Rewrite `model`, then pin a few nodes float32 until it validates within rtol/atol.
+
+    `calibration` (a CalibrationResult) is applied to every candidate; `rewrite_kwargs` go to
+    `rewrite`. At most `max_runs` validation runs, the final clean check included.
+    """
+    model = model_io.load(model).model if not isinstance(model, onnx.ModelProto) else model
+    if samples is None:
+        samples = val.synthesise(model, dims=dims)
+    types, _ = model_io.tensor_types(model)
+    measured = cal_mod._measured_tensors(model, types)
+    st = _structure(model, measured)
+    names = [o.name for o in model.graph.output]
+    measured_names = [t for t in measured if t not in names] + [t for t in names if t in measured]
+    ref_sess, ref_used = val.session(val.expose(model, measured_names), provider)
+    ref_available = [o.name for o in ref_sess.get_outputs()]
+    ref_rows = val.run_samples(ref_sess, samples, outputs=ref_available, progress=progress,
+                               label="fallback: original")
+    ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
+    ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
+    base_force = dict(rewrite_kwargs.pop("force_fp32", None) or {})
+
+    pinned: dict = {}
+    history: list = []
+    runs = 0
+    k = 1
+    result = validation = None
+    while runs < max_runs:
+        result = rewrite(model, calibration=calibration, force_fp32={**base_force, **pinned}, **rewrite_kwargs)
+        if runs == max_runs - 1:  # one run left: it is the final check
+            break
+        outputs, tensors = _evaluate(result.model, samples, names, measured_names, provider, reference, progress)
+        runs += 1
+        stats = {run: val._compare_all(names, ref_out, got, rtol, atol) for run, got in outputs.items()}
+        passed = all(s["passed"] for ss in stats.values() for s in ss)
+        worst = max((s["max_rel"] if np.isfinite(s["max_rel"]) else HUGE) for ss in stats.values() for s in ss)
+        history.append({"run": runs, "pinned": len(pinned), "passed": passed, "worst_max_rel": worst,
+                        "worst_max_abs": max(s["max_abs"] for ss in stats.values() for s in ss)})
+        if passed:
+            break
+        new = _rank(result, st, tensors, ref_tensors, pinned, runs)
+        if not new:
+            break
+        for key, reason in new[:k]:
+            pinned[key] = reason
+        k *= 2
+    validation = val.validate(model, result.model, samples, provider=provider, rtol=rtol, atol=atol,
+                              reference=reference, progress=progress, expected=(names, ref_out, ref_used))
+    runs += 1
+    history.append({"run": runs, "pinned": len(pinned), "passed": validation.passed, "final": True,
+                    "worst_max_rel": validation.worst("max_rel"), "worst_max_abs": validation.worst("max_abs")})
+    fallback = FallbackResult(result, validation, validation.passed, runs, pinned, history)
+    result.report.sections["fallback"] = fallback.to_dict()
+    result.report.sections["validation"] = validation.to_dict()
+    return fallback
+
+
+def _rank(result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int) -> list:
+    """[(node key, reason)] best first: nodes where the relative error jumps most."""
+    error: dict = {}
+    for per_run in tensors.values():
+        for t, arrays in per_run.items():
+            if t in ref_tensors:
+                error[t] = max(error.get(t, 0.0), _rel_error(ref_tensors[t], arrays))
+    precision = _precision_by_key(result, st)
+    scores: dict = {}
+    for key in st.keys:
+        outs = [t for t in st.float_out.get(key, []) if t in error]
+        if not outs:
+            continue
+        t_out = max(outs, key=lambda t: error[t])
+        e_out = error[t_out]
+        e_in = max((error.get(t, 0.0) for t in st.float_in.get(key, [])), default=0.0)
+        jump = e_out - e_in if e_out < HUGE or e_in < HUGE else 0.0
+        if jump <= 1e-7:
+            continue
+        if precision.get(key, "float32") != "float32" and key not in pinned:
+            why = f"accuracy fallback (run {run}): relative error of {t_out!r} jumps {e_in:.3g} -> {e_out:.3g}"
+            if jump > scores.get(key, (0.0, ""))[0]:
+                scores[key] = (jump, why)
+        else:  # float32 already: it amplifies its inputs' rounding; blame its low-precision producers
+            for t in st.float_in.get(key, []):
+                p = st.producer.get(t)
+                if p is None or p in pinned or precision.get(p, "float32") == "float32":
+                    continue
+                why = (f"accuracy fallback (run {run}): feeds {t!r} to float32 '{key}', whose output error "
+                       f"jumps {e_in:.3g} -> {e_out:.3g}")
+                if jump > scores.get(p, (0.0, ""))[0]:
+                    scores[p] = (jump, why)
+    return [(key, why) for key, (_, why) in sorted(scores.items(), key=lambda kv: -kv[1][0])]
+
+
+@dataclass
+class CheckedResult:
+    """What `check` did: the rewrite, and calibration / validation / fallback when asked."""
+
+    result: RewriteResult
+    calibration: object = None
+    validation: object = None
+    fallback: FallbackResult | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.validation is None or self.validation.passed
+
+
+def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1, validate: bool = False,
+          calibrate: bool = False, tolerance: bool = False, provider: str = "auto", rtol: float = 1e-2,
+          atol: float = 1e-3, reference="auto", safety: float = cal_mod.DEFAULT_SAFETY, progress=None,
+          max_runs: int = 10, **rewrite_kwargs) -> CheckedResult:
+    """calibrate (optional) -> rewrite -> validate (optional) -> fallback (when `tolerance`)."""
+    model = model_io.load(model).model if not isinstance(model, onnx.ModelProto) else model
+    if samples is None and (validate or calibrate or tolerance):
+        samples = (val.load_samples(inputs, model) if inputs is not None
+                   else val.synthesise(model, dims=dims, count=samples_count))
+    target = rewrite_kwargs.get("target", "float16")
+    calibration = None
+    if calibrate:
+        calibration = cal_mod.calibrate(model, samples, target=target, safety=safety, provider=provider,
+                                        progress=progress)
+    if tolerance:
+        fb = fit(model, samples, rtol=rtol, atol=atol, provider=provider, calibration=calibration,
+                 max_runs=max_runs, reference=reference, progress=progress, **rewrite_kwargs)
+        out = CheckedResult(fb.result, calibration, fb.validation, fb)
+    else:
+        result = rewrite(model, calibration=calibration, **rewrite_kwargs)
+        validation = None
+        if validate:
+            validation = val.validate(model, result.model, samples, provider=provider, rtol=rtol, atol=atol,
+                                      reference=reference, progress=progress)
+            result.report.sections["validation"] = validation.to_dict()
+        out = CheckedResult(result, calibration, validation)
+    if calibration is not None:
+        out.result.report.sections["calibration"] = calibration.to_dict(target)
+    return out

@@ -1,0 +1,170 @@
+"""Calibration: measure every intermediate float tensor of the float32 model, decide from ranges.
+
+The float32 model runs once per sample in ONNX Runtime with every main-graph float32 tensor added
+as a graph output (on a copy). Per tensor we keep the largest finite |x| and how many non-zero
+values would flush to zero in the target type. A tensor whose largest value exceeds the target's
+largest finite value divided by `safety` makes its producer and its readers deny roots (see
+`force_fp32`), so float32 spreads from them through the usual passes, and the report names the
+tensor and the value that decided it.
+
+This decides from measured float32 ranges, not from running the rewritten model: ONNX Runtime's
+CPU provider computes most float16 ops in float32 and would hide the overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from amp_rewrite import model as model_io
+from amp_rewrite import validate as val
+from amp_rewrite.graph import LIMITS
+
+# Non-zero values below half the smallest subnormal round to zero.
+FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2,
+         "bfloat16": 9.183549615799121e-41 / 2}
+DEFAULT_SAFETY = 4.0
+
+
+@dataclass
+class TensorRange:
+    name: str
+    producer: str | None  # node key (name, or first output for unnamed nodes); None for graph inputs
+    op_type: str | None
+    max_abs: float = 0.0
+    count: int = 0
+    nonzero: int = 0
+    flushed: int = 0  # non-zero values that become 0 in the target type
+    nonfinite: int = 0  # already NaN/Inf in float32
+
+    @property
+    def flushed_share(self) -> float:
+        return self.flushed / self.nonzero if self.nonzero else 0.0
+
+    def to_dict(self) -> dict:
+        return {"tensor": self.name, "producer": self.producer, "op_type": self.op_type,
+                "max_abs": self.max_abs, "flushed_share": round(self.flushed_share, 6),
+                "nonfinite": self.nonfinite}
+
+
+@dataclass
+class CalibrationResult:
+    target: str
+    samples: int
+    safety: float
+    ranges: dict  # tensor name -> TensorRange
+    consumers: dict  # tensor name -> [(node key, op type)]
+    provider: str = ""
+    notes: list = field(default_factory=list)
+
+    @property
+    def threshold(self) -> float:
+        return LIMITS[self.target] / self.safety
+
+    def culprits(self, target: str | None = None) -> list[TensorRange]:
+        """Tensors over the limit, largest first."""
+        limit = LIMITS[target or self.target] / self.safety
+        return sorted((r for r in self.ranges.values() if r.max_abs > limit), key=lambda r: -r.max_abs)
+
+    def force_fp32(self, target: str | None = None) -> dict:
+        """{node key: reason} for producers and readers of tensors over the limit."""
+        target = target or self.target
+        limit = LIMITS[target] / self.safety
+        bound = f"{limit:.6g} ({LIMITS[target]:.6g}/{self.safety:g})"
+        forced: dict = {}
+        for r in self.culprits(target):  # largest first: the first reason a node gets is its largest value
+            if r.producer is not None:
+                forced.setdefault(r.producer, f"calibrated: output {r.name!r} reaches {r.max_abs:.4g} > {bound}")
+            for key, _ in self.consumers.get(r.name, []):
+                forced.setdefault(key, f"calibrated: input {r.name!r} reaches {r.max_abs:.4g} > {bound}")
+        return forced
+
+    def to_dict(self, target: str | None = None) -> dict:
+        forced = self.force_fp32(target)
+        largest = sorted(self.ranges.values(), key=lambda r: -r.max_abs)[:10]
+        flushing = sorted((r for r in self.ranges.values() if r.flushed), key=lambda r: -r.flushed_share)[:10]
+        return {
+            "samples": self.samples, "provider": self.provider, "tensors": len(self.ranges),
+            "safety": self.safety, "threshold": self.threshold,
+            "culprits": [r.to_dict() for r in self.culprits(target)],
+            "forced": [{"node": k, "reason": v} for k, v in forced.items()],
+            "largest": [r.to_dict() for r in largest],
+            "flush_to_zero": [r.to_dict() for r in flushing],
+            "notes": self.notes,
+        }
+
+    def to_text(self) -> str:
+        lines = [f"calibration: {self.samples} sample(s) on {self.provider}, {len(self.ranges)} float tensors; "
+                 f"limit {self.threshold:.6g}"]
+        for r in self.culprits()[:20]:
+            lines.append(f"  {r.name!r} from {r.op_type} '{r.producer}' reaches {r.max_abs:.4g}")
+        return "\n".join(lines)
+
+
+def _node_key(node: onnx.NodeProto) -> str:
+    return node.name or (node.output[0] if node.output else "")
+
+
+def _measured_tensors(model: onnx.ModelProto, types: dict):
+    """Main-graph float32 tensors to measure: graph inputs and node outputs (not constants)."""
+    producers = {}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            continue
+        for out in node.output:
+            if out and types.get(out) == TensorProto.FLOAT:
+                producers[out] = (_node_key(node), node.op_type)
+    initializers = {i.name for i in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name not in initializers and types.get(value.name) == TensorProto.FLOAT:
+            producers.setdefault(value.name, (None, None))
+    return producers
+
+
+def calibrate(model, samples=None, *, target: str = "float16", safety: float = DEFAULT_SAFETY,
+              provider: str = "auto", progress=None, dims=None) -> CalibrationResult:
+    """Run the float32 `model` on `samples` (synthesised if None) and measure every float tensor."""
+    model = model_io.load(model).model if not isinstance(model, onnx.ModelProto) else model
+    if samples is None:
+        samples = val.synthesise(model, dims=dims)
+    types, _ = model_io.tensor_types(model)
+    producers = _measured_tensors(model, types)
+    consumers: dict = {}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in producers:
+                consumers.setdefault(name, []).append((_node_key(node), node.op_type))
+    exposed = val.expose(model, list(producers))
+    sess, used = val.session(exposed, provider)
+    names = [o.name for o in sess.get_outputs() if o.name in producers]
+    ranges = {n: TensorRange(n, *producers[n]) for n in names}
+    flush = FLUSH[target]
+    with val.Progress(len(samples), "calibrate", progress) as bar:
+        for feeds in samples:
+            for name, array in zip(names, sess.run(names, feeds)):
+                _accumulate(ranges[name], np.asarray(array), flush)
+            bar.step()
+    result = CalibrationResult(target, len(samples), safety, ranges, consumers, used)
+    if len(val.feed_inputs(model)) and len(samples) == 1:
+        result.notes.append("one sample: ranges on real data can be larger (use --inputs with several samples)")
+    if any(a.HasField("g") or a.graphs for n in model.graph.node for a in n.attribute):
+        result.notes.append("tensors inside If/Loop/Scan bodies are not measured")
+    return result
+
+
+def _accumulate(r: TensorRange, array: np.ndarray, flush: float) -> None:
+    if array.dtype != np.float32 or not array.size:
+        return
+    a = np.abs(array)
+    finite = np.isfinite(a)
+    r.count += a.size
+    r.nonfinite += int(a.size - finite.sum())
+    values = a[finite] if r.nonfinite else a
+    if values.size:
+        r.max_abs = max(r.max_abs, float(values.max()))
+        nonzero = values > 0
+        r.nonzero += int(nonzero.sum())
+        r.flushed += int((nonzero & (values < flush)).sum())

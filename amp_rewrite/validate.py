@@ -1,0 +1,330 @@
+"""Run the original and the rewritten model and compare them, per output.
+
+`validate(original, rewritten, samples)` runs both in ONNX Runtime on the chosen provider (CUDA
+when it really loads) and, on CPU, also runs the rewritten model in `onnx.reference` (which keeps
+float16 tensors float16, as a GPU does; ORT's CPU provider computes most float16 ops in float32
+and drops the casts in between, so it hides overflow). The float32 original on ORT is the
+reference. Per output: max abs error, max relative error, cosine similarity, NaN/Inf counts and,
+for class scores, top-1 agreement. `passed` needs every run within `rtol`/`atol` (numpy's
+`allclose` rule) and no non-finite value where the original is finite.
+
+Samples are dicts {input name: array}: from an .npz (`load_samples`) or synthesised from the
+declared input types (`synthesise`, symbolic dims from `dims` or 1).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from amp_rewrite import model as model_io
+from amp_rewrite.errors import UsageError, ValidationError
+from amp_rewrite.progress import Progress
+
+PROVIDERS = ("auto", "cuda", "cpu")
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+REFERENCE_NODE_LIMIT = 2000  # the reference evaluator is slow: automatic only for small models
+
+_cuda_loads: dict = {}
+
+
+# --- samples ---------------------------------------------------------------------------------------
+
+def feed_inputs(model: onnx.ModelProto) -> list:
+    """Graph inputs that must be fed (inputs that are also initializers are optional)."""
+    initializers = {i.name for i in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in initializers]
+
+
+def parse_dims(items) -> dict:
+    """['batch=8', 'seq=128'] -> {'batch': 8, 'seq': 128}."""
+    dims = {}
+    for item in items or ():
+        match = re.fullmatch(r"\s*([^=\s]+)\s*=\s*(\d+)\s*", item)
+        if not match:
+            raise UsageError(f"--dim {item!r}: expected NAME=SIZE, e.g. batch=8")
+        dims[match.group(1)] = int(match.group(2))
+    return dims
+
+
+def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int = 0, scale: float = 1.0) -> list:
+    """`count` random samples from the declared input types; symbolic dims from `dims`, else 1.
+
+    Floats are standard normal x `scale`, integers in [0, 3) (safe as indices), bools random.
+    """
+    dims = dims or {}
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(count):
+        feeds = {}
+        for value in feed_inputs(model):
+            t = value.type.tensor_type
+            if not value.type.HasField("tensor_type"):
+                raise UsageError(f"input {value.name!r} is not a tensor; pass samples with --inputs")
+            shape = []
+            for d in t.shape.dim:
+                if d.HasField("dim_value"):
+                    shape.append(d.dim_value)
+                else:
+                    shape.append(dims.get(d.dim_param, 1))
+            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+            if np.issubdtype(dtype, np.floating):
+                feeds[value.name] = (rng.standard_normal(shape) * scale).astype(dtype)
+            elif dtype == np.bool_:
+                feeds[value.name] = rng.integers(0, 2, shape).astype(bool)
+            else:
+                feeds[value.name] = rng.integers(0, 3, shape).astype(dtype)
+        samples.append(feeds)
+    return samples
+
+
+def load_samples(path, model: onnx.ModelProto) -> list:
+    """Samples from an .npz: keys `NAME` (one sample) or `I/NAME` (sample I), one per input."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--inputs {path}: cannot read as .npz ({exc})") from None
+    names = [v.name for v in feed_inputs(model)]
+    by_sample: dict = {}
+    for key in data.files:
+        index, _, name = key.rpartition("/")
+        by_sample.setdefault(index, {})[name] = data[key]
+    samples = []
+    for index in sorted(by_sample, key=lambda k: (len(k), k)):
+        feeds = by_sample[index]
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise UsageError(f"--inputs {path}: sample {index or 0} lacks input(s) {', '.join(missing)}")
+        samples.append({n: feeds[n] for n in names})
+    if not samples:
+        raise UsageError(f"--inputs {path}: no samples")
+    return samples
+
+
+# --- sessions --------------------------------------------------------------------------------------
+
+def _quiet_ort():
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort, options
+
+
+def _session_source(model: onnx.ModelProto, tmp: list):
+    if model.ByteSize() < model_io.TWO_GB:
+        return model.SerializeToString()
+    folder = tempfile.TemporaryDirectory()
+    tmp.append(folder)
+    path = Path(folder.name) / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data")
+    return str(path)
+
+
+def session(model: onnx.ModelProto, provider: str = "auto"):
+    """(session, provider actually used). CUDA only when it really loads; ORT's spew silenced."""
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    ort, options = _quiet_ort()
+    want_cuda = provider == "cuda" or (provider == "auto" and CUDA in ort.get_available_providers())
+    if want_cuda and _cuda_loads.get("ok") is False:
+        want_cuda = False
+    providers = [CUDA, CPU] if want_cuda else [CPU]
+    tmp: list = []
+    source = _session_source(model, tmp)
+    if want_cuda:
+        ort.set_default_logger_severity(4)  # a CUDA provider that fails to load logs an error: not ours
+    try:
+        sess = ort.InferenceSession(source, options, providers=providers)
+    except Exception as exc:
+        raise ValidationError(f"ONNX Runtime cannot load the model: {str(exc).strip().splitlines()[0]}") from None
+    finally:
+        ort.set_default_logger_severity(3)
+    used = sess.get_providers()[0]
+    if want_cuda:
+        _cuda_loads["ok"] = used == CUDA
+    sess._amp_tmp = tmp  # keep external data alive with the session
+    return sess, used
+
+
+def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> list:
+    """One session run per sample: [[array per output] per sample]."""
+    results = []
+    with Progress(len(samples), label, progress) as bar:
+        for feeds in samples:
+            results.append(sess.run(outputs, feeds))
+            bar.step()
+    return results
+
+
+def run_reference(model: onnx.ModelProto, samples, *, outputs=None, progress=None, label="reference") -> list:
+    from onnx.reference import ReferenceEvaluator
+
+    evaluator = ReferenceEvaluator(model)
+    results = []
+    with Progress(len(samples), label, progress) as bar, np.errstate(all="ignore"):
+        for feeds in samples:
+            results.append(list(evaluator.run(outputs, feeds)))
+            bar.step()
+    return results
+
+
+# --- comparison ------------------------------------------------------------------------------------
+
+def compare(reference, candidate, *, rtol: float, atol: float, name: str = "") -> dict:
+    """Figures for one output over all samples (lists of arrays, one per sample)."""
+    ref = [np.asarray(r) for r in reference]
+    cand = [np.asarray(c) for c in candidate]
+    stats = {"name": name, "shape": list(ref[0].shape) if ref else [], "passed": True}
+    if any(r.shape != c.shape for r, c in zip(ref, cand)):
+        stats.update(passed=False, error="shape differs", max_abs=float("inf"), max_rel=float("inf"), cosine=0.0,
+                     nan=0, inf=0, ref_nan=0, ref_inf=0, top1=None, within=0.0)
+        return stats
+    r = np.concatenate([x.astype(np.float64).ravel() for x in ref]) if ref else np.zeros(0)
+    c = np.concatenate([x.astype(np.float64).ravel() for x in cand]) if cand else np.zeros(0)
+    both = np.isfinite(r) & np.isfinite(c)
+    diff = np.abs(c[both] - r[both])
+    mag = np.abs(r[both])
+    rel_mask = mag > max(atol, 1e-30)
+    new_bad = int(np.sum(np.isfinite(r) & ~np.isfinite(c)))
+    within = diff <= atol + rtol * mag
+    dot = float(np.dot(r[both], c[both]))
+    norm = float(np.linalg.norm(r[both]) * np.linalg.norm(c[both]))
+    stats.update(
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        max_rel=float((diff[rel_mask] / mag[rel_mask]).max()) if rel_mask.any() else 0.0,
+        cosine=dot / norm if norm > 0 else (1.0 if not diff.size or diff.max() == 0 else 0.0),
+        nan=int(np.isnan(c).sum()), inf=int(np.isinf(c).sum()),
+        ref_nan=int(np.isnan(r).sum()), ref_inf=int(np.isinf(r).sum()),
+        within=float(within.mean()) if within.size else 1.0,
+        top1=_top1(ref, cand),
+    )
+    stats["passed"] = bool(new_bad == 0 and within.all())
+    return stats
+
+
+def _top1(ref, cand):
+    """Share of rows whose argmax over the last axis agrees (class scores: float, last dim >= 2)."""
+    if not ref or ref[0].ndim < 1 or ref[0].shape[-1] < 2 or not np.issubdtype(ref[0].dtype, np.floating):
+        return None
+    agree = total = 0
+    for r, c in zip(ref, cand):
+        r2 = r.reshape(-1, r.shape[-1])
+        c2 = np.nan_to_num(c.reshape(-1, c.shape[-1]).astype(np.float64), nan=-np.inf)
+        agree += int((r2.argmax(-1) == c2.argmax(-1)).sum())
+        total += r2.shape[0]
+    return agree / total if total else None
+
+
+@dataclass
+class ValidationResult:
+    """Per-output figures for each run ("ort:<provider>", and "reference" on CPU)."""
+
+    rtol: float
+    atol: float
+    provider: str
+    samples: int
+    runs: dict = field(default_factory=dict)  # run name -> [stats per output]
+    notes: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.runs) and all(s["passed"] for stats in self.runs.values() for s in stats)
+
+    def worst(self, key: str = "max_rel") -> float:
+        values = [s.get(key, 0.0) for stats in self.runs.values() for s in stats]
+        return max(values) if values else 0.0
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "provider": self.provider, "samples": self.samples, "rtol": self.rtol,
+                "atol": self.atol, "runs": self.runs, "notes": self.notes}
+
+    def to_text(self) -> str:
+        lines = [f"validation on {self.provider}, {self.samples} sample(s), rtol {self.rtol:g} atol {self.atol:g}: "
+                 + ("PASSED" if self.passed else "FAILED")]
+        head = f"  {'run':<26}{'output':<20}{'max abs':>11}{'max rel':>11}{'cosine':>10}{'NaN':>6}{'Inf':>6}{'top1':>7}  ok"
+        lines.append(head)
+        for run, stats in self.runs.items():
+            for s in stats:
+                top1 = "-" if s.get("top1") is None else f"{s['top1']:.3f}"
+                lines.append(f"  {run:<26}{s['name'][:19]:<20}{s['max_abs']:>11.3g}{s['max_rel']:>11.3g}"
+                             f"{s['cosine']:>10.6f}{s['nan']:>6}{s['inf']:>6}{top1:>7}  {'yes' if s['passed'] else 'NO'}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> None:
+        if not self.passed:
+            bad = [f"{run} {s['name']} (max abs {s['max_abs']:.3g}, max rel {s['max_rel']:.3g}, NaN {s['nan']}, "
+                   f"Inf {s['inf']})" for run, stats in self.runs.items() for s in stats if not s["passed"]]
+            raise ValidationError(f"over tolerance rtol {self.rtol:g} atol {self.atol:g}: " + "; ".join(bad))
+
+
+def use_reference(model: onnx.ModelProto, provider_used: str, reference) -> bool:
+    if reference == "auto":
+        return provider_used == CPU and len(model.graph.node) <= REFERENCE_NODE_LIMIT
+    return bool(reference)
+
+
+def reference_outputs(original: onnx.ModelProto, samples, provider: str = "auto", progress=None):
+    """(float32 outputs per sample, provider used): the original run once on ORT."""
+    sess, used = session(original, provider)
+    names = [o.name for o in sess.get_outputs()]
+    return names, run_samples(sess, samples, progress=progress, label="validate: original"), used
+
+
+def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol: float = 1e-2, atol: float = 1e-3,
+             reference="auto", progress=None, dims=None, expected=None) -> ValidationResult:
+    """Compare `rewritten` with `original` (paths or ModelProtos) on `samples` (synthesised if None).
+
+    `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU for
+    models up to REFERENCE_NODE_LIMIT nodes). `expected` reuses `reference_outputs(...)`.
+    """
+    original = model_io.load(original).model if not isinstance(original, onnx.ModelProto) else original
+    rewritten = model_io.load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
+    if samples is None:
+        samples = synthesise(original, dims=dims)
+    names, ref, used = expected or reference_outputs(original, samples, provider, progress)
+    result = ValidationResult(rtol, atol, used, len(samples))
+    if provider == "cuda" and used != CUDA:
+        result.notes.append("CUDA provider did not load; validated on CPU")
+    sess, used_new = session(rewritten, provider)
+    got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
+    result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)
+    if use_reference(rewritten, used_new, reference):
+        try:
+            emulated = run_reference(rewritten, samples, outputs=names, progress=progress,
+                                     label="validate: reference")
+            result.runs["reference"] = _compare_all(names, ref, emulated, rtol, atol)
+        except Exception as exc:  # an op the reference evaluator lacks: say so, keep ORT's verdict
+            result.notes.append(f"onnx.reference could not run the rewritten model: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    elif used_new == CPU:
+        result.notes.append("ORT CPU computes many float16 ops in float32 and can hide overflow; "
+                            "pass reference=True (--reference) to also run onnx.reference")
+    return result
+
+
+def _compare_all(names, ref, got, rtol, atol) -> list:
+    return [compare([r[i] for r in ref], [g[i] for g in got], rtol=rtol, atol=atol, name=name)
+            for i, name in enumerate(names)]
+
+
+def expose(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of `model` whose graph also outputs the main-graph tensors `names` (types inferred)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    types, _ = model_io.tensor_types(copy)
+    present = {o.name for o in copy.graph.output}
+    for name in names:
+        if name not in present and name in types:
+            copy.graph.output.append(helper.make_tensor_value_info(name, types[name], None))
+            present.add(name)
+    return copy
