@@ -87,6 +87,12 @@ def test_learning_rate_changes_between_steps_without_rebuilding():
     assert frozen.step_count == 1
 
 
+def model_with_labels_input():
+    model = softmax_regression()
+    model.graph.input.append(onnx.helper.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["N"]))
+    return model
+
+
 class GradScalerLike:
     """Stands in for an optimizer that already scales its loss (torch GradScaler / Keras LossScaleOptimizer)."""
 
@@ -101,10 +107,11 @@ class GradScalerLike:
     (lambda: make_trainer(precision="float8"), "precision"),
     (lambda: make_trainer(provider="tpu"), "provider"),
     (lambda: make_trainer(loss="nll"), "neither a built-in"),
+    (lambda: make_trainer(model=model_with_labels_input()), "already has an input named 'labels'"),
     (lambda: SGD(0.1, nesterov=True), "nesterov"),
     (lambda: Adam(-1.0), "lr"),
     (lambda: Trainer("/nonexistent/model.onnx", optimizer=SGD(0.1)), "cannot load model"),
-], ids=["loss-scaled-optimizer", "no-optimizer", "foreign-optimizer", "precision", "provider", "loss",
+], ids=["loss-scaled-optimizer", "no-optimizer", "foreign-optimizer", "precision", "provider", "loss", "labels-clash",
         "nesterov", "negative-lr", "missing-model"])
 def test_bad_configurations_are_one_line_training_errors(configure, message):
     with pytest.raises(TrainingError, match=message) as error:

@@ -44,6 +44,8 @@ def attach_loss(model: onnx.ModelProto, loss: str, emitter: Emitter) -> tuple[st
 
 
 def _attach(graph: onnx.GraphProto, loss_name: str, extra_input) -> str:
+    if extra_input is not None and extra_input.name in {i.name for i in graph.input}:
+        raise TrainingError(f"the model already has an input named {extra_input.name!r}, which the built-in loss feeds")
     if extra_input is not None:
         graph.input.append(extra_input)
     del graph.output[:]

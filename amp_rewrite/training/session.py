@@ -8,6 +8,7 @@ the outcome in one line.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import onnxruntime as ort
@@ -44,5 +45,10 @@ def open_session(model_bytes: bytes, provider: str = "auto") -> tuple[ort.Infere
     if try_cuda and not on_cuda:
         if provider == "cuda":
             raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
-        log.warning("amp-rewrite: ONNX Runtime's CUDA provider did not load; training on CPU")
+        _say_cpu_fallback_once()
     return session, "cuda" if on_cuda else "cpu"
+
+
+@functools.lru_cache(maxsize=1)
+def _say_cpu_fallback_once() -> None:
+    log.warning("amp-rewrite: ONNX Runtime's CUDA provider did not load; training on CPU")

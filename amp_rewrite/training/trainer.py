@@ -66,7 +66,7 @@ class Trainer:
             raise TrainingError("on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)")
         step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, trainable, gradient_builder)
         self.step_graph: StepGraph = apply_precision(step, self.precision)
-        self._session, self.device = open_session(self.step_graph.model.SerializeToString(), provider)
+        self._session, self.device = _open_step_session(self.step_graph.model, provider, precision)
         self._feed_types = _input_dtypes(self.step_graph.model)
         self._host_arrays: list[np.ndarray] = []
         self._buffers = [self._device_state(self.step_graph.initial_state), self._device_state(self.step_graph.initial_state)]
@@ -300,6 +300,16 @@ def _check_optimizer(optimizer) -> Optimizer:
     if not isinstance(optimizer, Optimizer):
         raise TrainingError(f"optimizer must be an amp_rewrite.training optimizer (SGD, Adam, AdamW), got {type(optimizer).__name__}")
     return optimizer
+
+
+def _open_step_session(model: onnx.ModelProto, provider: str, precision: str):
+    try:
+        return open_session(model.SerializeToString(), provider)
+    except TrainingError as error:
+        if precision != "bfloat16":
+            raise
+        raise TrainingError(f"{error} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
+                            "use the CUDA provider or float16)") from None
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
