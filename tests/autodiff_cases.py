@@ -232,6 +232,9 @@ CASES += [
            {"x": [N, 3], "s": [3], "b": [3]}, consts={"m": np.zeros(3), "v": np.ones(3)}, batch=4),
     OpCase("InstanceNormalization", "InstanceNormalization", [n("InstanceNormalization", ["x", "s", "b"])],
            {"x": [N, 2, 3, 2], "s": [2], "b": [2]}),
+    float32_fd(OpCase("GroupNormalization-21", "GroupNormalization",  # statistics stashed in float32
+                      [n("GroupNormalization", ["x", "s", "b"], num_groups=2)],
+                      {"x": [N, 4, 2, 2], "s": [4], "b": [4]}, opsets=(21,))),
     OpCase("LayerNormalization", "LayerNormalization", [n("LayerNormalization", ["x", "s", "b"])],
            {"x": [N, 2, 4], "s": [4], "b": [4]}),
     OpCase("LayerNormalization-axis1", "LayerNormalization", [n("LayerNormalization", ["x", "s"], axis=1, epsilon=1e-3)],

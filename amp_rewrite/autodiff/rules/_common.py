@@ -54,20 +54,19 @@ def unbroadcast_at_runtime(ctx: GradContext, g: str, x: str) -> str:
     return _sum_where_x_is_one(ctx, g, x)
 
 
-def reduce_axes(ctx: GradContext, rank: int) -> list[int] | None:
-    """Axes of a Reduce* node as sorted non-negative ints; None means 'all axes'."""
+def reduce_axes(ctx: GradContext) -> list[int] | None:
+    """Axes of a Reduce* node as written (may be negative); None means 'all axes'.
+
+    No rank is needed: Unsqueeze reads negative axes against its output rank, the input's rank.
+    """
     if ctx.opset >= _axes_input_since(ctx.node.op_type):
         name = ctx.x(1)
-        if not name:
-            return None if not ctx.attr("noop_with_empty_axes", 0) else []
-        axes = ctx.constant_ints(name, "axes")
+        axes = ctx.constant_ints(name, "axes") if name else []
     else:
-        axes = ctx.attr("axes")
-        if axes is None:
-            return None
+        axes = ctx.attr("axes") or []
     if not axes:
         return [] if ctx.attr("noop_with_empty_axes", 0) else None
-    return sorted(normalize_axis(a, rank) for a in axes)
+    return list(axes)
 
 
 def _axes_input_since(op_type: str) -> int:
@@ -78,19 +77,17 @@ def _axes_input_since(op_type: str) -> int:
 
 def expand_reduced(ctx: GradContext, g: str, x: str) -> str:
     """Broadcast the gradient of a Reduce* output back to the shape of its input."""
-    rank = ctx.rank(x)
-    axes = reduce_axes(ctx, rank)
+    axes = reduce_axes(ctx)
     if axes == []:
         return g
-    if not ctx.attr("keepdims", 1):
-        g = ctx.emit.unsqueeze(g, axes if axes is not None else list(range(rank)))
+    if axes is not None and not ctx.attr("keepdims", 1):
+        g = ctx.emit.unsqueeze(g, axes)
     return ctx.emit.op("Expand", [g, ctx.emit.shape(x)])
 
 
 def reduced_with_keepdims(ctx: GradContext, y: str, x: str) -> str:
     """The Reduce* output reshaped so it broadcasts against the input (keepdims=1 form)."""
-    rank = ctx.rank(x)
-    axes = reduce_axes(ctx, rank)
-    if axes == [] or ctx.attr("keepdims", 1):
-        return y
-    return ctx.emit.unsqueeze(y, axes if axes is not None else list(range(rank)))
+    axes = reduce_axes(ctx)
+    if axes == [] or axes is None or ctx.attr("keepdims", 1):
+        return y  # a full reduction broadcasts as it is, with or without kept dims
+    return ctx.emit.unsqueeze(y, axes)

@@ -278,6 +278,41 @@ def instance_norm_grad(ctx):
     return grads
 
 
+@register_gradient("GroupNormalization")
+def group_norm_grad(ctx):
+    """Normalise x viewed as [N, G, -1]; scale and bias are per group at opset 18, per channel from 21."""
+    e, x, scale, dy = ctx.emit, ctx.x(0), ctx.x(1), ctx.dy()
+    rank, groups = ctx.rank(x), ctx.attr("num_groups")
+    grouped = e.ints([0, groups, -1])
+    xg = e.op("Reshape", [x, grouped])
+    mean = e.reduce_mean(xg, [2])
+    centered = e.op("Sub", [xg, mean])
+    var = e.reduce_mean(e.op("Mul", [centered, centered]), [2])
+    inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])])
+    xhat = e.op("Mul", [centered, inv_std])
+    dyg = e.op("Reshape", [dy, grouped])
+    per_channel = ctx.opset >= 21
+    grads = [None, None, None]
+    if ctx.needs(0):
+        if per_channel:
+            dxhat = e.op("Reshape", [e.op("Mul", [dy, _channel_vector(ctx, scale, rank)]), grouped])
+        else:
+            dxhat = e.op("Mul", [dyg, e.unsqueeze(scale, [1])])
+        grads[0] = e.reshape_like(_normalized_input_grad(ctx, dxhat, xhat, inv_std, [2]), x)
+    if per_channel:
+        axes = [0, *range(2, rank)]
+        if ctx.needs(1):
+            grads[1] = e.reduce_sum(e.op("Mul", [dy, e.reshape_like(xhat, x)]), axes, keepdims=False)
+        if ctx.needs(2):
+            grads[2] = e.reduce_sum(dy, axes, keepdims=False)
+    else:
+        if ctx.needs(1):
+            grads[1] = e.reduce_sum(e.op("Mul", [dyg, xhat]), [0, 2], keepdims=False)
+        if ctx.needs(2):
+            grads[2] = e.reduce_sum(dyg, [0, 2], keepdims=False)
+    return grads
+
+
 @register_gradient("Dropout", differentiable=(0,))
 def dropout_grad(ctx):
     """dY * mask / (1 - ratio) in training mode (the node's mask output is added when missing), else dY."""

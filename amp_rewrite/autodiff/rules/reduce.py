@@ -78,8 +78,8 @@ def _select_reduce_grad(ctx):
     """dY to the elements equal to the extreme, split evenly between ties."""
     e, x = ctx.emit, ctx.x(0)
     hit = e.cast(e.op("Equal", [x, reduced_with_keepdims(ctx, ctx.y(), x)]), ctx.dtype(x))
-    axes = reduce_axes(ctx, ctx.rank(x))
-    count = e.reduce_sum(hit, axes if axes is not None else list(range(ctx.rank(x))), keepdims=True)
+    axes = reduce_axes(ctx)
+    count = e.op("ReduceSum", [hit], keepdims=1) if axes is None else e.reduce_sum(hit, axes, keepdims=True)
     return [e.op("Mul", [_expanded(ctx), e.op("Div", [hit, count])])]
 
 
