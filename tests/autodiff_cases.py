@@ -184,6 +184,8 @@ CASES += [
            consts={"st": i64(-1, 0), "en": i64(-100, 9), "ax": i64(1, 0), "sp": i64(-2, 2)}),
     OpCase("Gather-axis0-repeats", "Gather", [n("Gather", ["x", "i"])], {"x": [4, 3]},
            consts={"i": np.array([[0, 2], [2, -1]], dtype=np.int64)}),
+    OpCase("Gather-one-hot-before-opset16", "Gather", [n("Gather", ["x", "i"], axis=1)], {"x": [N, 4, 2]},
+           consts={"i": np.array([[3, 0], [-1, 3]], dtype=np.int64)}, opsets=(13, 15)),
     OpCase("Gather-axis1", "Gather", [n("Gather", ["x", "i"], axis=1)], {"x": [N, 4, 2]},
            consts={"i": np.array([3, 0, 3], dtype=np.int32)}),
     OpCase("Gather-scalar-index", "Gather", [n("Gather", ["x", "i"], axis=1)], {"x": [N, 4]},

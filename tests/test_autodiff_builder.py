@@ -158,9 +158,9 @@ def test_opset_13_uses_attribute_forms_and_runs():
 
 def test_scatter_rules_explain_the_opset_they_need():
     emb = init("E", RNG.standard_normal((5, 2)).astype(np.float32))
-    nodes = [node("Gather", ["E", "ids"], ["e"]), node("ReduceSum", ["e"], ["loss"], keepdims=0)]
-    model = make_model(nodes, [tensor("ids", ["N"], TensorProto.INT64)], [tensor("loss", [])], [emb], opset=13)
-    with pytest.raises(GradientError, match="Gather node 'Gather_e'.*opset 16"):
+    nodes = [node("GatherElements", ["E", "ids"], ["e"]), node("ReduceSum", ["e"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [tensor("ids", ["N", 2], TensorProto.INT64)], [tensor("loss", [])], [emb], opset=13)
+    with pytest.raises(GradientError, match="GatherElements node 'GatherElements_e'.*opset 16"):
         build_gradient_graph(model, "loss")
 
 

@@ -119,18 +119,28 @@ def _positive_indices(ctx, indices, dim):
 
 @register_gradient("Gather", differentiable=(0,))
 def gather_grad(ctx):
-    """ScatterND-add dY into zeros, with the gathered axis moved to the front."""
-    _needs_scatter_add(ctx)
+    """Scatter-add dY into zeros with the gathered axis moved to the front: ScatterND(reduction='add')
+    from opset 16, a one-hot MatMul before (memory grows with indices x axis size)."""
     e, x = ctx.emit, ctx.x(0)
     rank, q = ctx.rank(x), ctx.rank(ctx.x(1))
     axis = normalize_axis(ctx.attr("axis", 0), rank)
-    indices = _positive_indices(ctx, ctx.x(1), _dim_scalar(ctx, x, axis))
+    dim = _dim_scalar(ctx, x, axis)
+    indices = _positive_indices(ctx, ctx.x(1), dim)
     front = [axis, *range(axis), *range(axis + 1, rank)]
-    zeros = e.op("ConstantOfShape", [e.op("Gather", [e.shape(x), e.ints(front)])], value=_zero(ctx.dtype(x)))
+    front_shape = e.op("Gather", [e.shape(x), e.ints(front)])
     dy = ctx.dy()
-    if axis:
+    if axis:  # index axes first, then the remaining data axes in order
         dy = e.op("Transpose", [dy], perm=[*range(axis, axis + q), *range(axis), *range(axis + q, rank + q - 1)])
-    scattered = e.op("ScatterND", [zeros, e.unsqueeze(indices, [-1]), dy], reduction="add")
+    if ctx.opset >= SCATTER_ADD_SINCE:
+        zeros = e.op("ConstantOfShape", [front_shape], value=_zero(ctx.dtype(x)))
+        scattered = e.op("ScatterND", [zeros, e.unsqueeze(indices, [-1]), dy], reduction="add")
+    else:
+        flat = e.op("Reshape", [indices, e.ints([-1])])
+        classes = e.op("Range", [e.const(0, TensorProto.INT64), dim, e.const(1, TensorProto.INT64)])
+        one_hot = e.cast(e.op("Equal", [e.unsqueeze(flat, [1]), classes]), ctx.dtype(x))
+        rows = e.op("Reshape", [dy, e.op("Concat", [e.shape(flat), e.ints([-1])], axis=0)])
+        summed = e.op("MatMul", [e.op("Transpose", [one_hot], perm=[1, 0]), rows])
+        scattered = e.op("Reshape", [summed, front_shape])
     if axis:
         back = [0] * rank
         for i, p in enumerate(front):
