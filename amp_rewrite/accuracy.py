@@ -12,6 +12,7 @@ candidate costs one validation run; the search stops at `max_runs` (10) includin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,7 +118,8 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     `calibration` (a CalibrationResult) is applied to every candidate; `rewrite_kwargs` go to
     `rewrite`. At most `max_runs` validation runs, the final clean check included.
     """
-    model = model_io.load(model).model if not isinstance(model, onnx.ModelProto) else model
+    loaded = _shared(model_io.load(model))
+    model = loaded.model
     if samples is None:
         samples = val.synthesise(model, dims=dims)
     types, _ = model_io.tensor_types(model)
@@ -139,7 +141,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     k = 1
     result = validation = None
     while runs < max_runs:
-        result = rewrite(model, calibration=calibration, force_fp32={**base_force, **pinned}, **rewrite_kwargs)
+        result = rewrite(loaded, calibration=calibration, force_fp32={**base_force, **pinned}, **rewrite_kwargs)
         if runs == max_runs - 1:  # one run left: it is the final check
             break
         outputs, tensors = _evaluate(result.model, samples, names, measured_names, provider, reference, progress)
@@ -203,6 +205,13 @@ def _rank(result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dic
     return [(key, why) for key, (_, why) in sorted(scores.items(), key=lambda kv: -kv[1][0])]
 
 
+def _shared(loaded):
+    """The same model marked not owned, so `rewrite` copies it instead of rewriting it in place."""
+    if getattr(loaded, "owned", False):
+        return dataclasses.replace(loaded, owned=False)
+    return loaded
+
+
 @dataclass
 class CheckedResult:
     """What `check` did: the rewrite, and calibration / validation / fallback when asked."""
@@ -220,9 +229,16 @@ class CheckedResult:
 def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1, validate: bool = False,
           calibrate: bool = False, tolerance: bool = False, provider: str = "auto", rtol: float = 1e-2,
           atol: float = 1e-3, reference="auto", safety: float = cal_mod.DEFAULT_SAFETY, progress=None,
-          max_runs: int = 10, **rewrite_kwargs) -> CheckedResult:
-    """calibrate (optional) -> rewrite -> validate (optional) -> fallback (when `tolerance`)."""
-    model = model_io.load(model).model if not isinstance(model, onnx.ModelProto) else model
+          max_runs: int = 10, keep_original: bool = True, **rewrite_kwargs) -> CheckedResult:
+    """calibrate (optional) -> rewrite -> validate (optional) -> fallback (when `tolerance`).
+
+    A model the caller loaded from a file is rewritten in place (no second copy) only when no
+    check needs the original and `keep_original` is False.
+    """
+    loaded = model_io.load(model)
+    if keep_original or validate or calibrate or tolerance:
+        loaded = _shared(loaded)
+    model = loaded.model
     if samples is None and (validate or calibrate or tolerance):
         samples = (val.load_samples(inputs, model) if inputs is not None
                    else val.synthesise(model, dims=dims, count=samples_count))
@@ -232,11 +248,11 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
         calibration = cal_mod.calibrate(model, samples, target=target, safety=safety, provider=provider,
                                         progress=progress)
     if tolerance:
-        fb = fit(model, samples, rtol=rtol, atol=atol, provider=provider, calibration=calibration,
+        fb = fit(loaded, samples, rtol=rtol, atol=atol, provider=provider, calibration=calibration,
                  max_runs=max_runs, reference=reference, progress=progress, **rewrite_kwargs)
         out = CheckedResult(fb.result, calibration, fb.validation, fb)
     else:
-        result = rewrite(model, calibration=calibration, **rewrite_kwargs)
+        result = rewrite(loaded, calibration=calibration, **rewrite_kwargs)
         validation = None
         if validate:
             validation = val.validate(model, result.model, samples, provider=provider, rtol=rtol, atol=atol,
@@ -246,3 +262,18 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
     if calibration is not None:
         out.result.report.sections["calibration"] = calibration.to_dict(target)
     return out
+
+
+def explain_text(report, name: str) -> str:
+    """Every type group's sentence and chain for node `name`; a UsageError naming close names."""
+    lines = report.explain(name)
+    if not lines:
+        import difflib
+
+        from amp_rewrite.errors import UsageError
+
+        names = [n["name"] for n in report.nodes if n["name"]]
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise UsageError(f"--explain: no float node named {name!r}{hint}")
+    return "\n".join(lines)

@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
+from amp_rewrite import accuracy, validate
 from amp_rewrite import model as model_io
 from amp_rewrite.errors import AmpRewriteError, UsageError
 from amp_rewrite.oplists import TARGETS
-from amp_rewrite.rewrite import rewrite
 
 SUFFIX = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -45,9 +45,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clamp", action="store_true",
                    help="clamp constants outside the target range instead of keeping their consumers float32")
     p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
+    _add_check_arguments(p)
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
     p.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
     return p
+
+
+def _add_check_arguments(p) -> None:
+    g = p.add_argument_group("explain, validate, calibrate")
+    g.add_argument("--explain", metavar="NODE", help="print why NODE got its precision, as a chain; write nothing")
+    g.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report (summary, op table, graph)")
+    g.add_argument("--validate", action="store_true", help="run both models in ONNX Runtime and compare outputs")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure float32 tensor ranges on the samples; overflowing producers/readers stay float32")
+    g.add_argument("--tolerance", action="store_true",
+                   help="after calibration, pin nodes float32 where the error enters until --rtol/--atol pass")
+    g.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="ONNX Runtime provider for validation/calibration (auto: CUDA when it really loads)")
+    g.add_argument("--inputs", metavar="FILE.npz", help="sample inputs: keys NAME, or I/NAME for sample I")
+    g.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim")
+    g.add_argument("--samples", type=int, default=1, metavar="N", help="synthesised samples (default 1)")
+    g.add_argument("--rtol", type=float, default=1e-2, help="relative tolerance (default 1e-2)")
+    g.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
+    g.add_argument("--safety", type=float, default=4.0, help="calibration margin: limit is max/SAFETY (default 4)")
+    g.add_argument("--reference", choices=("auto", "always", "never"), default="auto",
+                   help="also run onnx.reference on CPU, which keeps float16 (auto: models up to 2000 nodes)")
+    g.add_argument("--max-runs", type=int, default=10, help="validation runs the --tolerance search may use")
+    g.add_argument("--progress", action="store_true", default=None, help="progress bars even when not a terminal")
 
 
 def default_output(model_path: Path, target: str) -> Path:
@@ -57,26 +81,49 @@ def default_output(model_path: Path, target: str) -> Path:
 def run(args) -> int:
     source = Path(args.model)
     output = Path(args.output) if args.output else default_output(source, args.target)
+    if args.explain is not None:
+        args.dry_run = True
     if not args.dry_run:
         model_io.check_output_path(output, [source], args.force)
     if args.report:
         model_io.check_output_path(Path(args.report), [source, output], True)
+    if args.html:
+        model_io.check_output_path(Path(args.html), [source, output], True)
     loaded = model_io.load(source)
-    result = rewrite(loaded, target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
-                     allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
-                     keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp)
+    checked = accuracy.check(
+        loaded, inputs=args.inputs, dims=validate.parse_dims(args.dim), samples_count=args.samples,
+        validate=args.validate, calibrate=args.calibrate or args.tolerance, tolerance=args.tolerance,
+        provider=args.provider, rtol=args.rtol, atol=args.atol, safety=args.safety, max_runs=args.max_runs,
+        reference={"auto": "auto", "always": True, "never": False}[args.reference], progress=args.progress,
+        target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
+        allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
+        keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp, keep_original=bool(args.html))
+    result = checked.result
+    if args.explain is not None:
+        print(accuracy.explain_text(result.report, args.explain))
+        return 0
     if not args.dry_run:
         model_io.save(result.model, output, external_data=args.external_data or loaded.had_external_data)
     if args.report:
         model_io.atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
+    if args.html:
+        from amp_rewrite import html_report
+        model_io.atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model).encode())
     if not args.quiet:
         print(result.report.to_text())
+        print(result.report.table_text())
+        if checked.validation is not None:
+            print(checked.validation.to_text())
         print("dry run: no model written" if args.dry_run else f"wrote {output}")
+    if checked.validation is not None:
+        checked.validation.raise_if_failed()
     return 0
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) >= 3 and argv[0] == "explain":  # `amp-rewrite explain model.onnx NODE` = --explain NODE
+        argv = [argv[1], "--explain", argv[2], *argv[3:]]
     debug = "--debug" in argv
     try:
         return run(build_parser().parse_args(argv))

@@ -169,6 +169,8 @@ class Report:
                                                  self.target: 0, "mixed": 0, "float32": 0})
             row["nodes"] += 1
             row[n["precision"]] += 1
+            lists = set(str(row["list"]).split("/")) | {str(n["list"])}
+            row["list"] = "/".join(sorted(x for x in lists if x != "None")) or None
         return sorted(rows.values(), key=lambda r: (-r["nodes"], r["op_type"]))
 
     def explain(self, name: str) -> list[str]:
