@@ -87,6 +87,9 @@ def _entries_of(section, where: str) -> dict[str, str]:
     if section is None:
         return {}
     if isinstance(section, list):
+        for op in section:
+            if not isinstance(op, str):
+                raise OpListError(f"{where}: entry {op!r} is not an op type name")
         section = {op: None for op in section}
     if not isinstance(section, dict):
         raise OpListError(f"{where}: expected a mapping of op -> reason or a list of ops")
