@@ -180,7 +180,10 @@ def _where(path) -> str:
 def _check_tensor_sizes(model: onnx.ModelProto, path) -> int:
     """Every tensor holds exactly the data its shape asks for; returns the total bytes of data."""
     total = 0
+    known_types = set(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
     for tensor in _all_tensors(model.graph):
+        if tensor.data_type not in known_types:
+            _fail(path, f"tensor {tensor.name!r} has unknown element type {tensor.data_type}")
         if any(d < 0 for d in tensor.dims):
             _fail(path, f"tensor {tensor.name!r} has a negative dimension {list(tensor.dims)}")
         count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
@@ -221,6 +224,12 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
 
 def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str = "main graph") -> None:
     """Names defined once, every input defined somewhere visible, no cycles: one line each."""
+    for value in (*graph.input, *graph.output):
+        kind = value.type.WhichOneof("value")
+        if kind is None:
+            _fail(path, f"{label}: {value.name!r} has no type")
+        if kind == "tensor_type" and not value.type.tensor_type.elem_type:
+            _fail(path, f"{label}: {value.name!r} has no element type")
     defined: dict[str, str] = {}
     for kind, names in (("graph input", [v.name for v in graph.input]),
                         ("initializer", [t.name for t in graph.initializer])):
@@ -452,7 +461,10 @@ def check_output_path(output: Path, inputs: list[Path], force: bool) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, fsync, then rename over it."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
