@@ -69,30 +69,30 @@ def _model(nodes, weights, input_shape, classes):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
 
 
-def median_ms(step, feeds_list, warmup: int, repeat: int) -> float:
+def median_ms(steps: dict, feeds: dict, warmup: int, repeat: int) -> dict:
+    """Median step time of each runner, timed round-robin so load drift hits all of them alike."""
     for i in range(warmup):
-        step(feeds_list[i % len(feeds_list)])
-    times = []
+        for name, step in steps.items():
+            step(feeds[name][i % len(feeds[name])])
+    times = {name: [] for name in steps}
     for i in range(repeat):
-        start = time.perf_counter()
-        step(feeds_list[i % len(feeds_list)])
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(feeds[name][i % len(feeds[name])])
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def ort_step_ms(model, precision, provider, feeds_list, warmup, repeat):
-    """(median ms, device, skipped steps): skipped steps cost the same, but would mean a broken run."""
-    trainer = Trainer(model, optimizer=SGD(0.01, momentum=0.9), precision=precision, provider=provider)
-    ms = median_ms(trainer.step, feeds_list, warmup, repeat)
-    return ms, trainer.device, warmup + repeat - trainer.step_count
+def ort_trainer(model, precision, provider):
+    return Trainer(model, optimizer=SGD(0.01, momentum=0.9), precision=precision, provider=provider)
 
 
-def torch_step_ms(kind, weights, feeds_list, warmup, repeat, threads):
-    """The same model, loss and optimizer in PyTorch eager on CPU; None without torch."""
+def torch_runner(kind, weights, feeds_list, threads):
+    """(step function, its feeds): the same model, loss and optimizer in PyTorch eager on CPU; None without torch."""
     try:
         import torch
     except ImportError:
-        return None
+        return None, None
     torch.set_num_threads(threads)
     params = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
     optimizer = torch.optim.SGD(list(params.values()), lr=0.01, momentum=0.9)
@@ -121,7 +121,7 @@ def torch_step_ms(kind, weights, feeds_list, warmup, repeat, threads):
         optimizer.step()
         return loss.item()  # the host read our step does too
 
-    return median_ms(step, torch_feeds, warmup, repeat)
+    return step, torch_feeds
 
 
 def make_feeds(input_shape, batch, classes=10, count=4, seed=0):
@@ -149,11 +149,15 @@ def main(argv=None) -> int:
     for kind in args.models.split(","):
         model, weights, input_shape = builders[kind]()
         feeds = make_feeds(input_shape, args.batch)
-        fp32, device, _ = ort_step_ms(model, "float32", args.provider, feeds, args.warmup, args.repeat)
-        fp16, _, skipped = ort_step_ms(model, "float16", args.provider, feeds, args.warmup, args.repeat)
-        eager = torch_step_ms(kind, weights, feeds, args.warmup, args.repeat, threads) if device == "cpu" else None
-        rows.append((kind, device, eager, fp32, fp16, skipped))
-    print(f"batch {args.batch}, median of {args.repeat} steps after {args.warmup} warm-up, SGD(momentum=0.9)")
+        full, mixed = ort_trainer(model, "float32", args.provider), ort_trainer(model, "float16", args.provider)
+        steps, all_feeds = {"fp32": full.step, "fp16": mixed.step}, {"fp32": feeds, "fp16": feeds}
+        eager_step, eager_feeds = torch_runner(kind, weights, feeds, threads) if full.device == "cpu" else (None, None)
+        if eager_step is not None:
+            steps["torch"], all_feeds["torch"] = eager_step, eager_feeds
+        ms = median_ms(steps, all_feeds, args.warmup, args.repeat)
+        skipped = args.warmup + args.repeat - mixed.step_count  # costs the same, but would mean a broken run
+        rows.append((kind, full.device, ms.get("torch"), ms["fp32"], ms["fp16"], skipped))
+    print(f"batch {args.batch}, median of {args.repeat} steps after {args.warmup} warm-up (round-robin), SGD(momentum=0.9)")
     print("| model | device | torch eager ms | ORT float32 ms | ORT fp32 / torch | ORT float16 AMP ms | AMP / fp32 | AMP skipped |")
     print("|---|---|---|---|---|---|---|---|")
     for kind, device, eager, fp32, fp16, skipped in rows:
