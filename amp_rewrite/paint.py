@@ -45,80 +45,74 @@ class Plan:
         return self.colour.get(v) == LOW
 
 
-def reach(neighbours, roots, may_enter) -> dict:
-    """Multi-source BFS: vertex -> the vertex it was reached from (None for roots)."""
+def reach(adjacencies, roots, enter) -> dict:
+    """Multi-source BFS over networkx adjacency views (`g.succ`, `g.pred`, or both): vertex ->
+    the vertex it was reached from (None for roots). `enter[w]` says whether w may be entered."""
     parent = dict.fromkeys(roots)
     queue = deque(parent)
     while queue:
         v = queue.popleft()
-        for w in neighbours(v):
-            if w not in parent and may_enter(w):
-                parent[w] = v
-                queue.append(w)
+        for adjacency in adjacencies:
+            for w in adjacency[v]:
+                if enter[w] and w not in parent:
+                    parent[w] = v
+                    queue.append(w)
     return parent
 
 
-def _paintable(cg: ColouringGraph, v: int) -> bool:
-    return cg.vertices[v].blocked is None and not cg.is_output_only(v)
+class _Masks:
+    """Per-vertex facts the passes test millions of times, computed once as plain lists."""
+
+    def __init__(self, cg: ColouringGraph):
+        self.lists = [vx.op_list for vx in cg.vertices]
+        self.paintable = [vx.blocked is None and not vx.group.output_only for vx in cg.vertices]
+
+    def where(self, test) -> list[bool]:
+        return [test(v) for v in range(len(self.lists))]
 
 
-def _of_list(cg: ColouringGraph, name: str) -> list[int]:
-    return [v for v, vertex in enumerate(cg.vertices) if vertex.op_list == name]
+def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
+    return {v: Reason("allow list") for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]}
 
 
-def paint_allow(cg: ColouringGraph) -> dict:
-    return {v: Reason("allow list") for v in _of_list(cg, "allow") if _paintable(cg, v)}
-
-
-def propagate_deny(cg: ColouringGraph, allow: dict) -> dict:
+def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
     """Deny spreads forward into infer/clear vertices that lead back to a deny or infer op."""
     g = cg.graph
-    lists = [vx.op_list for vx in cg.vertices]
-    roots = [v for v in range(len(lists)) if lists[v] in ("deny", "infer")]
-    upstream = reach(g.predecessors, roots, lambda w: lists[w] == "clear")
-    deny_roots = [v for v in roots if lists[v] == "deny"]
-    parent = reach(g.successors, deny_roots, lambda w: w in upstream and w not in allow)
+    roots = [v for v, name in enumerate(m.lists) if name in ("deny", "infer")]
+    upstream = reach([g.pred], roots, [name == "clear" for name in m.lists])
+    deny_roots = [v for v in roots if m.lists[v] == "deny"]
+    parent = reach([g.succ], deny_roots, m.where(lambda w: w in upstream and w not in allow))
     return {v: Reason(cg.vertices[v].forced or "deny list") if p is None else Reason("downstream of deny", p)
             for v, p in parent.items()}
 
 
-def paint_between_allow(cg: ColouringGraph, allow: dict, deny: dict) -> dict:
+def paint_between_allow(cg: ColouringGraph, m: _Masks, allow: dict, deny: dict) -> dict:
     """Infer/clear vertices on a path from an allow vertex to another allow vertex."""
     g = cg.graph
-    lists = [vx.op_list for vx in cg.vertices]
-
-    def passable(w):
-        return lists[w] in ("infer", "clear") and w not in deny and _paintable(cg, w)
-
-    downstream = reach(g.successors, list(allow), passable)
-    back = reach(g.predecessors, list(allow), lambda w: w in downstream and w not in allow)
+    passable = m.where(lambda w: m.lists[w] in ("infer", "clear") and m.paintable[w] and w not in deny)
+    downstream = reach([g.succ], list(allow), passable)
+    back = reach([g.pred], list(allow), m.where(lambda w: w in downstream and w not in allow))
     return {v: Reason("between allow ops", downstream[v]) for v, p in back.items() if p is not None}
 
 
-def paint_infer_after_allow(cg: ColouringGraph, low: dict, deny: dict) -> dict:
+def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
     """bfloat16 only: an infer vertex fed by low precision and by no deny vertex follows it."""
     g = cg.graph
     painted = {}
-    for v, vertex in enumerate(cg.vertices):  # vertices are in node order: chains follow
-        if vertex.op_list != "infer" or v in low or v in deny or not _paintable(cg, v):
+    for v, name in enumerate(m.lists):  # vertices are in node order: chains follow
+        if name != "infer" or v in low or v in deny or not m.paintable[v]:
             continue
-        preds = list(g.predecessors(v))
+        preds = list(g.pred[v])
         source = next((p for p in preds if p in low or p in painted), None)
         if source is not None and not any(p in deny for p in preds):
             painted[v] = Reason("infer fed by allow (bfloat16)", source)
     return painted
 
 
-def propagate_allow_through_clear(cg: ColouringGraph, low: dict, deny: dict) -> dict:
+def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
     g = cg.graph
-
-    def neighbours(v):
-        return chain(g.successors(v), g.predecessors(v))
-
-    def passable(w):
-        return cg.vertices[w].op_list == "clear" and w not in deny and _paintable(cg, w)
-
-    parent = reach(neighbours, list(low), passable)
+    passable = m.where(lambda w: m.lists[w] == "clear" and m.paintable[w] and w not in deny)
+    parent = reach([g.succ, g.pred], list(low), passable)
     return {v: Reason("clear next to low precision", p) for v, p in parent.items() if p is not None}
 
 
@@ -134,7 +128,7 @@ def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: 
             continue
         if any((vertex.scope, node.output[i]) in graph_outputs for i in vertex.group.outputs):
             continue
-        consumers = list(g.successors(v))
+        consumers = list(g.succ[v])
         if consumers and all(c in low for c in consumers) and _only_vertex_uses(cg, vertex, node):
             painted[v] = Reason("all consumers low precision", consumers[0])
     return painted
@@ -151,20 +145,19 @@ def _only_vertex_uses(cg: ColouringGraph, vertex, node) -> bool:
 
 def colour(cg: ColouringGraph, *, keep_io_types: bool = True) -> Plan:
     """Run the passes in order and freeze the result."""
-    reasons: dict = {}
-    allow = paint_allow(cg)
+    m = _Masks(cg)
+    allow = paint_allow(cg, m)
     if not allow:  # as TF: without allow ops, casts cannot pay off
         return _freeze(cg, {}, {})
-    deny = propagate_deny(cg, allow)
+    deny = propagate_deny(cg, m, allow)
     low = dict(allow)
-    low.update(paint_between_allow(cg, low, deny))
+    low.update(paint_between_allow(cg, m, low, deny))
     if cg.target == "bfloat16":
-        low.update(paint_infer_after_allow(cg, low, deny))
-    low.update(propagate_allow_through_clear(cg, low, deny))
+        low.update(paint_infer_after_allow(cg, m, low, deny))
+    low.update(propagate_allow_through_clear(cg, m, low, deny))
     graph_outputs = _graph_output_keys(cg) if keep_io_types else _subgraph_output_keys(cg)
     low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
-    reasons.update(deny)
-    reasons.update(low)
+    reasons = {**deny, **low}
     return _freeze(cg, low, reasons)
 
 
