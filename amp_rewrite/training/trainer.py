@@ -80,14 +80,15 @@ class Trainer:
     # --- stepping -------------------------------------------------------------------------------
 
     def step(self, feeds: dict) -> StepResult:
-        """One optimizer step on a batch (several session runs in retry mode while non-finite)."""
-        retries = 0
-        scale_used = self.loss_scale
-        result = self._run(feeds, retries)
-        while self.on_nonfinite == "retry" and result.skipped and scale_used > 1:
-            retries += 1
+        """One optimizer step on a batch. In retry mode a non-finite batch is recomputed at the
+        backed-off scale until finite or the scale used was the floor (TF's LossScaleGradientTape)."""
+        if self.on_nonfinite == "skip":
+            return self._run(feeds, retries=0)
+        scale_used = self.loss_scale  # an extra host read, only in retry mode
+        result = self._run(feeds, retries=0)
+        while result.skipped and scale_used > self.loss_scale_policy.min_scale:
             scale_used = result.loss_scale
-            result = self._run(feeds, retries)
+            result = self._run(feeds, retries=result.retries + 1)
         return result
 
     def fit(self, batches, epochs: int = 1, progress: bool = True) -> list[float]:
