@@ -71,9 +71,17 @@ def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tu
     return array.astype(dtype), clamped
 
 
+def float_values(tensor: onnx.TensorProto) -> np.ndarray:
+    """A float32 tensor's values, flat; read straight from raw bytes when stored that way."""
+    if tensor.data_type == FLOAT and tensor.HasField("raw_data"):
+        return np.frombuffer(tensor.raw_data, dtype="<f4")
+    return numpy_helper.to_array(tensor).reshape(-1)
+
+
 def _converted_tensor(tensor: onnx.TensorProto, elem: int, clamp: bool, target: str, name: str):
-    array, clamped = _convert_array(numpy_helper.to_array(tensor), elem, clamp, target)
-    out = numpy_helper.from_array(array, name)
+    """A new TensorProto holding `tensor`'s values as `elem`, stored as raw bytes."""
+    array, clamped = _convert_array(float_values(tensor), elem, clamp, target)
+    out = onnx.TensorProto(name=name, data_type=elem, dims=tensor.dims, raw_data=array.tobytes())
     return out, clamped
 
 
@@ -238,8 +246,10 @@ class _Materialiser:
             source = scope.graph.initializer[self.initializer_index(s)[name]]
             converted, clamped = _converted_tensor(source, elem, self.clamp, self.cg.target, new_name)
             self.result.clamped_values += clamped
-            if in_place:
-                source.CopyFrom(converted)
+            if in_place:  # swap the data, keep everything else (doc string, metadata)
+                source.ClearField("float_data")
+                source.data_type = elem
+                source.raw_data = converted.raw_data
                 self.result.converted_constants += 1
             else:
                 scope.graph.initializer.append(converted)
