@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -76,6 +77,7 @@ class _Builder:
         if self.opset < MIN_OPSET:
             raise GradientError(f"autodiff needs opset {MIN_OPSET} or newer; the model has opset {self.opset}")
         self.index = GraphIndex.of(self.graph)
+        self.graph_inputs = {v.name for v in self.graph.input}
         self.info = TypeInfo.of(model)
         self.nodes = self.graph.node
         self.rules = [lookup(node) for node in self.nodes]
@@ -88,8 +90,7 @@ class _Builder:
 
     # -- checks --------------------------------------------------------------------------------
     def _known(self, name: str) -> bool:
-        graph_inputs = {v.name for v in self.graph.input}
-        return name in self.index.producer or name in graph_inputs or name in self.index.constants
+        return name in self.index.producer or name in self.graph_inputs or name in self.index.constants
 
     def _check_loss(self) -> None:
         if not self._known(self.loss):
@@ -186,14 +187,12 @@ class _Builder:
         elem = self.info.elem.get(self.loss, onnx.TensorProto.FLOAT)
         self.emit.scope = "grad/seed"
         if self.grad_output:
-            if self.grad_output not in {v.name for v in self.graph.input}:
+            if self.grad_output not in self.graph_inputs:
                 dims = self.info.dims.get(self.loss)
                 self.graph.input.append(helper.make_tensor_value_info(self.grad_output, elem, dims))
             return self.grad_output
         dims = self.info.dims.get(self.loss)
         if dims is not None and all(isinstance(d, int) for d in dims):
-            import numpy as np
-
             return self.emit.const(np.ones(dims), elem)
         return self.emit.ones_of_shape(self.emit.shape(self.loss), elem)
 
@@ -234,8 +233,7 @@ class _Builder:
         if name in self.wrt:
             final = f"{name}_grad"
             if not parts:
-                self.emit.op("ConstantOfShape", [self.emit.shape(name)], [self._final_name(name)],
-                             value=helper.make_tensor("value", self.info.elem[name], [1], [0]))
+                self._zeros(name)
             elif final not in self.emit.taken:
                 op = "Sum" if len(parts) > 1 else "Identity"
                 self.emit.op(op, parts, [self._final_name(name)])
@@ -255,14 +253,19 @@ class _Builder:
             if self.node_pending[n] == 0:
                 self.ready.append(n)
 
+    def _zeros(self, name: str) -> None:
+        """`<name>_grad` as zeros shaped like name: a source the loss does not (or only trivially) reach."""
+        elem = self.info.elem.get(name, onnx.TensorProto.FLOAT)
+        self.emit.op("ConstantOfShape", [self.emit.shape(name)], [self._final_name(name)],
+                     value=helper.make_tensor("value", elem, [1], [0]))
+
     def _add_outputs(self) -> None:
         self.emit.scope = "grad/unconnected"
         for name in self.wrt:
             if name not in self.done:
                 if self.unconnected == "none":
                     continue
-                self.emit.op("ConstantOfShape", [self.emit.shape(name)], [self._final_name(name)],
-                             value=helper.make_tensor("value", self.info.elem[name], [1], [0]))
+                self._zeros(name)
             elem = self.info.elem.get(name, onnx.TensorProto.FLOAT)
             self.graph.output.append(helper.make_tensor_value_info(f"{name}_grad", elem, self.info.dims.get(name)))
         self.graph.node.extend(self.emit.new_nodes)

@@ -28,30 +28,26 @@ def numeric_gradients(
     """
     evaluator = ReferenceEvaluator(model)
     rng = np.random.default_rng(seed)
-
-    def loss_at(values):
-        return float(np.sum(evaluator.run([loss], values)[0]))
-
     result = {}
     for name in wrt:
-        base = np.array(feeds[name], copy=True)
-        coords = np.arange(base.size)
-        if base.size > max_coords:
-            coords = np.sort(rng.choice(base.size, max_coords, replace=False))
-        derivatives = np.empty(len(coords))
-        for k, flat in enumerate(coords):
-            values = dict(feeds)
-            for sign, slot in ((1, 0), (-1, 1)):
-                probe = base.copy().reshape(-1)
-                probe[flat] += sign * eps
-                values[name] = probe.reshape(base.shape)
-                if slot == 0:
-                    up = loss_at(values)
-                else:
-                    down = loss_at(values)
-            derivatives[k] = (up - down) / (2 * eps)
-        result[name] = (coords, derivatives)
+        size = np.size(feeds[name])
+        coords = np.arange(size)
+        if size > max_coords:
+            coords = np.sort(rng.choice(size, max_coords, replace=False))
+        derivatives = [
+            (_loss_shifted(evaluator, loss, feeds, name, flat, eps) - _loss_shifted(evaluator, loss, feeds, name, flat, -eps))
+            / (2 * eps)
+            for flat in coords
+        ]
+        result[name] = (coords, np.array(derivatives))
     return result
+
+
+def _loss_shifted(evaluator, loss, feeds, name, flat, delta) -> float:
+    """The (summed) loss with one element of feeds[name] moved by delta."""
+    probe = np.array(feeds[name], copy=True)
+    probe.reshape(-1)[flat] += delta
+    return float(np.sum(evaluator.run([loss], {**feeds, name: probe})[0]))
 
 
 def max_gradient_error(

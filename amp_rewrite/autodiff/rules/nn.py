@@ -14,7 +14,7 @@ from onnx import TensorProto
 
 from ..registry import register_gradient
 from ._common import normalize_axis, unbroadcast
-from .shape import SCATTER_ADD_SINCE, _flat_positions, _scatter_flat  # noqa: F401
+from .shape import SCATTER_ADD_SINCE, _scatter_flat
 
 
 @register_gradient("Softmax")
