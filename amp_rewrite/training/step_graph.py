@@ -132,10 +132,12 @@ def _gate(e: Emitter, all_finite: str, new: str, old: str) -> str:
 
 
 def _emit_all_finite(e: Emitter, tensors: list[str]) -> str:
-    """One flag for all tensors: x - x is 0 for finite x and NaN for Inf/NaN, and NaN survives a sum."""
-    residues = [e.reduce("ReduceSum", e.op("Sub", [t, t], "residue"), None, keepdims=0, hint="residue_sum") for t in tensors]
-    total = residues[0] if len(residues) == 1 else e.op("Sum", residues, "residue_total")
-    e.op("IsNaN", [total], out=SKIPPED_OUTPUT)
+    """One flag for all tensors, one read of each: any Inf/NaN makes the total of all sums Inf or
+    NaN, and total - total is then NaN (0 otherwise). Finite unscaled gradients large enough to
+    overflow that float32 sum (> 3e38) would also count as non-finite, which they practically are."""
+    sums = [e.reduce("ReduceSum", t, None, keepdims=0, hint="sum") for t in tensors]
+    total = sums[0] if len(sums) == 1 else e.op("Sum", sums, "total")
+    e.op("IsNaN", [e.op("Sub", [total, total], "residue")], out=SKIPPED_OUTPUT)
     return e.op("Not", [SKIPPED_OUTPUT], "all_finite")
 
 
