@@ -19,18 +19,22 @@ def make_trainer(optimizer=None, model=None, **kwargs):
     return Trainer(model or softmax_regression(), optimizer=optimizer or Adam(0.05), **options)
 
 
-@pytest.mark.parametrize("make_optimizer", [lambda: SGD(0.2, momentum=0.9), lambda: AdamW(0.05)], ids=["sgd", "adamw"])
-def test_checkpoint_then_continue_is_bit_identical_to_not_stopping(tmp_path, make_optimizer):
+@pytest.mark.parametrize("make_optimizer, precision", [
+    (lambda: SGD(0.2, momentum=0.9), "float32"), (lambda: AdamW(0.05), "float32"), (lambda: Adam(0.05), "float16"),
+], ids=["sgd", "adamw", "adam-float16"])
+def test_checkpoint_then_continue_is_bit_identical_to_not_stopping(tmp_path, make_optimizer, precision):
     batches = classification_batches(count=6)
     batches[2] = dict(batches[2], x=np.full_like(batches[2]["x"], np.inf))  # a skip inside the first half
-    straight = make_trainer(make_optimizer())
-    straight_results = [straight.step(b) for b in batches]
+    straight = make_trainer(make_optimizer(), precision=precision)
+    straight_results = [straight.step(b) for b in batches[:3]]
+    straight.lr = 0.04
+    straight_results += [straight.step(b) for b in batches[3:]]
 
-    first = make_trainer(make_optimizer())
+    first = make_trainer(make_optimizer(), precision=precision)
     results = [first.step(b) for b in batches[:3]]
-    first.lr = first.lr  # lr is saved too
+    first.lr = 0.04  # the learning rate is saved too
     first.save(tmp_path / "ckpt.npz")
-    resumed = make_trainer(make_optimizer())
+    resumed = make_trainer(make_optimizer(), precision=precision)
     resumed.load(tmp_path / "ckpt.npz")
     results += [resumed.step(b) for b in batches[3:]]
 
