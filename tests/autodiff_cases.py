@@ -63,6 +63,11 @@ for _tag, (_a, _b) in BROADCASTS.items():
     CASES += [binary("Add", _a, _b, _tag), binary("Sub", _b, _a, _tag), binary("Mul", _a, _b, _tag)]
     CASES += [binary("Div", _a, _b, _tag, positive=("b",))]
 CASES += [
+    # b's first dim is symbolic and 1 at run time: the broadcast axes are found from Shape(b)
+    OpCase("Add-runtime-broadcast", "Add", [n("Add", ["a", "b"])], {"a": [N, 3], "b": ["M", 3]},
+           feeds=lambda rng: {"b": rng.standard_normal((1, 3))}),
+    OpCase("Mul-runtime-broadcast-rank", "Mul", [n("Mul", ["a", "b"])], {"a": [N, 2, 3], "b": ["M", 1]},
+           feeds=lambda rng: {"b": rng.standard_normal((1, 1))}),
     binary("Pow", [N, 3], [3], "row", positive=("a",)),
     binary("Pow", [N, 3], [], "scalar", positive=("a", "b")),
     unary("Sqrt", positive=True),
@@ -214,6 +219,8 @@ CASES += [
            {"x": [2, 3, 5, 4], "w": [3, 1, 3, 3]}),
     OpCase("Conv-1d", "Conv", [n("Conv", ["x", "w"], strides=[2])], {"x": [N, 2, 7], "w": [3, 2, 3]}),
     OpCase("MaxPool", "MaxPool", [n("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2])], {"x": [N, 2, 4, 4]}),
+    OpCase("MaxPool-no-overlap-before-opset16", "MaxPool", [n("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2])],
+           {"x": [N, 2, 4, 4]}, opsets=(13,)),
     OpCase("MaxPool-overlap-pads", "MaxPool", [n("MaxPool", ["x"], kernel_shape=[3, 3], strides=[1, 2], pads=[1, 1, 1, 1])],
            {"x": [N, 2, 4, 5]}),
     OpCase("AveragePool", "AveragePool", [n("AveragePool", ["x"], kernel_shape=[2, 2], strides=[2, 1])],

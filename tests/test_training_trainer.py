@@ -11,7 +11,7 @@ import pytest
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import SGD, Adam, AdamW, Trainer
 from helpers import run_ort
-from test_training_models import classification_batches, softmax_regression, softmax_regression_gradient
+from test_training_models import classification_batches, mlp, softmax_regression, softmax_regression_gradient
 
 
 def make_trainer(optimizer=None, model=None, **kwargs):
@@ -135,3 +135,13 @@ def test_step_graph_keeps_ir_version_and_pins_training_nodes_under_prefixes():
     own = [n for n in model.graph.node if not n.name.startswith(("grad/", "fc"))]
     assert own and all(n.name.startswith(("loss/", "amp/", "opt/")) for n in own)
     assert {o.name for o in model.graph.output} >= {"amp/skipped", "W/next", "amp/loss_scale/next"}
+
+
+def test_opset_13_and_18_step_graphs_train_identically_and_keep_their_opset():
+    """Reduce ops take axes as attributes or inputs depending on the opset; both paths must agree."""
+    runs = {}
+    for opset in (13, 18):
+        trainer = Trainer(mlp(sizes=(6, 8, 3), opset=opset), optimizer=Adam(0.01), precision="float32", provider="cpu")
+        runs[opset] = [trainer.step(b).loss for b in classification_batches(features=6, count=3)]
+        assert [o.version for o in trainer.step_graph.model.opset_import if o.domain == ""] == [opset]
+    np.testing.assert_allclose(runs[13], runs[18], rtol=1e-6)
