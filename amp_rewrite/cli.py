@@ -108,7 +108,7 @@ def run(args) -> int:
         model_io.atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
     if args.html:
         from amp_rewrite import html_report
-        model_io.atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model).encode())
+        model_io.atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model, source.name).encode())
     if not args.quiet:
         print(result.report.to_text())
         print(result.report.table_text())

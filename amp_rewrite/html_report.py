@@ -194,7 +194,9 @@ def _picture(report, model: onnx.ModelProto) -> str:
 
     def flagged(i):
         n = info.get(i)
-        return bool(n and n["precision"] == "float32" and ("calibrated" in n["because"] or "fallback" in n["because"]))
+        if not n or n["precision"] != "float32":
+            return False
+        return n["because"].split(": ", 1)[-1].startswith(("calibrated", "accuracy fallback"))
 
     if len(nodes) <= MAX_NODES:
         box_w, box_h = 128, 34

@@ -1,0 +1,143 @@
+"""Validate, calibrate and the accuracy fallback, on models whose float16 rewrite goes wrong.
+
+Every verdict of amp_rewrite.validate is cross-checked with the helpers' own runs (ORT and
+onnx.reference, which keeps float16 tensors float16 as a GPU does).
+"""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from accuracy_models import cancellation, hazard_samples, hazards, naive_lists
+from amp_rewrite import accuracy, calibrate, validate
+from amp_rewrite.cli import main
+from amp_rewrite.rewrite import rewrite
+from helpers import assert_close, run_ort, run_reference
+
+RTOL, ATOL = 1e-2, 1e-2
+
+
+@pytest.fixture(scope="module")
+def hazard():
+    model = hazards()
+    return model, hazard_samples(count=2)
+
+
+def test_naive_float16_overflows_and_calibration_removes_it(hazard):
+    model, samples = hazard
+    naive = rewrite(model, allow=naive_lists(model))
+    before = validate.validate(model, naive.model, samples, rtol=RTOL, atol=ATOL, reference=True)
+    assert not before.passed
+    nan_before = {s["name"]: s["nan"] + s["inf"] for s in before.runs["reference"]}
+    assert nan_before["act"] > 0 and nan_before["attn"] > 0  # overflow -> inf -> NaN in float16
+    norm = next(s for s in before.runs["reference"] if s["name"] == "norm")
+    assert norm["max_rel"] > 0.5  # variance overflow: the normalised output collapses
+    # ORT's CPU provider computes these float16 ops in float32: it does not see the overflow
+    assert all(s["nan"] + s["inf"] == 0 for s in before.runs["ort:CPUExecutionProvider"])
+
+    cal = calibrate.calibrate(model, samples)
+    culprits = {r.name: r for r in cal.culprits()}
+    assert {"h", "sq", "var", "bias"} <= set(culprits)
+    assert culprits["h"].max_abs > 65504 and culprits["h"].producer == "act/MatMul"
+    assert culprits["bias"].max_abs == pytest.approx(1e9)
+
+    fixed = rewrite(model, allow=naive_lists(model), calibration=cal)
+    after = validate.validate(model, fixed.model, samples, rtol=RTOL, atol=ATOL, reference=True)
+    assert after.passed, after.to_text()
+    for feeds in samples:  # independent check of the verdict
+        expected = run_ort(model, feeds)
+        for got in (run_ort(fixed.model, feeds), run_reference(fixed.model, feeds)):
+            assert all(np.isfinite(g).all() for g in got)
+            assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    reasons = {n["name"]: n["because"] for n in fixed.report.nodes}
+    assert "calibrated: output 'h' reaches 1." in reasons["act/MatMul"]
+    assert "calibrated: output 'sq' reaches" in reasons["ln/Square"]
+    assert "'bias' reaches 1e+09" in reasons["attn/add_mask"]
+    assert fixed.report.summary["nodes_low"] > 0  # the rest still runs in float16
+
+
+def test_default_lists_miss_the_overflowing_matmul_calibration_catches_it(hazard):
+    model, samples = hazard
+    plain = rewrite(model)
+    with np.errstate(all="ignore"):
+        plain_ref = [run_reference(plain.model, f) for f in samples]
+    assert any(not np.isfinite(out[0]).all() for out in plain_ref)  # 'act' overflows
+    checked = accuracy.check(model, samples=samples, calibrate=True, validate=True, rtol=RTOL, atol=ATOL,
+                             reference=True)
+    assert checked.passed, checked.validation.to_text()
+    section = checked.result.report.to_dict()["calibration"]
+    assert section["culprits"][0]["tensor"] == "bias"
+    assert any(f["node"] == "act/MatMul" for f in section["forced"])
+    for feeds in samples:
+        assert_close(run_reference(checked.result.model, feeds), run_ort(model, feeds), rtol=RTOL, atol=ATOL)
+
+
+def test_fallback_meets_a_tolerance_the_plain_rewrite_misses():
+    model = cancellation()
+    samples = validate.synthesise(model, dims={"batch": 8}, count=2)
+    plain = rewrite(model)
+    before = validate.validate(model, plain.model, samples, rtol=1e-2, atol=1e-3, reference=True)
+    assert not before.passed and before.worst("max_abs") > 0.1
+    fb = accuracy.fit(model, samples, rtol=1e-2, atol=1e-3, calibration=calibrate.calibrate(model, samples))
+    assert fb.passed and fb.runs <= 10, fb.history
+    assert set(fb.pinned) == {"diff/Sub", "diff/u", "diff/v"}  # where the error enters, nothing else
+    assert fb.result.report.summary["nodes_low"] >= 3
+    assert fb.result.report.to_dict()["fallback"]["validation_runs"] == fb.runs
+    for feeds in samples:
+        expected = run_ort(model, feeds)
+        assert_close(run_reference(fb.result.model, feeds), expected, rtol=1e-2, atol=2e-3)
+        assert_close(run_ort(fb.result.model, feeds), expected, rtol=1e-2, atol=2e-3)
+
+
+def test_cli_validate_exits_6_over_tolerance_and_0_after_calibration(tmp_path, hazard, capsys):
+    model, samples = hazard
+    path = tmp_path / "hazards.onnx"
+    onnx.save(model, path)
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, **{f"{i}/{k}": v for i, s in enumerate(samples) for k, v in s.items()})
+    common = [str(path), "--validate", "--inputs", str(inputs), "--rtol", str(RTOL), "--atol", str(ATOL)]
+    assert main(common + ["--allow", "ReduceMean", "-o", str(tmp_path / "a.onnx")]) == 6
+    err = capsys.readouterr().err
+    assert "over tolerance" in err and "NaN" in err
+    report = tmp_path / "r.json"
+    assert main(common + ["--calibrate", "-o", str(tmp_path / "b.onnx"), "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["validation"]["passed"] and "reference" in data["validation"]["runs"]
+    assert {c["tensor"] for c in data["calibration"]["culprits"]} >= {"h", "bias", "sq"}
+    written = onnx.load(tmp_path / "b.onnx")
+    for feeds in samples:
+        assert_close(run_reference(written, feeds), run_ort(model, feeds), rtol=RTOL, atol=ATOL)
+
+
+def test_cli_tolerance_runs_the_fallback(tmp_path, capsys):
+    path = tmp_path / "c.onnx"
+    onnx.save(cancellation(), path)
+    report = tmp_path / "r.json"
+    args = [str(path), "--dim", "batch=8", "--samples", "2", "--atol", "1e-3", "--report", str(report)]
+    assert main(args + ["--validate", "--dry-run", "--quiet"]) == 6
+    assert main(args + ["--tolerance", "-o", str(tmp_path / "c16.onnx")]) == 0
+    data = json.loads(report.read_text())
+    assert data["fallback"]["passed"] and data["fallback"]["validation_runs"] <= 10
+    assert "fallback: passed after" in capsys.readouterr().out
+    feeds = validate.synthesise(cancellation(), dims={"batch": 8}, seed=5)[0]
+    assert_close(run_reference(onnx.load(tmp_path / "c16.onnx"), feeds), run_ort(cancellation(), feeds),
+                 rtol=1e-2, atol=3e-3)
+
+
+def test_samples_dims_provider_and_figures():
+    model = cancellation()
+    samples = validate.synthesise(model, dims=validate.parse_dims(["batch=5"]), count=3)
+    assert len(samples) == 3 and samples[0]["x"].shape == (5, 16)
+    with pytest.raises(Exception, match="NAME=SIZE"):
+        validate.parse_dims(["batch:5"])
+    result = validate.validate(model, model, samples, provider="cuda", reference=False)
+    assert result.provider == "CPUExecutionProvider" and result.passed  # CUDA does not load here
+    assert result.runs["ort:CPUExecutionProvider"][0]["max_abs"] == 0.0
+    assert any("CUDA" in n for n in result.notes)
+    ref = [np.array([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]], np.float32)]
+    got = [np.array([[1.0, 2.5, 2.0], [3.0, np.nan, 1.0]], np.float32)]
+    s = validate.compare(ref, got, rtol=1e-2, atol=1e-3)
+    assert s["max_abs"] == pytest.approx(1.0) and s["max_rel"] == pytest.approx(1 / 3)
+    assert s["nan"] == 1 and s["top1"] == 0.5 and not s["passed"]
