@@ -95,14 +95,17 @@ def test_unconnected_sources_none_or_zeros():
 
 
 def test_stop_gradient_blocks_one_path():
-    """loss = mean(h*h) with one factor stopped: the gradient halves."""
-    model = linear_model()
-    values = feeds()
-    full = outputs(build_gradient_graph(model, "loss", ["b"]), values)
-    # stop the whole path: b gets no gradient and, with "zeros", a zero output
-    stopped = outputs(build_gradient_graph(model, "loss", ["b"], stop_gradients=["h"], unconnected="zeros"), values)
-    np.testing.assert_array_equal(stopped["b_grad"], 0)
-    assert np.abs(full["b_grad"]).sum() > 0
+    """loss = sum(h * stop(h)) with h = x*w: only one factor carries a gradient, so it halves."""
+    nodes = [node("Mul", ["x", "w"], ["h"]), node("Identity", ["h"], ["h_const"]), node("Mul", ["h", "h_const"], ["sq"]),
+             node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    model = make_model(nodes, [tensor("x", ["N", 2])], [tensor("loss", [])], [init("w", np.array([0.5, -2.0], np.float32))])
+    values = {"x": RNG.standard_normal((3, 2)).astype(np.float32)}
+    full = outputs(build_gradient_graph(model, "loss"), values)["w_grad"]
+    half = outputs(build_gradient_graph(model, "loss", stop_gradients=["h_const"]), values)["w_grad"]
+    np.testing.assert_allclose(half, full / 2, rtol=1e-6)
+    # stopping every path leaves w unconnected
+    stopped = build_gradient_graph(model, "loss", ["w"], stop_gradients=["h"], unconnected="zeros")
+    np.testing.assert_array_equal(outputs(stopped, values)["w_grad"], 0)
 
 
 def test_gradient_wrt_graph_input_and_intermediate():
