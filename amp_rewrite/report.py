@@ -182,10 +182,10 @@ class Report:
 
     def table_text(self) -> str:
         rows = self.op_table()
-        head = f"{'op type':<24}{'list':<8}{'nodes':>7}{self.target:>10}{'mixed':>7}{'float32':>9}"
+        head = f"{'op type':<24}{'list':<12}{'nodes':>7}{self.target:>10}{'mixed':>7}{'float32':>9}"
         lines = [head, "-" * len(head)]
         for r in rows:
-            lines.append(f"{r['op_type']:<24}{str(r['list'] or '-'):<8}{r['nodes']:>7}{r[self.target]:>10}"
+            lines.append(f"{r['op_type']:<24}{str(r['list'] or '-'):<12}{r['nodes']:>7}{r[self.target]:>10}"
                          f"{r['mixed']:>7}{r['float32']:>9}")
         return "\n".join(lines)
 
