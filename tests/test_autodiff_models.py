@@ -2,7 +2,8 @@
 
 Both sides run in float32 with the same weights and inputs; the gradient graph runs in ONNX
 Runtime CPU. Tolerance: max |onnx - torch| <= 1e-4 * max(1, max |torch|) per gradient. The
-worst relative error per model is printed (pytest -s) and recorded in the autodiff note.
+worst relative error per model is printed (pytest -s) and recorded in the autodiff note. Each
+gradient graph then goes through the float16 AMP rewrite and must stay within 5e-3 of float32.
 """
 
 from __future__ import annotations
@@ -58,7 +59,23 @@ def compare(model, feeds, weights, torch_loss, trainable):
         error = float(np.abs(got[f"{name}_grad"] - expected).max()) / scale
         assert error <= TOLERANCE, (name, error)
         worst = max(worst, error)
+    check_float16_rewrite(grad_model, feeds, got, trainable)
     return worst
+
+
+def check_float16_rewrite(grad_model, feeds, float32_outputs, trainable):
+    """The AMP rewrite colours forward and backward together; float16 gradients stay within 5e-3."""
+    from amp_rewrite.rewrite import rewrite
+
+    result = rewrite(grad_model, target="float16")
+    assert any(n.name.startswith("grad/") and n.op_type in ("MatMul", "Gemm", "Conv", "ConvTranspose")
+               for n in result.model.graph.node)
+    outputs = [o.name for o in result.model.graph.output]
+    low = dict(zip(outputs, session(result.model).run(None, feeds)))
+    for name in trainable:
+        expected = float32_outputs[f"{name}_grad"]
+        scale = max(1.0, float(np.abs(expected).max()))
+        assert float(np.abs(low[f"{name}_grad"] - expected).max()) / scale < 5e-3, name
 
 
 def test_mlp_matches_torch():
