@@ -41,6 +41,20 @@ ORT_REGISTRY = set(
 )
 
 
+LIMITS = [
+    "Opset 13 or newer. Scatter-add needs opset 16: GatherElements, GatherND and overlapping MaxPool "
+    "refuse older opsets with a clear error; Gather falls back to a one-hot MatMul.",
+    "No control flow: If, Loop and Scan have no rule (mark their outputs stop-gradient).",
+    "Pad: constant mode with constant, non-negative pads. MaxPool/AveragePool: ceil_mode=0; MaxPool "
+    "storage_order=0. Conv auto_pad=SAME_* and AveragePool need static spatial sizes / channel count.",
+    "Einsum: no repeated subscript within one operand (diagonals). GatherND: batch_dims=0.",
+    "Not differentiated: BatchNormalization running mean/variance, Clip bounds, Where condition, "
+    "indices, shapes and axes. Floor, Ceil, Round and Sign have zero gradient.",
+    "Ranks come from ONNX shape inference; un-broadcasting trusts an inferred static 1 (a symbolic dim "
+    "is resolved at run time).",
+]
+
+
 def case_model(case) -> onnx.ModelProto:
     """The case's nodes with loss = sum of ReduceSum over its outputs, in float32."""
     elem = TensorProto.FLOAT
@@ -95,6 +109,7 @@ def render() -> str:
         name = f"{domain}::{op}" if domain else op
         lines.append(f"| {name} | {differentiable(rule)} | {doc} | {ops} | {cases.get(op, 0)} | "
                      f"{'yes' if op in ORT_REGISTRY else 'no'} |")
+    lines += ["", "## Limits", "", *[f"- {limit}" for limit in LIMITS]]
     lines += ["", "## Backward ops and the float16 AMP lists", "",
               "The AMP rewrite colours the gradient graph like any other graph; these are the lists the",
               "backward ops fall in (`op_lists/float16.yaml`). Ops in no list stay float32.", "",
