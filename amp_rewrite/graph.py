@@ -21,6 +21,7 @@ from amp_rewrite import schemas
 from amp_rewrite.oplists import OpLists
 
 FLOAT = TensorProto.FLOAT
+LOW_ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
 
 
@@ -209,8 +210,15 @@ def build(
                 continue
             entry = op_lists.classify(domain, node.op_type)
             kept = keep(node.name) if node.name else False
+            holds_body = any(a.HasField("g") or a.graphs for a in node.attribute)
+            in_types = None
             forced = force_fp32.get(node.name or (node.output[0] if node.output else ""))
-            for group in schemas.type_groups(sig, len(node.input), len(node.output)):
+            groups = schemas.type_groups(sig, len(node.input), len(node.output))
+            if sig.probe and entry is not None and not holds_body:
+                in_types = [types.get(x) if x else 0 for x in node.input]
+                float_params = {g.type_param for g in groups if _group_type(node, g, types) == FLOAT}
+                groups = schemas.tie(sig, node, opsets, in_types, groups, float_params, LOW_ELEM[target])
+            for group in groups:
                 names = [node.input[i] for i in group.inputs] + [node.output[i] for i in group.outputs]
                 names = [x for x in names if x]
                 known = [types[x] for x in names if x in types]
@@ -226,8 +234,18 @@ def build(
                                f"for {group.type_param.split('@')[0]}")
                 elif kept:
                     blocked = "kept float32 by the user (keep_fp32_nodes)"
+                elif holds_body:
+                    blocked = f"{node.op_type} boundary keeps the declared types of its bodies (inside is coloured)"
+                elif sig.containers:
+                    blocked = f"schema {node.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
                 else:
                     blocked = _range_block(cg, s, node, group)
+                if blocked is None and sig.probe:
+                    if in_types is None:
+                        in_types = [types.get(x) if x else 0 for x in node.input]
+                    refused = schemas.rejects(sig, node, opsets, in_types, group, LOW_ELEM[target])
+                    if refused:
+                        blocked = f"schema {node.op_type}-{sig.since_version} inference refuses {target}: {refused}"
                 v = len(cg.vertices)
                 op_list = entry.list if entry else None
                 if forced is not None:  # measured unsafe: a deny root whatever its list
@@ -241,6 +259,11 @@ def build(
                     cg.slot_vertex[(s, n, "o", i)] = v
     _add_edges(cg)
     return cg
+
+
+def _group_type(node, group, types):
+    names = [node.input[i] for i in group.inputs] + [node.output[i] for i in group.outputs]
+    return next((types[x] for x in names if x and x in types), None)
 
 
 def _range_block(cg: ColouringGraph, s: int, node: onnx.NodeProto, group) -> str | None:

@@ -86,6 +86,8 @@ def rewrite(
         work = onnx.ModelProto()
         work.CopyFrom(loaded.model)
     bytes_before = model_io.byte_size(work)
+    if work.functions:  # model-local functions (dynamo exporter): inlined, then coloured as any graph
+        work = inline_functions(work)
     types, shapes = model_io.tensor_types(work)
     forced = dict(force_fp32 or {})
     if calibration is not None:
@@ -104,6 +106,15 @@ def rewrite(
                            weights_after=report_mod.weight_bytes(work), node_flops=flops)
     changed = bool(materialised.casts or rep.summary["groups_low"] or not keep_io_types)
     return RewriteResult(work, rep, changed)
+
+
+def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its model-local functions inlined (onnx.inliner), so every op is coloured."""
+    import onnx.inliner
+
+    inlined = onnx.inliner.inline_local_functions(model)
+    del inlined.functions[:]
+    return inlined
 
 
 def _check(model: onnx.ModelProto) -> None:

@@ -42,9 +42,12 @@ class Signature:
     inputs: tuple[Formal, ...]
     outputs: tuple[Formal, ...]
     allowed: dict  # type_param -> frozenset of type strings
+    probe: bool = False  # types are tied beyond the type parameters: ask the schema (see `rejects`)
+    containers: bool = False  # a parameter admits sequences/optionals and another tensors
 
     def admits(self, type_param: str, type_string: str) -> bool:
-        return type_string in self.allowed.get(type_param, ())
+        """Tied groups (see `tie`) are named `T1+T2`: each parameter must admit the type."""
+        return all(type_string in self.allowed.get(p, ()) for p in type_param.split("+"))
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,17 @@ def _signature_of(schema, domain: str, op_type: str) -> Signature:
     for formal in inputs + outputs:
         if "@" in formal.type_param:
             allowed[formal.type_param] = frozenset([formal.type_param.split("@", 1)[0]])
-    return Signature(domain, op_type, schema.since_version, inputs, outputs, allowed)
+    input_params = {f.type_param for f in inputs}
+    # An output type no input shares (BitCast's `to`), or a function body whose own ops must
+    # accept the types: only the schema's inference can tell whether a type choice is valid.
+    has_body = bool(getattr(schema, "has_function", False) or getattr(schema, "has_context_dependent_function", False))
+    probe = has_body or any(f.type_param not in input_params for f in outputs)
+    container_params = {p for p, types in allowed.items() if any(t.startswith(_CONTAINERS) for t in types)}
+    containers = bool(container_params) and len(allowed) > len(container_params)
+    return Signature(domain, op_type, schema.since_version, inputs, outputs, allowed, probe, containers)
+
+
+_CONTAINERS = ("seq(", "optional(", "map(", "sparse_tensor(")
 
 
 @lru_cache(maxsize=1)
@@ -144,3 +157,126 @@ def model_opsets(model) -> dict[str, int]:
     for entry in model.opset_import:
         opsets["" if entry.domain in DEFAULT_DOMAINS else entry.domain] = entry.version
     return opsets
+
+
+# --- probing a type choice with the schema's own inference --------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def _probe(domain: str, op_type: str, opsets: tuple, node_bytes: bytes, in_types: tuple) -> tuple:
+    """Output element types ONNX inference gives `node` with inputs of `in_types`, or an error."""
+    import onnx
+    import onnx.inliner
+    from onnx import helper
+
+    node = onnx.NodeProto.FromString(node_bytes)
+    names = [f"in{i}" if t else "" for i, t in enumerate(in_types)]
+    outs = [f"out{i}" if o else "" for i, o in enumerate(node.output)]
+    del node.input[:]
+    node.input.extend(names)
+    del node.output[:]
+    node.output.extend(outs)
+    opset_map = dict(opsets)
+    functions = []
+    nodes = [node]
+    if domain == "":
+        schema = onnx.defs.get_schema(op_type, opset_map[""], "")
+        given = {a.name for a in node.attribute}
+        for name, attr in schema.attributes.items():  # the body may refer to defaults
+            default = attr.default_value
+            if name not in given and default is not None and default.type:
+                node.attribute.append(onnx.AttributeProto.FromString(default.SerializeToString()))
+                node.attribute[-1].name = name
+        body = _function_body(schema, node, in_types, opset_map[""])
+        if body is not None:
+            body.domain, body.name = "amp.probe", op_type
+            functions.append(body)
+            call = onnx.NodeProto()
+            call.CopyFrom(node)
+            call.domain = "amp.probe"
+            nodes = [call]
+            opset_map.update({i.domain: i.version for i in body.opset_import if i.domain not in opset_map})
+            opset_map["amp.probe"] = 1
+    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, in_types) if n]
+    graph = helper.make_graph(nodes, "probe", inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in outs if o])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opset_map.items()],
+                              ir_version=10, functions=functions)
+    try:
+        if functions:
+            model = onnx.inliner.inline_local_functions(model)
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, check_type=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the schema is the answer
+        lines = [x for x in str(exc).strip().splitlines() if x.strip()]
+        return None, (lines[-1] if lines else type(exc).__name__)[:200]
+    by_name = {v.name: v.type for v in inferred.graph.output}
+    by_name.update({v.name: v.type for v in inferred.graph.value_info})
+    return tuple(by_name[o].SerializeToString() if o in by_name else b"" for o in outs), None
+
+
+def _function_body(schema, node, in_types, opset: int):
+    """The schema's function body for `node` at `opset` (a copy), or None."""
+    import onnx
+    from onnx import helper
+
+    try:
+        if schema.has_context_dependent_function:
+            types = [helper.make_tensor_type_proto(t, None).SerializeToString() for t in in_types if t]
+            data = schema.get_context_dependent_function_with_opset_version(opset, node.SerializeToString(), types)
+        elif schema.has_function:
+            data = schema.get_function_with_opset_version(opset).SerializeToString()
+        else:
+            return None
+    except Exception:  # no body at this opset: the node's own inference is all there is
+        return None
+    return onnx.FunctionProto.FromString(data) if data else None
+
+
+def rejects(sig: Signature, node, opsets: dict, in_types: list, group: TypeGroup, low: int) -> str | None:
+    """Why the schema refuses `group` of `node` in element type `low`, or None if it accepts it.
+
+    Runs ONNX type inference (and the op's function body, when it has one) once with the
+    current types and once with the group's inputs in `low`: a refusal, or an output outside the
+    group whose type changes, means the type parameters do not tell the whole story (BitCast's
+    bit width, a function body whose ops do not admit the type). Inconclusive probes (unknown
+    input types, inference that fails even in float32) accept. Cached per op, attributes and types.
+    """
+    if not sig.probe or any(t is None for t in in_types):
+        return None
+    stripped = type(node)()
+    stripped.op_type, stripped.domain = node.op_type, node.domain
+    stripped.attribute.extend(a for a in node.attribute if not a.HasField("g") and not a.graphs)
+    stripped.output.extend("o" if o else "" for o in node.output)
+    key = (sig.domain, node.op_type, tuple(sorted(opsets.items())), stripped.SerializeToString())
+    base, error = _probe(*key, tuple(in_types))
+    if error is not None:
+        return None
+    trial = list(in_types)
+    for i in group.inputs:
+        trial[i] = low
+    got, error = _probe(*key, tuple(trial))
+    if error is not None:
+        return error
+    for i, (a, b) in enumerate(zip(base, got)):
+        if i not in group.outputs and a != b:
+            return f"output {i} would change type"
+    return None
+
+
+def tie(sig: Signature, node, opsets: dict, in_types: list, groups: tuple, float_params: set, low: int) -> tuple:
+    """Merge the float groups a function body ties together into one group.
+
+    Attention-23's body multiplies Q (T1) by V (T2): each alone in `low` is refused, all together
+    accepted, so they are one unit of colouring. Groups are tied only when some alone is refused
+    and all together are accepted; otherwise they are returned as they are (and `rejects` blocks).
+    """
+    candidates = [g for g in groups if g.inputs and g.type_param in float_params]
+    if not sig.probe or len(candidates) < 2 or any(t is None for t in in_types):
+        return groups
+    if not any(rejects(sig, node, opsets, in_types, g, low) for g in candidates):
+        return groups
+    merged = TypeGroup("+".join(g.type_param for g in candidates),
+                       tuple(sorted(i for g in candidates for i in g.inputs)),
+                       tuple(sorted(i for g in candidates for i in g.outputs)))
+    if rejects(sig, node, opsets, in_types, merged, low):
+        return groups
+    return (merged, *[g for g in groups if g not in candidates])

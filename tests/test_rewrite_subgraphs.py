@@ -1,0 +1,189 @@
+"""If / Loop / Scan bodies, sequences and model-local functions.
+
+Decision under test: control-flow boundaries (the If/Loop/Scan node and its bodies' declared
+inputs/outputs) keep their declared float32 types; the ops inside a body are coloured with the
+same passes, and every cast lands in the graph that uses it. Loop-carried state therefore crosses
+the boundary in float32 and is cast inside the body. Model-local functions are inlined first.
+Every test runs the original and the rewritten model in ONNX Runtime and compares the numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from amp_rewrite import rewrite
+from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor
+
+FLOAT, F16, BOOL, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BOOL, TensorProto.INT64
+rng = np.random.default_rng(0)
+
+
+def _w(*shape):
+    return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+
+
+def _ops(graph, op_type):
+    return [n for n in graph.node if n.op_type == op_type]
+
+
+def _elem(graph, name):
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.name == name:
+            return value.type.tensor_type.elem_type
+    return None
+
+
+def _check_both(model, result, feeds, rtol=2e-2, atol=2e-2):
+    onnx.checker.check_model(result.model, full_check=True)
+    assert_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=rtol, atol=atol)
+
+
+def _cast_targets(graph):
+    return {n.input[0]: n.attribute[0].i for n in graph.node if n.op_type == "Cast"}
+
+
+def test_loop_with_float_carried_state_and_matmul_inside():
+    body = helper.make_graph(
+        [node("MatMul", ["h_in", "W"], ["mm"], name="body_mm"),
+         node("Tanh", ["mm"], ["h_out"], name="body_tanh"),
+         node("Identity", ["cond_in"], ["cond_out"], name="body_cond"),
+         node("Identity", ["h_out"], ["scan_out"], name="body_scan")],
+        "body",
+        [tensor("i", [], INT64), tensor("cond_in", [], BOOL), tensor("h_in", [2, 4])],
+        [tensor("cond_out", [], BOOL), tensor("h_out", [2, 4]), tensor("scan_out", [2, 4])],
+    )
+    model = make_model(
+        [node("MatMul", ["x", "W0"], ["h0"], name="pre"),
+         node("Loop", ["trip", "", "h0"], ["h", "hs"], name="loop", body=body)],
+        [tensor("x", [2, 4]), tensor("trip", [], INT64)],
+        [tensor("h", [2, 4]), tensor("hs", [None, 2, 4])],
+        [init("W0", _w(4, 4)), init("W", _w(4, 4))],
+    )
+    result = rewrite(model, target="float16")
+    g = result.model.graph
+    loop = _ops(g, "Loop")[0]
+    inner = loop.attribute[0].g
+    # The MatMul inside the body is float16; the carried state crosses the boundary in float32.
+    assert result.report.node("body_mm")["precision"] == "float16"
+    assert result.report.node("loop")["precision"] == "float32"
+    assert _elem(inner, "h_in") == FLOAT and _elem(inner, "h_out") == FLOAT
+    # Its casts are inside the body, and W (captured from the outer scope) is read there as float16.
+    assert _cast_targets(inner).get("h_in") == F16
+    assert any(t.name.startswith("W") and t.data_type == F16 for t in g.initializer)
+    feeds = {"x": _w(2, 4), "trip": np.array(3, np.int64)}
+    _check_both(model, result, feeds)
+
+
+def test_scan_forced_allow_keeps_boundary_types():
+    """Regression: with Add in allow, the Scan node's group became float16 while its body kept
+    float32 inputs/outputs ("Inferred elem type differs ... (10) vs (1)")."""
+    body = helper.make_graph(
+        [node("Add", ["s_in", "x_t"], ["s_out"], name="acc"), node("Identity", ["s_out"], ["y_t"], name="copy")],
+        "body", [tensor("s_in", [2]), tensor("x_t", [2])], [tensor("s_out", [2]), tensor("y_t", [2])],
+    )
+    model = make_model(
+        [node("Scan", ["s0", "xs"], ["s", "ys"], name="scan", num_scan_inputs=1, body=body)],
+        [tensor("s0", [2]), tensor("xs", [3, 2])], [tensor("s", [2]), tensor("ys", [3, 2])], opset=11,
+    )
+    result = rewrite(model, target="float16", allow=["Add", "Scan", "Identity"])
+    assert result.report.node("acc")["precision"] == "float16"
+    scan = result.report.node("scan")
+    assert scan["precision"] == "float32"
+    assert "boundary" in next(iter(scan["groups"].values()))["reason"]
+    _check_both(model, result, {"s0": _w(2), "xs": _w(3, 2)})
+
+
+def test_if_branches_with_outer_scope_capture():
+    def branch(name, op):
+        return helper.make_graph(
+            [node("MatMul", ["x", "W"], [f"{name}_mm"], name=f"{name}_mm"),
+             node(op, [f"{name}_mm"], [f"{name}_out"], name=f"{name}_act")],
+            name, [], [tensor(f"{name}_out", [2, 3])],
+        )
+    model = make_model(
+        [node("ReduceSum", ["x"], ["total"], name="total", keepdims=0),
+         node("Greater", ["total", "zero"], ["c"], name="cond"),
+         node("If", ["c"], ["y"], name="if", then_branch=branch("then", "Relu"), else_branch=branch("else", "Sigmoid"))],
+        [tensor("x", [2, 4])], [tensor("y", [2, 3])],
+        [init("W", _w(4, 3)), init("zero", np.array(0.0, np.float32))],
+    )
+    result = rewrite(model, target="float16")
+    g = result.model.graph
+    if_node = _ops(g, "If")[0]
+    for attr in if_node.attribute:
+        # x is captured from the outer scope and cast inside each branch that reads it.
+        assert _cast_targets(attr.g).get("x") == F16, attr.name
+        assert not any(n.op_type == "Cast" and n.input[0] == "x" for n in g.node)
+    assert result.report.node("then_mm")["precision"] == "float16"
+    for seed in range(3):
+        feeds = random_feeds(model, seed=seed)
+        _check_both(model, result, feeds)
+
+
+def test_nested_if_in_loop():
+    inner_then = helper.make_graph([node("MatMul", ["h_in", "W"], ["t_out"], name="t_mm")], "t", [],
+                                   [tensor("t_out", [2, 2])])
+    inner_else = helper.make_graph([node("Neg", ["h_in"], ["e_out"], name="e_neg")], "e", [], [tensor("e_out", [2, 2])])
+    body = helper.make_graph(
+        [node("Identity", ["cond_in"], ["cond_out"], name="c"),
+         node("If", ["flag"], ["h_out"], name="inner_if", then_branch=inner_then, else_branch=inner_else)],
+        "body", [tensor("i", [], INT64), tensor("cond_in", [], BOOL), tensor("h_in", [2, 2])],
+        [tensor("cond_out", [], BOOL), tensor("h_out", [2, 2])],
+    )
+    model = make_model(
+        [node("Loop", ["trip", "", "x"], ["y"], name="loop", body=body)],
+        [tensor("x", [2, 2]), tensor("trip", [], INT64), tensor("flag", [], BOOL)], [tensor("y", [2, 2])],
+        [init("W", _w(2, 2))],
+    )
+    result = rewrite(model, target="float16")
+    assert result.report.node("t_mm")["precision"] == "float16"
+    then = _ops(_ops(result.model.graph, "Loop")[0].attribute[0].g, "If")[0].attribute
+    then_graph = next(a.g for a in then if a.name == "then_branch")
+    # h_in belongs to the Loop body and is cast in the then-branch that uses it, not in the body.
+    assert _cast_targets(then_graph).get("h_in") == F16
+    for flag in (True, False):
+        feeds = {"x": _w(2, 2), "trip": np.array(2, np.int64), "flag": np.array(flag)}
+        _check_both(model, result, feeds)
+
+
+def test_sequence_ops_keep_their_tensor_types():
+    """Regression: SplitToSequence / SequenceInsert tie their tensor input to the sequence's
+    element type beyond the type parameters; making the tensor float16 gave an invalid model."""
+    model = make_model(
+        [node("MatMul", ["x", "W"], ["h"], name="mm"),
+         node("SplitToSequence", ["h"], ["seq"], name="split", axis=0),
+         node("SequenceInsert", ["seq", "h"], ["seq2"], name="insert"),
+         node("ConcatFromSequence", ["seq2"], ["y"], name="concat", axis=0)],
+        [tensor("x", [2, 3])], [tensor("y", [None, 3])], [init("W", _w(3, 3))], opset=17,
+    )
+    result = rewrite(model, target="float16", allow=["SplitToSequence", "SequenceInsert", "ConcatFromSequence"])
+    assert result.report.node("mm")["precision"] == "float16"
+    assert result.report.node("split")["precision"] == "float32"
+    _check_both(model, result, {"x": _w(2, 3)})
+
+
+def test_model_local_function_is_inlined_and_coloured():
+    function = helper.make_function(
+        "local", "Block", ["a", "w"], ["b"],
+        [helper.make_node("MatMul", ["a", "w"], ["m"]), helper.make_node("Relu", ["m"], ["b"])],
+        [helper.make_opsetid("", 18)],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Block", ["x", "W"], ["h"], domain="local", name="block1"),
+         helper.make_node("Block", ["h", "W"], ["y"], domain="local", name="block2")],
+        "g", [tensor("x", [2, 4])], [tensor("y", [2, 4])], [init("W", _w(4, 4))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("local", 1)],
+                              functions=[function], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    result = rewrite(model, target="float16")
+    g = result.model.graph
+    assert not result.model.functions
+    matmuls = _ops(g, "MatMul")
+    assert len(matmuls) == 2
+    assert result.report.summary["allow_ops_low"] == 2
+    _check_both(model, result, {"x": _w(2, 4)})
+    np.testing.assert_allclose(run_reference(result.model, {"x": np.ones((2, 4), np.float32)})[0],
+                               run_ort(model, {"x": np.ones((2, 4), np.float32)})[0], rtol=2e-2, atol=2e-2)
