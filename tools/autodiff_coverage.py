@@ -46,7 +46,7 @@ LIMITS = [
     "refuse older opsets with a clear error; Gather falls back to a one-hot MatMul.",
     "No control flow: If, Loop and Scan have no rule (mark their outputs stop-gradient).",
     "Pad: constant mode with constant, non-negative pads. MaxPool/AveragePool: ceil_mode=0; MaxPool "
-    "storage_order=0. Conv auto_pad=SAME_* and AveragePool need static spatial sizes / channel count.",
+    "storage_order=0. Conv/AveragePool auto_pad=SAME_* needs static spatial sizes; AveragePool a static channel count.",
     "Einsum: no repeated subscript within one operand (diagonals). GatherND: batch_dims=0.",
     "Not differentiated: BatchNormalization running mean/variance, Clip bounds, Where condition, "
     "indices, shapes and axes. Floor, Ceil, Round and Sign have zero gradient.",
