@@ -14,6 +14,7 @@ Rules, all decided per tensor in one pass over its uses:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ class Materialised:
     converted_constants: int = 0
     duplicated_constants: int = 0
     clamped_values: int = 0
+    weight_bytes_delta: int = 0  # float weight bytes after minus before
     retargeted_nodes: list = field(default_factory=list)  # (scope, node index)
 
 
@@ -227,9 +229,9 @@ class _Materialiser:
         other_name = self.names.new(f"{name}_{TAG[other]}") if other in needs else None
         if primary == self.low:
             self.low_names.add((s, name))
-            self.convert_constant(s, name, d, name, in_place=True)
-            if other_name:
+            if other_name:  # copy the float32 values before converting them in place
                 self.convert_constant(s, name, d, other_name, in_place=False, elem=FLOAT)
+            self.convert_constant(s, name, d, name, in_place=True)
         else:
             self.convert_constant(s, name, d, other_name, in_place=False)
             self.low_names.add((s, other_name))
@@ -237,6 +239,11 @@ class _Materialiser:
             for use in uses:
                 if self.needed_elem(use) == other:
                     self.set_input(use, other_name)
+
+    def count_bytes(self, source, converted, in_place: bool) -> None:
+        """Weight bytes added: the new data, less the old data when it is replaced."""
+        old = 4 * math.prod(source.dims) if in_place else 0
+        self.result.weight_bytes_delta += len(converted.raw_data) - old
 
     def convert_constant(self, s, name, d, new_name, *, in_place: bool, elem: int | None = None) -> None:
         """Write `name` converted to `elem` (default: the target) under `new_name`."""
@@ -246,6 +253,7 @@ class _Materialiser:
             source = scope.graph.initializer[self.initializer_index(s)[name]]
             converted, clamped = _converted_tensor(source, elem, self.clamp, self.cg.target, new_name)
             self.result.clamped_values += clamped
+            self.count_bytes(source, converted, in_place)
             if in_place:  # swap the data, keep everything else (doc string, metadata)
                 source.ClearField("float_data")
                 source.data_type = elem
@@ -256,8 +264,10 @@ class _Materialiser:
                 self.result.duplicated_constants += 1
             return
         node = self.cg.node(s, d[1])
-        converted, clamped = _converted_tensor(_constant_tensor(node), elem, self.clamp, self.cg.target, "")
+        source = _constant_tensor(node)
+        converted, clamped = _converted_tensor(source, elem, self.clamp, self.cg.target, "")
         self.result.clamped_values += clamped
+        self.count_bytes(source, converted, in_place)
         if in_place:
             del node.attribute[:]
             node.attribute.append(helper.make_attribute("value", converted))

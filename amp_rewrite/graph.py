@@ -58,7 +58,7 @@ class ColouringGraph:
     uses: dict  # (def scope, name) -> [(scope, node, slot)]; graph outputs use node -1
     types: dict  # tensor name -> element type
     shapes: dict  # tensor name -> TensorShapeProto when known
-    notes: list  # (scope, node, text) for ops that could not be classified
+    notes: list  # (node label, text) for ops that could not be classified
     out_of_range: dict  # (def scope, name) -> largest finite |value| of a constant
 
     def node(self, scope: int, index: int) -> onnx.NodeProto:
@@ -102,6 +102,10 @@ def _record_defs(scope: Scope) -> None:
         for slot, name in enumerate(node.output):
             if name:
                 defs[name] = ("node", n, slot)
+
+
+def _label(node: onnx.NodeProto, s: int, n: int) -> str:
+    return f"{node.op_type} '{node.name}'" if node.name else f"{node.op_type} (graph {s} #{n})"
 
 
 def _is_constant(node: onnx.NodeProto) -> bool:
@@ -199,14 +203,14 @@ def build(
                 continue
             domain = "" if node.domain in schemas.DEFAULT_DOMAINS else node.domain
             if (node.domain, node.op_type) in local_functions:
-                cg.notes.append((s, n, f"model-local function {node.op_type!r} stays float32"))
+                cg.notes.append((_label(node, s, n), f"model-local function {node.op_type!r} stays float32"))
                 continue
             if domain not in opsets:
-                cg.notes.append((s, n, f"op domain {domain!r} is not imported by the model; stays float32"))
+                cg.notes.append((_label(node, s, n), f"op domain {domain!r} is not imported by the model; stays float32"))
                 continue
             sig = schemas.signature(domain, node.op_type, opsets[domain])
             if sig is None:
-                cg.notes.append((s, n, f"no schema for {domain or 'ai.onnx'}:{node.op_type} at opset {opsets[domain]}; stays float32"))
+                cg.notes.append((_label(node, s, n), f"no schema for {domain or 'ai.onnx'}:{node.op_type} at opset {opsets[domain]}; stays float32"))
                 continue
             entry = op_lists.classify(domain, node.op_type)
             kept = keep(node.name) if node.name else False

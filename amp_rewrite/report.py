@@ -7,6 +7,7 @@ Softmax 'sm' (deny list)".
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from amp_rewrite.graph import ColouringGraph, collect_scopes
+from amp_rewrite.graph import ColouringGraph
 from amp_rewrite.paint import LOW, Plan
 
 MAX_CHAIN = 32
@@ -89,16 +90,19 @@ def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
     return f"{_label(cg, v)} {verb}: {text}"
 
 
-def weight_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of float weights: initializers and Constant tensors, in every graph."""
+_WEIGHT_SIZE = {TensorProto.DOUBLE: 8, TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2}
+
+
+def weight_bytes(graphs) -> int:
+    """Bytes of float weights (initializers and Constant tensors) in `graphs`, from their shapes."""
     total = 0
-    for scope in collect_scopes(model.graph):
-        tensors = list(scope.graph.initializer)
-        tensors += [a.t for n in scope.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    for graph in graphs:
+        tensors = list(graph.initializer)
+        tensors += [a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
         for t in tensors:
-            if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE):
-                count = int(np.prod(t.dims)) if len(t.dims) else 1
-                total += count * {TensorProto.DOUBLE: 8, TensorProto.FLOAT: 4}.get(t.data_type, 2)
+            size = _WEIGHT_SIZE.get(t.data_type)
+            if size:
+                total += size * math.prod(t.dims)
     return total
 
 
@@ -152,9 +156,17 @@ class Report:
 
     target: str
     summary: dict
-    nodes: list = field(default_factory=list)
+    make_nodes: object = list  # builds the per-node entries on first use (100k sentences cost seconds)
     notes: list = field(default_factory=list)
     sections: dict = field(default_factory=dict)  # "calibration", "validation", "fallback" when run
+    _nodes: list | None = field(default=None, repr=False)
+
+    @property
+    def nodes(self) -> list:
+        """Per node: name, op type, list, precision, FLOPs, the sentence and each group's chain."""
+        if self._nodes is None:
+            self._nodes = self.make_nodes()
+        return self._nodes
 
     def to_dict(self) -> dict:
         out = {"target": self.target, "summary": self.summary, "nodes": self.nodes, "notes": self.notes}
@@ -225,43 +237,48 @@ class Report:
         return "\n".join(lines)
 
 
+def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> dict:
+    first = cg.vertices[vs[0]]
+    return {
+        "name": first.name, "op_type": first.op_type, "scope": key[0], "index": key[1], "list": first.op_list,
+        "precision": precision, "flops": flops,
+        "because": sentence(cg, plan, vs[0]),
+        "groups": {cg.vertices[v].group.type_param.split("@")[0]: {
+            "precision": cg.target if plan.colour[v] == LOW else "float32",
+            "reason": explain(cg, plan, v), "because": sentence(cg, plan, v)} for v in vs},
+    }
+
+
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
           seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None,
           node_flops: dict | None = None) -> Report:
     by_node: dict = {}
     for v, vertex in enumerate(cg.vertices):
         by_node.setdefault((vertex.scope, vertex.node), []).append(v)
-    nodes = []
+    precisions = {}
+    flops_of = {}
     precision_counts = Counter()
     allow_ops = allow_low = 0
     low_by_list = Counter()
     flops_total = flops_low = 0
     flops_known = 0
-    for (scope, index), vs in by_node.items():
+    for key, vs in by_node.items():
         first = cg.vertices[vs[0]]
         lows = [plan.colour[v] == LOW for v in vs if not cg.vertices[v].group.output_only or plan.colour[v] == LOW]
         precision = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
+        precisions[key] = precision
         precision_counts[precision] += 1
-        flops = None
         if precision != "float32":
             low_by_list[first.op_list or "none"] += 1
         if first.op_list == "allow" or (first.forced and first.op_type in _HEAVY):
             allow_ops += 1
             allow_low += precision != "float32"
-            flops = (node_flops or {}).get((scope, index))
+            flops = flops_of[key] = (node_flops or {}).get(key)
             if flops is not None:
                 flops_known += 1
                 flops_total += flops
                 flops_low += flops if precision != "float32" else 0
-        nodes.append({
-            "name": first.name, "op_type": first.op_type, "scope": scope, "index": index, "list": first.op_list,
-            "precision": precision, "flops": flops,
-            "because": sentence(cg, plan, vs[0]),
-            "groups": {cg.vertices[v].group.type_param.split("@")[0]: {
-                "precision": cg.target if plan.colour[v] == LOW else "float32",
-                "reason": explain(cg, plan, v), "because": sentence(cg, plan, v)} for v in vs},
-        })
-    deny_roots = sum(1 for (s, n), vs in by_node.items() if cg.vertices[vs[0]].op_list == "deny")
+    deny_roots = sum(1 for vs in by_node.values() if cg.vertices[vs[0]].op_list == "deny")
     deny_blocked = len({(cg.vertices[v].scope, cg.vertices[v].node) for v, r in plan.reason.items()
                         if r.step == "downstream of deny"})
     summary = {
@@ -292,10 +309,8 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
     if weights_before is not None:
         summary["weight_bytes_before"] = weights_before
         summary["weight_bytes_after"] = weights_after
-    notes = [f"{_node_label(cg, s, n)}: {text}" for s, n, text in cg.notes]
-    return Report(cg.target, summary, nodes, notes)
 
+    def make_nodes():
+        return [_node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key)) for key, vs in by_node.items()]
 
-def _node_label(cg: ColouringGraph, s: int, n: int) -> str:
-    node = cg.node(s, n)
-    return f"{node.op_type} '{node.name}'" if node.name else f"{node.op_type} (scope {s} #{n})"
+    return Report(cg.target, summary, make_nodes, [f"{label}: {text}" for label, text in cg.notes])

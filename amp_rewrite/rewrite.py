@@ -92,18 +92,18 @@ def rewrite(
     forced = dict(force_fp32 or {})
     if calibration is not None:
         forced = {**calibration.force_fp32(target), **forced}
-    weights_before = report_mod.weight_bytes(work)
     cg = graph.build(work, lists, types=types, shapes=shapes, keep_fp32_nodes=keep_fp32_nodes, clamp=clamp,
                      force_fp32=forced)
     plan = paint.colour(cg, keep_io_types=keep_io_types)
     flops = report_mod.flops_by_node(cg)
+    weights_before = report_mod.weight_bytes(scope.graph for scope in cg.scopes)
     materialised = casts.materialise(work, cg, plan, keep_io_types=keep_io_types, clamp=clamp)
     sort_graphs(work)
     if check:
         _check(work)
     rep = report_mod.build(cg, plan, materialised, bytes_before=bytes_before, bytes_after=model_io.byte_size(work),
                            seconds=time.perf_counter() - started, weights_before=weights_before,
-                           weights_after=report_mod.weight_bytes(work), node_flops=flops)
+                           weights_after=weights_before + materialised.weight_bytes_delta, node_flops=flops)
     changed = bool(materialised.casts or rep.summary["groups_low"] or not keep_io_types)
     return RewriteResult(work, rep, changed)
 
