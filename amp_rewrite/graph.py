@@ -115,12 +115,19 @@ def _is_constant(node: onnx.NodeProto) -> bool:
 def _record_uses(scopes: list[Scope], cg_resolve) -> dict:
     uses: dict = {}
     for s, scope in enumerate(scopes):
+        defs = scope.defs
         for n, node in enumerate(scope.graph.node):
             for slot, name in enumerate(node.input):
-                if name:
+                if not name:
+                    continue
+                if name in defs:  # the common case: defined in the same graph
+                    key = (s, name)
+                else:
                     found = cg_resolve(s, name)
-                    if found is not None:
-                        uses.setdefault((found[0], name), []).append((s, n, slot))
+                    if found is None:
+                        continue
+                    key = (found[0], name)
+                uses.setdefault(key, []).append((s, n, slot))
         for slot, value in enumerate(scope.graph.output):
             found = cg_resolve(s, value.name)
             if found is not None:
@@ -129,9 +136,17 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> dict:
 
 
 def _largest_finite(tensor: onnx.TensorProto) -> float:
-    array = numpy_helper.to_array(tensor)
-    finite = np.abs(array[np.isfinite(array)]) if array.size else array
-    return float(finite.max()) if finite.size else 0.0
+    if tensor.data_type == FLOAT and tensor.HasField("raw_data"):
+        array = np.frombuffer(tensor.raw_data, dtype="<f4")
+    else:
+        array = numpy_helper.to_array(tensor).reshape(-1)
+    if not array.size:
+        return 0.0
+    largest = float(np.max(np.abs(array)))
+    if not np.isfinite(largest):  # inf/nan are representable: only finite values can overflow
+        finite = np.abs(array[np.isfinite(array)])
+        largest = float(finite.max()) if finite.size else 0.0
+    return largest
 
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
@@ -194,7 +209,9 @@ def build(
     cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], {})
     cg.uses = _record_uses(scopes, cg.resolve)
     cg.out_of_range = {} if clamp else _out_of_range_constants(scopes, LIMITS[target])
-    keep = _keep_fp32_matcher(list(keep_fp32_nodes))
+    keep_fp32_nodes = list(keep_fp32_nodes)
+    keep = _keep_fp32_matcher(keep_fp32_nodes)
+    owners = {scope.owner for scope in scopes[1:]}
     local_functions = {(f.domain, f.name) for f in model.functions}
 
     for s, scope in enumerate(scopes):
@@ -213,18 +230,18 @@ def build(
                 cg.notes.append((_label(node, s, n), f"no schema for {domain or 'ai.onnx'}:{node.op_type} at opset {opsets[domain]}; stays float32"))
                 continue
             entry = op_lists.classify(domain, node.op_type)
-            kept = keep(node.name) if node.name else False
-            holds_body = any(a.HasField("g") or a.graphs for a in node.attribute)
+            inputs, outputs = list(node.input), list(node.output)
+            kept = keep(node.name) if keep_fp32_nodes and node.name else False
+            holds_body = (s, n) in owners
             in_types = None
-            forced = force_fp32.get(node.name or (node.output[0] if node.output else ""))
-            groups = schemas.type_groups(sig, len(node.input), len(node.output))
+            forced = force_fp32.get(node.name or (outputs[0] if outputs else "")) if force_fp32 else None
+            groups = schemas.type_groups(sig, len(inputs), len(outputs))
             if sig.probe and entry is not None and not holds_body:
                 in_types = [types.get(x) if x else 0 for x in node.input]
                 float_params = {g.type_param for g in groups if _group_type(node, g, types) == FLOAT}
                 groups = schemas.tie(sig, node, opsets, in_types, groups, float_params, LOW_ELEM[target])
             for group in groups:
-                names = [node.input[i] for i in group.inputs] + [node.output[i] for i in group.outputs]
-                names = [x for x in names if x]
+                names = [inputs[i] for i in group.inputs if inputs[i]] + [outputs[i] for i in group.outputs if outputs[i]]
                 known = [types[x] for x in names if x in types]
                 if not known or known[0] != FLOAT:
                     continue
@@ -242,8 +259,6 @@ def build(
                     blocked = f"{node.op_type} boundary keeps the declared types of its bodies (inside is coloured)"
                 elif sig.containers:
                     blocked = f"schema {node.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
-                else:
-                    blocked = _range_block(cg, s, node, group)
                 if blocked is None and sig.probe:
                     if in_types is None:
                         in_types = [types.get(x) if x else 0 for x in node.input]
@@ -261,6 +276,7 @@ def build(
                     cg.slot_vertex[(s, n, "i", i)] = v
                 for i in group.outputs:
                     cg.slot_vertex[(s, n, "o", i)] = v
+    _block_out_of_range_readers(cg)
     _add_edges(cg)
     return cg
 
@@ -270,26 +286,29 @@ def _group_type(node, group, types):
     return next((types[x] for x in names if x and x in types), None)
 
 
-def _range_block(cg: ColouringGraph, s: int, node: onnx.NodeProto, group) -> str | None:
-    for i in group.inputs:
-        name = node.input[i]
-        found = cg.resolve(s, name) if name else None
-        if found is not None and (found[0], name) in cg.out_of_range:
-            value = cg.out_of_range[(found[0], name)]
-            return f"constant {name!r} holds {value:.4g}, outside the {cg.target} range (use clamp to allow)"
-    return None
+def _block_out_of_range_readers(cg: ColouringGraph) -> None:
+    """Readers of a constant the target type cannot hold stay float32 (the report says which)."""
+    for key, value in cg.out_of_range.items():
+        for s, n, slot in cg.uses.get(key, ()):
+            v = cg.slot_vertex.get((s, n, "i", slot))
+            if v is not None and cg.vertices[v].blocked is None:
+                cg.vertices[v].blocked = (f"constant {key[1]!r} holds {value:.4g}, outside the {cg.target} range "
+                                          f"(use clamp to allow)")
 
 
 def _add_edges(cg: ColouringGraph) -> None:
+    """Producer group -> reader group, for every tensor made by a node, in any graph."""
     edges = []
-    for v, vertex in enumerate(cg.vertices):
-        node = cg.node(vertex.scope, vertex.node)
-        for i in vertex.group.inputs:
-            name = node.input[i]
-            found = cg.resolve(vertex.scope, name) if name else None
-            if found is None or found[1][0] != "node":
-                continue
-            producer = cg.slot_vertex.get((found[0], found[1][1], "o", found[1][2]))
-            if producer is not None:
-                edges.append((producer, v))
+    slot_vertex = cg.slot_vertex
+    for (s, name), uses in cg.uses.items():
+        kind, n, slot = cg.scopes[s].defs[name]
+        if kind != "node":
+            continue
+        producer = slot_vertex.get((s, n, "o", slot))
+        if producer is None:
+            continue
+        for use in uses:
+            reader = slot_vertex.get((use[0], use[1], "i", use[2]))
+            if reader is not None:
+                edges.append((producer, reader))
     cg.graph.add_edges_from(edges)
