@@ -103,7 +103,8 @@ def run(args) -> int:
         print(accuracy.explain_text(result.report, args.explain))
         return 0
     if not args.dry_run:
-        model_io.save(result.model, output, external_data=args.external_data or loaded.had_external_data)
+        model_io.save(result.model, output, external_data=args.external_data or loaded.had_external_data,
+                      keep_model=False)
     if args.report:
         model_io.atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
     if args.html:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, external_data_helper, helper
+from onnx import TensorProto, helper
 
 from amp_rewrite import elemtypes
 from amp_rewrite.errors import ModelError, OutputError
@@ -88,11 +88,22 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> bool:
     for tensor in list(_external_tensors(model.graph)):
         found = True
         info = {e.key: e.value for e in tensor.external_data}
-        _safe_external_path(base_dir, info.get("location", ""), path)
+        target = _safe_external_path(base_dir, info.get("location", ""), path)
+        # read it ourselves from the checked, resolved path (onnx's helper refuses any symlink,
+        # even one inside the folder, with an exception of its own)
         try:
-            external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
-        except (OSError, ValueError) as exc:
-            _fail(path, f"cannot read external data for {tensor.name!r}: {exc}")
+            offset = int(info.get("offset") or 0)
+            length = int(info["length"]) if info.get("length") else None
+        except ValueError:
+            _fail(path, f"external data for {tensor.name!r} has a non-numeric offset or length")
+        if offset < 0 or (length is not None and length < 0):
+            _fail(path, f"external data for {tensor.name!r} has a negative offset or length")
+        try:
+            with open(target, "rb") as handle:
+                handle.seek(offset)
+                tensor.raw_data = handle.read() if length is None else handle.read(length)
+        except OSError as exc:
+            _fail(path, f"cannot read external data for {tensor.name!r} ({exc.strerror or exc})")
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
     return found
@@ -542,13 +553,14 @@ def _write_tmp(path: Path, write) -> str:
     return tmp
 
 
-def save(model: onnx.ModelProto, path, *, external_data: bool = False) -> None:
+def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_model: bool = True) -> None:
     """Save atomically; with external data (or above 2 GB) weights go to `<name>.data` beside it.
 
     External data is streamed tensor by tensor (no copy of the model, no 2 GB serialisation):
     each big initializer is written to the data file and replaced by a reference while the model
-    is serialised, then given its bytes back, so `model` is unchanged afterwards. Both files are
-    written to temporary names and renamed into place, data first.
+    is serialised, then given its bytes back, so `model` is unchanged afterwards (with
+    `keep_model=False` it keeps the references instead: no re-read, for callers done with it).
+    Both files are written to temporary names and renamed into place, data first.
     """
     path = Path(path)
     if not external_data and _data_size(model) < TWO_GB - 2**26:
@@ -596,6 +608,8 @@ def save(model: onnx.ModelProto, path, *, external_data: bool = False) -> None:
         _interrupt_hook("between")
         os.replace(model_tmp, path)
         model_tmp = None
+        if not keep_model:
+            moved = []
     except OSError as exc:
         raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
     finally:
