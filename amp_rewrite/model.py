@@ -344,6 +344,8 @@ def validate(model: onnx.ModelProto, path=None) -> None:
             _fail(where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid")
     if "" not in seen_domains:
         _fail(where, "model imports no ai.onnx opset")
+    if not model.graph.output:
+        _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
     _check_structure(model.graph, set(), where)
     data_bytes = _check_tensor_sizes(model, where)
     target = model if data_bytes < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)

@@ -291,6 +291,7 @@ CASES: list[Case] = [
         [_n("Relu", ["x"], ["h"], "same"), _n("Sigmoid", ["h"], ["y"], "same")]))),
     Case("duplicate_initializer", MODEL, "defined twice", _model_case(_with(_dup_init))),
     Case("duplicate_graph_input", MODEL, "defined twice", _model_case(_with(_dup_input))),
+    Case("graph_without_outputs", MODEL, "no outputs", _model_case(_with(lambda m: m.graph.ClearField("output")))),
     Case("output_not_produced", MODEL, "not produced", _model_case(_with(_output_undefined))),
     Case("undeclared_op_domain", MODEL, "No opset import for domain", _model_case(lambda: _model(
         [_n("Frob", ["x"], ["y"], "frob", domain="com.hostile")]))),
