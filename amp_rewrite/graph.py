@@ -60,6 +60,7 @@ class ColouringGraph:
     shapes: dict  # tensor name -> TensorShapeProto when known
     notes: list  # (node label, text) for ops that could not be classified
     out_of_range: dict  # (def scope, name) -> largest finite |value| of a constant
+    unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
 
     def node(self, scope: int, index: int) -> onnx.NodeProto:
         return self.scopes[scope].graph.node[index]
@@ -112,16 +113,20 @@ def _is_constant(node: onnx.NodeProto) -> bool:
     return node.op_type == "Constant" and node.domain in schemas.DEFAULT_DOMAINS
 
 
-def _record_uses(scopes: list[Scope], cg_resolve) -> dict:
+def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
+    """(def scope, name) -> readers, and whether some node reads a tensor made after it."""
     uses: dict = {}
+    unsorted = False
     for s, scope in enumerate(scopes):
         defs = scope.defs
         for n, node in enumerate(scope.graph.node):
             for slot, name in enumerate(node.input):
                 if not name:
                     continue
-                if name in defs:  # the common case: defined in the same graph
+                found = defs.get(name)
+                if found is not None:  # the common case: defined in the same graph
                     key = (s, name)
+                    unsorted = unsorted or found[1] >= n
                 else:
                     found = cg_resolve(s, name)
                     if found is None:
@@ -132,7 +137,7 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> dict:
             found = cg_resolve(s, value.name)
             if found is not None:
                 uses.setdefault((found[0], value.name), []).append((s, -1, slot))
-    return uses
+    return uses, unsorted
 
 
 def _largest_finite(tensor: onnx.TensorProto) -> float:
@@ -207,7 +212,7 @@ def build(
     for scope in scopes:
         _record_defs(scope)
     cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], {})
-    cg.uses = _record_uses(scopes, cg.resolve)
+    cg.uses, cg.unsorted = _record_uses(scopes, cg.resolve)
     cg.out_of_range = {} if clamp else _out_of_range_constants(scopes, LIMITS[target])
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)

@@ -98,7 +98,8 @@ def rewrite(
     flops = report_mod.flops_by_node(cg)
     weights_before = report_mod.weight_bytes(scope.graph for scope in cg.scopes)
     materialised = casts.materialise(work, cg, plan, keep_io_types=keep_io_types, clamp=clamp)
-    sort_graphs(work)
+    if cg.unsorted:  # casts go right after their producers, so a sorted input stays sorted
+        sort_graphs(work)
     if check:
         _check(work)
     rep = report_mod.build(cg, plan, materialised, bytes_before=bytes_before, bytes_after=model_io.byte_size(work),
