@@ -8,6 +8,7 @@ into place, so a crash never leaves half a file, and it never writes over the in
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -197,7 +198,7 @@ def _check_tensor_sizes(model: onnx.ModelProto, path) -> int:
             _fail(path, f"tensor {tensor.name!r} has unknown element type {tensor.data_type}")
         if any(d < 0 for d in tensor.dims):
             _fail(path, f"tensor {tensor.name!r} has a negative dimension {list(tensor.dims)}")
-        count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+        count = math.prod(tensor.dims)
         size = _ELEMENT_SIZE.get(tensor.data_type)
         if tensor.HasField("raw_data") and size is not None:
             have, need = len(tensor.raw_data), count * size
@@ -298,6 +299,27 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str =
         _fail(path, f"{label}: the graph has a cycle (through node {stuck.name or stuck.op_type!r})")
 
 
+def _passes_checker(model: onnx.ModelProto) -> bool:
+    try:
+        onnx.checker.check_model(model)
+        return True
+    except Exception:
+        return False
+
+
+def _breaks_rules_checker_skips(graph: onnx.GraphProto) -> bool:
+    """Rules onnx.checker leaves alone: unique node names, typed graph inputs and outputs."""
+    for g in _graphs(graph):
+        names = [node.name for node in g.node if node.name]
+        if len(names) != len(set(names)):
+            return True
+        for value in (*g.input, *g.output):
+            kind = value.type.WhichOneof("value")
+            if kind is None or (kind == "tensor_type" and not value.type.tensor_type.elem_type):
+                return True
+    return False
+
+
 def _one_line(message: str) -> str:
     text = message.split("==> Context:")[0]
     text = " ".join(text.split())
@@ -346,9 +368,11 @@ def validate(model: onnx.ModelProto, path=None) -> None:
         _fail(where, "model imports no ai.onnx opset")
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
-    _check_structure(model.graph, set(), where)
     data_bytes = _check_tensor_sizes(model, where)
     target = model if data_bytes < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)
+    if _passes_checker(target) and not _breaks_rules_checker_skips(model.graph):
+        return  # the common case; the structure walk below only runs to name a problem
+    _check_structure(model.graph, set(), where)
     for attempt in range(2):
         try:
             onnx.checker.check_model(target)
@@ -525,7 +549,7 @@ def _big_tensors(model: onnx.ModelProto):
             if tensor.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
                 continue
             size = _ELEMENT_SIZE.get(tensor.data_type)
-            count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+            count = math.prod(tensor.dims)
             if size is not None and count * size >= EXTERNAL_THRESHOLD:
                 yield tensor
 
