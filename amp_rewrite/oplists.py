@@ -10,6 +10,7 @@ source is an error. Ops are keyed `OpType` for the default ONNX domain and `doma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -147,6 +148,21 @@ def default_list_path(target: str) -> Path:
     raise OpListError(f"default op list for {target!r} is missing from the installation")
 
 
+@lru_cache(maxsize=8)
+def _cached_default(path: Path, stamp: tuple) -> tuple[str | None, dict[str, Entry]]:
+    return _parse_file(path)
+
+
+def _default_entries(target: str) -> tuple[str | None, dict[str, Entry]]:
+    """The shipped lists, parsed once per process (and again if the file changes)."""
+    path = default_list_path(target)
+    stamps = []
+    for file in sorted(path.parent.glob("*.yaml")):  # `extends` may name a sibling
+        stat = file.stat()
+        stamps.append((file.name, stat.st_mtime_ns, stat.st_size))
+    return _cached_default(path, tuple(stamps))
+
+
 def load_op_lists(
     target: str = "float16",
     *,
@@ -157,7 +173,8 @@ def load_op_lists(
     clear: Iterable[str] = (),
 ) -> OpLists:
     """The default lists for `target`, then each user file, then the explicit op arguments."""
-    list_target, entries = _parse_file(default_list_path(target))
+    list_target, entries = _default_entries(target)
+    entries = dict(entries)
     for user_file in user_files:
         file_target, user_entries = _parse_file(Path(user_file))
         if file_target is not None and file_target != target:
