@@ -26,6 +26,7 @@ from amp_rewrite.paint import Plan
 
 ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
 TAG = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
+CAST_OPSET = 13  # the first default-domain opset whose Cast takes bfloat16
 
 
 @dataclass
@@ -325,4 +326,9 @@ class _Materialiser:
 def materialise(model: onnx.ModelProto, cg: ColouringGraph, plan: Plan, *, keep_io_types: bool = True,
                 clamp: bool = False) -> Materialised:
     """Apply `plan` to `model` (the proto `cg` was built from) in place."""
-    return _Materialiser(model, cg, plan, keep_io_types, clamp).run()
+    result = _Materialiser(model, cg, plan, keep_io_types, clamp).run()
+    if (result.casts or result.duplicated_constants) and not any(
+            o.domain in ("", "ai.onnx") for o in model.opset_import):
+        # e.g. a model of ai.onnx.ml ops only: our Cast/Constant nodes need the default domain
+        model.opset_import.append(helper.make_opsetid("", CAST_OPSET))
+    return result

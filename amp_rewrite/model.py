@@ -236,7 +236,8 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
 
 def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str = "main graph") -> None:
     """Names defined once, every input defined somewhere visible, no cycles: one line each."""
-    for value in (*graph.input, *graph.output):
+    main_io = (*graph.input, *graph.output) if not outer else ()  # bodies may leave types to inference
+    for value in main_io:
         kind = value.type.WhichOneof("value")
         if kind is None:
             _fail(path, f"{label}: {value.name!r} has no type")
@@ -313,10 +314,10 @@ def _breaks_rules_checker_skips(graph: onnx.GraphProto) -> bool:
         names = [node.name for node in g.node if node.name]
         if len(names) != len(set(names)):
             return True
-        for value in (*g.input, *g.output):
-            kind = value.type.WhichOneof("value")
-            if kind is None or (kind == "tensor_type" and not value.type.tensor_type.elem_type):
-                return True
+    for value in (*graph.input, *graph.output):  # the main graph's; bodies may leave them to inference
+        kind = value.type.WhichOneof("value")
+        if kind is None or (kind == "tensor_type" and not value.type.tensor_type.elem_type):
+            return True
     return False
 
 
@@ -364,8 +365,8 @@ def validate(model: onnx.ModelProto, path=None) -> None:
                          f"ONNX Runtime supports (at most {limit})")
         if opset.version < 1:
             _fail(where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid")
-    if "" not in seen_domains:
-        _fail(where, "model imports no ai.onnx opset")
+    if not seen_domains:
+        _fail(where, "model imports no opset")
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
     data_bytes = _check_tensor_sizes(model, where)

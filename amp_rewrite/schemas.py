@@ -85,13 +85,16 @@ def _signature_of(schema, domain: str, op_type: str) -> Signature:
     # An output type no input shares (BitCast's `to`), or a function body whose own ops must
     # accept the types: only the schema's inference can tell whether a type choice is valid.
     has_body = bool(getattr(schema, "has_function", False) or getattr(schema, "has_context_dependent_function", False))
-    probe = has_body or any(f.type_param not in input_params for f in outputs)
+    # Tensor attributes may have to match an input's type (TreeEnsemble's `nodes_splits`).
+    tensor_attrs = any(int(a.type) in _TENSOR_ATTRIBUTE_TYPES for a in schema.attributes.values())
+    probe = has_body or tensor_attrs or any(f.type_param not in input_params for f in outputs)
     container_params = {p for p, types in allowed.items() if any(t.startswith(_CONTAINERS) for t in types)}
     containers = bool(container_params) and len(allowed) > len(container_params)
     return Signature(domain, op_type, schema.since_version, inputs, outputs, allowed, probe, containers)
 
 
 _CONTAINERS = ("seq(", "optional(", "map(", "sparse_tensor(")
+_TENSOR_ATTRIBUTE_TYPES = {int(onnx.AttributeProto.TENSOR), int(onnx.AttributeProto.TENSORS)}
 
 
 @lru_cache(maxsize=1)

@@ -77,9 +77,9 @@ class Builder:
         c = self.const(f"shift_{shift}", np.array(shift, np.float32))
         return self.add("Add", [a, c], type_, shape, min(bound, 50.0) + shift)
 
-    def partner(self, name):
-        """A float32 tensor whose shape broadcasts with `name`'s."""
-        shape = self.tensors[name][1]
+    def partner(self, name, shape=None):
+        """A float32 tensor whose shape broadcasts with `name`'s (or with `shape`)."""
+        shape = self.tensors[name][1] if shape is None else shape
         options = []
         for other in self.floats():
             try:
@@ -118,8 +118,10 @@ def _binary(op, bound_of):
 def _variadic(op, bound_of):
     def build(g: Builder):
         a = g.bounded(g.pick())
-        rest = [g.bounded(g.partner(a)) for _ in range(g.draw(st.integers(1, 2)))]
-        shape = np.broadcast_shapes(*(g.tensors[t][1] for t in [a, *rest]))
+        shape, rest = g.tensors[a][1], []
+        for _ in range(g.draw(st.integers(1, 2))):  # each partner must broadcast with all so far
+            rest.append(g.bounded(g.partner(a, shape)))
+            shape = np.broadcast_shapes(shape, g.tensors[rest[-1]][1])
         return g.add(op, [a, *rest], F32, shape, bound_of([g.tensors[t][2] for t in [a, *rest]]))
     return op, build
 

@@ -57,7 +57,6 @@ TOLERANCE = {
 # Keys are regular expressions matched against the case name; values the reason shown.
 # A key is a pattern, or (pattern, target) for one target only.
 EXCEPTIONS: dict = {
-    r"test_ai_onnx_ml_.*": "imports only ai.onnx.ml: model.py refuses models without an ai.onnx opset (ModelError)",
     (r"test_attention_4d_attn_mask_[34]d_causal", "bfloat16"):
         "ORT 1.31 inlines Attention-23 (is_causal) with a float32 mask Add for bfloat16; onnx's own "
         "function body accepts bfloat16 (the schema probe checks it): ORT bug",
@@ -65,8 +64,6 @@ EXCEPTIONS: dict = {
         "inputs near 10000 differ by 1..3; bfloat16 spacing there is 64",
     (r"test_nllloss_NCd1d2d3d4d5_mean_weight(_expanded)?", "bfloat16"):
         "weighted mean over 6480 terms accumulated in bfloat16 by onnx.reference (no ORT bf16 kernel)",
-    (r"test_affine_grid_[23]d(_align_corners)?_expanded"):
-        "model.py refuses If branches whose outputs declare no type (valid ONNX; the checker accepts it)",
     (r"test_maxpool_with_argmax_2d_precomputed_pads", "bfloat16"):
         "onnx.reference's MaxPool returns wrong indices for bfloat16 (negative); ORT has no bf16 kernel",
     (r"test_batchnorm_(epsilon|example)_training_mode", "bfloat16"):
