@@ -25,7 +25,7 @@ import conformance  # noqa: E402
 SAMPLE_EVERY = 8
 ALWAYS = re.compile(r"test_(if|loop|scan|sequence_map|split_to_sequence|resize_upsample|range|top_k|cast_FLOAT_|bitcast|"
                     r"attention_4d_attn_mask|layer_normalization_2d|mvn|sce_mean$|matmul_2d|gemm_default|conv_with|"
-                    r"lstm|gru)")
+                    r"lstm|gru|affine_grid_2d_expanded|ai_onnx_ml_tree_ensemble)")
 SLOW = re.compile(r"test_(averagepool|lppool|maxpool)_3d_default|test_arg(max|min)_.*random_select_last_index")
 
 
