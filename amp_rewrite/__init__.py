@@ -9,7 +9,7 @@ Export pipelines call `amp_rewrite.maybe_rewrite(model)` and flip `enable()` / `
 """
 
 from amp_rewrite.errors import AmpRewriteError, ModelError, OpListError, OutputError, UsageError
-from amp_rewrite.rewrite import RewriteResult, disable, enable, enabled, is_enabled, maybe_rewrite, rewrite
+from amp_rewrite.pipeline import RewriteResult, disable, enable, enabled, is_enabled, maybe_rewrite, rewrite
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ import onnx
 from amp_rewrite import calibrate as cal_mod
 from amp_rewrite import model as model_io
 from amp_rewrite import validate as val
-from amp_rewrite.rewrite import RewriteResult, rewrite
+from amp_rewrite.pipeline import RewriteResult, rewrite
 
 HUGE = 1e30
 

@@ -383,7 +383,7 @@ def validate(model: onnx.ModelProto, path=None) -> None:
             if attempt == 0 and "topologically sorted" in message:
                 # structure was checked above, so the nodes are only out of order: the rewrite
                 # sorts them; check the rest on a sorted copy
-                from amp_rewrite.rewrite import sort_graphs
+                from amp_rewrite.pipeline import sort_graphs
 
                 copy = onnx.ModelProto()
                 copy.CopyFrom(target)

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 
 from amp_rewrite.cli import main
-from amp_rewrite.rewrite import rewrite
+from amp_rewrite.pipeline import rewrite
 from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor
 
 

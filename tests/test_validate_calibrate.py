@@ -13,7 +13,7 @@ import pytest
 from accuracy_models import cancellation, hazard_samples, hazards, naive_lists
 from amp_rewrite import accuracy, calibrate, validate
 from amp_rewrite.cli import main
-from amp_rewrite.rewrite import rewrite
+from amp_rewrite.pipeline import rewrite
 from helpers import assert_close, run_ort, run_reference
 
 RTOL, ATOL = 1e-2, 1e-2

@@ -217,7 +217,7 @@ def apply_precision(step: StepGraph, precision: str) -> StepGraph:
     if precision == "float32":
         return step
     try:
-        from amp_rewrite.rewrite import rewrite
+        from amp_rewrite.pipeline import rewrite
     except ImportError as error:
         raise TrainingError(f"mixed precision needs the AMP rewrite (amp_rewrite.rewrite): {error}") from None
     result = rewrite(step.model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS)

@@ -197,7 +197,7 @@ class Trainer:
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[tensor.name], tensor.name))
         if precision == "float32":
             return model
-        from amp_rewrite.rewrite import rewrite
+        from amp_rewrite.pipeline import rewrite
 
         return rewrite(model, target=precision, keep_io_types=True).model
 
