@@ -180,6 +180,9 @@ def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:
 def _unpainted_reason(vertex) -> str:
     if vertex.op_list == "deny":
         return "deny list"
+    if vertex.group.output_only:
+        return ("output typed by an attribute: changed only when every reader is low precision "
+                "and it is not a graph output")
     if vertex.op_list in ("infer", "clear"):
         return f"{vertex.op_list} op not between low-precision ops"
     return "not painted"
