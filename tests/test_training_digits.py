@@ -8,7 +8,6 @@ import sys
 import pytest
 
 pytest.importorskip("sklearn")
-pytest.importorskip("amp_rewrite.rewrite")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import train_digits  # noqa: E402

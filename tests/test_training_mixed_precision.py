@@ -12,8 +12,6 @@ from onnx.reference import ReferenceEvaluator
 from amp_rewrite.training import Adam, Trainer
 from test_training_models import classification_batches, softmax_regression, softmax_regression_gradient
 
-pytest.importorskip("amp_rewrite.rewrite")
-
 
 def make_trainer(precision="float16", **kwargs):
     return Trainer(softmax_regression(), optimizer=Adam(0.05), precision=precision, provider="cpu",
