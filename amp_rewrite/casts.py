@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant
+from amp_rewrite.naming import UniqueNames
 from amp_rewrite.paint import Plan
 
 ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
@@ -39,27 +40,17 @@ class Materialised:
     retargeted_nodes: list = field(default_factory=list)  # (scope, node index)
 
 
-class _Names:
-    """Unique, stable new names: the wanted name, or with the smallest free numeric suffix."""
-
-    def __init__(self, model: onnx.ModelProto, cg: ColouringGraph):
-        self.taken = set()
-        for scope in cg.scopes:
-            g = scope.graph
-            self.taken.update(v.name for v in g.input)
-            self.taken.update(v.name for v in g.output)
-            self.taken.update(t.name for t in g.initializer)
-            for node in g.node:
-                self.taken.add(node.name)
-                self.taken.update(node.output)
-
-    def new(self, wanted: str) -> str:
-        name, k = wanted, 1
-        while name in self.taken:
-            k += 1
-            name = f"{wanted}_{k}"
-        self.taken.add(name)
-        return name
+def _names_in_use(cg: ColouringGraph) -> set:
+    taken = set()
+    for scope in cg.scopes:
+        g = scope.graph
+        taken.update(v.name for v in g.input)
+        taken.update(v.name for v in g.output)
+        taken.update(t.name for t in g.initializer)
+        for node in g.node:
+            taken.add(node.name)
+            taken.update(node.output)
+    return taken
 
 
 def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tuple[np.ndarray, int]:
@@ -96,7 +87,7 @@ class _Materialiser:
         self.keep_io = keep_io_types
         self.clamp = clamp
         self.low = ELEM[cg.target]
-        self.names = _Names(model, cg)
+        self.names = UniqueNames(_names_in_use(cg))
         self.result = Materialised()
         self.casts = {}  # (def scope, name, elem, use scope) -> cast output name
         self.after = {}  # (scope, node index) -> nodes to emit right after it

@@ -13,6 +13,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from amp_rewrite.naming import UniqueNames
+
 # Ops whose `axes` moved from attribute to input, with the opset where that happened.
 AXES_INPUT_SINCE = {
     "ReduceSum": 13,
@@ -36,7 +38,8 @@ class Emitter:
     def __init__(self, graph: onnx.GraphProto, opset: int, taken: Iterable[str]):
         self.graph = graph
         self.opset = opset
-        self.taken = set(taken)
+        self.names = UniqueNames(taken)
+        self.taken = self.names.taken  # the same set: exact names claimed below count too
         self.scope = "grad"
         self.new_nodes: list[onnx.NodeProto] = []
         self._constants: dict[tuple, str] = {}
@@ -44,12 +47,7 @@ class Emitter:
     # -- names ---------------------------------------------------------------------------------
     def fresh(self, base: str) -> str:
         """A name not used by any tensor or node so far: base, then base_1, base_2..."""
-        name, k = base, 0
-        while name in self.taken:
-            k += 1
-            name = f"{base}_{k}"
-        self.taken.add(name)
-        return name
+        return self.names.new(base)
 
     def claim(self, name: str) -> str:
         """Reserve an exact name (a graph output such as `W_grad`)."""
