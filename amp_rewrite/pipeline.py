@@ -7,6 +7,8 @@ pipelines call `maybe_rewrite(model)`, which rewrites only while the rewrite is 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import os
 import re
 import time
@@ -44,6 +46,24 @@ def _check_patterns(patterns) -> None:
             raise UsageError(f"keep_fp32_nodes: {pattern!r} is not a valid regular expression ({exc})") from None
 
 
+def _gc_paused(function):
+    """The passes allocate millions of small containers and free them as they go; the cyclic
+    collector would rescan them all every few thousand allocations (~15% of a big rewrite)."""
+
+    @functools.wraps(function)
+    def paused(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def rewrite(
     model,
     *,
