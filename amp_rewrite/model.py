@@ -42,6 +42,7 @@ class LoadedModel:
     path: Path | None  # None when the model came in memory
     had_external_data: bool
     owned: bool = False  # True when nobody else holds `model` (read from a file): no copy needed
+    data_bytes: int = 0  # bytes of tensor data, counted while validating
 
 
 def _fail(path, message: str):
@@ -119,8 +120,8 @@ def load(source) -> LoadedModel:
             raise ModelError("model has no graph")
         if any(True for _ in _external_tensors(source.graph)):
             raise ModelError("model refers to external data but came in memory: pass its path instead")
-        validate(source, "model")
-        return LoadedModel(source, None, False)
+        data_bytes = validate(source, "model")
+        return LoadedModel(source, None, False, data_bytes=data_bytes)
     if not isinstance(source, (str, os.PathLike)):
         raise ModelError(f"expected a path or an onnx.ModelProto, got {type(source).__name__}")
     path = Path(source)
@@ -143,8 +144,8 @@ def load(source) -> LoadedModel:
     if not model.HasField("graph") or not model.opset_import:
         _fail(path, "not an ONNX model (no graph or no opset imports)")
     had_external = _load_external_data(model, path)
-    validate(model, path)
-    return LoadedModel(model, path, had_external, owned=True)
+    data_bytes = validate(model, path)
+    return LoadedModel(model, path, had_external, owned=True, data_bytes=data_bytes)
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -335,8 +336,9 @@ def _checker_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return skeleton
 
 
-def validate(model: onnx.ModelProto, path=None) -> None:
+def validate(model: onnx.ModelProto, path=None) -> int:
     """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
+    Returns the bytes of tensor data it counted on the way.
 
     Checks, cheapest first: versions against ONNX Runtime's limits, names and structure (cycles,
     undefined inputs, duplicates), tensor data sizes, then onnx.checker (on a data-free skeleton
@@ -372,12 +374,12 @@ def validate(model: onnx.ModelProto, path=None) -> None:
     data_bytes = _check_tensor_sizes(model, where)
     target = model if data_bytes < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)
     if _passes_checker(target) and not _breaks_rules_checker_skips(model.graph):
-        return  # the common case; the structure walk below only runs to name a problem
+        return data_bytes  # the common case; the structure walk below only runs to name a problem
     _check_structure(model.graph, set(), where)
     for attempt in range(2):
         try:
             onnx.checker.check_model(target)
-            return
+            return data_bytes
         except onnx.checker.ValidationError as exc:
             message = _one_line(str(exc))
             if attempt == 0 and "topologically sorted" in message:
@@ -672,15 +674,17 @@ def _data_size(model: onnx.ModelProto) -> int:
     return total
 
 
-def byte_size(model: onnx.ModelProto) -> int:
+def byte_size(model: onnx.ModelProto, data: int | None = None) -> int:
     """The model's serialised size: exact while small; above CHECK_IN_FULL_LIMIT of tensor data,
-    tensor data plus an estimate for the rest (upb's ByteSize() serialises, doubling memory)."""
-    data = _data_size(model)
+    tensor data plus an estimate for the rest (upb's ByteSize() serialises, doubling memory).
+    `data`, when the caller knows it, saves a walk over every tensor."""
+    data = _data_size(model) if data is None else data
     if data < CHECK_IN_FULL_LIMIT:
         return model.ByteSize()
     return data + 64 * sum(len(g.node) + len(g.initializer) for g in _graphs(model.graph))
 
 
-def checker_target(model: onnx.ModelProto) -> onnx.ModelProto:
+def checker_target(model: onnx.ModelProto, data: int | None = None) -> onnx.ModelProto:
     """What onnx.checker should see: the model, or above CHECK_IN_FULL_LIMIT its data-free skeleton."""
-    return model if _data_size(model) < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)
+    data = _data_size(model) if data is None else data
+    return model if data < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)

@@ -105,7 +105,7 @@ def rewrite(
     else:
         work = onnx.ModelProto()
         work.CopyFrom(loaded.model)
-    bytes_before = model_io.byte_size(work)
+    bytes_before = model_io.byte_size(work, loaded.data_bytes)
     if work.functions:  # model-local functions (dynamo exporter): inlined, then coloured as any graph
         work = inline_functions(work)
     types, shapes = model_io.tensor_types(work)
@@ -120,9 +120,11 @@ def rewrite(
     materialised = casts.materialise(work, cg, plan, keep_io_types=keep_io_types, clamp=clamp)
     if cg.unsorted:  # casts go right after their producers, so a sorted input stays sorted
         sort_graphs(work)
+    data_after = loaded.data_bytes + materialised.weight_bytes_delta
     if check:
-        _check(work)
-    rep = report_mod.build(cg, plan, materialised, bytes_before=bytes_before, bytes_after=model_io.byte_size(work),
+        _check(work, data_after)
+    rep = report_mod.build(cg, plan, materialised, bytes_before=bytes_before,
+                           bytes_after=model_io.byte_size(work, data_after),
                            seconds=time.perf_counter() - started, weights_before=weights_before,
                            weights_after=weights_before + materialised.weight_bytes_delta, node_flops=flops)
     changed = bool(materialised.casts or rep.summary["groups_low"] or not keep_io_types)
@@ -138,10 +140,10 @@ def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     return inlined
 
 
-def _check(model: onnx.ModelProto) -> None:
+def _check(model: onnx.ModelProto, data_bytes: int | None = None) -> None:
     """Refuse to hand back an invalid model: that would be a bug of ours, said plainly."""
     try:  # a big model is checked as a data-free skeleton: the checker serialises what it gets
-        onnx.checker.check_model(model_io.checker_target(model))
+        onnx.checker.check_model(model_io.checker_target(model, data_bytes))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
         raise RuntimeError(f"amp-rewrite produced an invalid model ({first}); please report this") from exc
