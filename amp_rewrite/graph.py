@@ -219,22 +219,19 @@ def build(
     owners = {scope.owner for scope in scopes[1:]}
     local_functions = {(f.domain, f.name) for f in model.functions}
 
+    op_info: dict = {}  # (domain, op type) -> (signature, list entry, why it is skipped)
     for s, scope in enumerate(scopes):
         for n, node in enumerate(scope.graph.node):
-            if _is_constant(node):
+            key = (node.domain, node.op_type)
+            info = op_info.get(key)
+            if info is None:
+                info = op_info[key] = _describe_op(*key, opsets, local_functions, op_lists)
+            sig, entry, skip = info
+            if skip is not None:
+                if skip:  # Constant nodes are skipped silently: they are sources, not vertices
+                    cg.notes.append((_label(node, s, n), skip))
                 continue
-            domain = "" if node.domain in schemas.DEFAULT_DOMAINS else node.domain
-            if (node.domain, node.op_type) in local_functions:
-                cg.notes.append((_label(node, s, n), f"model-local function {node.op_type!r} stays float32"))
-                continue
-            if domain not in opsets:
-                cg.notes.append((_label(node, s, n), f"op domain {domain!r} is not imported by the model; stays float32"))
-                continue
-            sig = schemas.signature(domain, node.op_type, opsets[domain])
-            if sig is None:
-                cg.notes.append((_label(node, s, n), f"no schema for {domain or 'ai.onnx'}:{node.op_type} at opset {opsets[domain]}; stays float32"))
-                continue
-            entry = op_lists.classify(domain, node.op_type)
+            domain = sig.domain
             inputs, outputs = list(node.input), list(node.output)
             kept = keep(node.name) if keep_fp32_nodes and node.name else False
             holds_body = (s, n) in owners
@@ -276,14 +273,29 @@ def build(
                     op_list = "deny"
                 cg.vertices.append(Vertex(s, n, node.name, node.op_type, group, op_list,
                                           entry.reason if entry else "", blocked, forced))
-                cg.graph.add_node(v)
                 for i in group.inputs:
                     cg.slot_vertex[(s, n, "i", i)] = v
                 for i in group.outputs:
                     cg.slot_vertex[(s, n, "o", i)] = v
+    cg.graph.add_nodes_from(range(len(cg.vertices)))
     _block_out_of_range_readers(cg)
     _add_edges(cg)
     return cg
+
+
+def _describe_op(node_domain: str, op_type: str, opsets: dict, local_functions: set, op_lists: OpLists):
+    """(signature, list entry, skip reason): looked up once per op type, not once per node."""
+    domain = "" if node_domain in schemas.DEFAULT_DOMAINS else node_domain
+    if op_type == "Constant" and domain == "":
+        return None, None, ""
+    if (node_domain, op_type) in local_functions:
+        return None, None, f"model-local function {op_type!r} stays float32"
+    if domain not in opsets:
+        return None, None, f"op domain {domain!r} is not imported by the model; stays float32"
+    sig = schemas.signature(domain, op_type, opsets[domain])
+    if sig is None:
+        return None, None, f"no schema for {domain or 'ai.onnx'}:{op_type} at opset {opsets[domain]}; stays float32"
+    return sig, op_lists.classify(domain, op_type), None
 
 
 def _group_type(node, group, types):
