@@ -14,6 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite import schemas
+from amp_rewrite.graph import collect_scopes
 
 TYPE_OF_STRING = {f"tensor({name.lower()})": value for name, value in TensorProto.DataType.items() if value}
 
@@ -43,19 +44,16 @@ def _single_choice(sig: schemas.Signature, type_param: str) -> int | None:
 def propagate(model: onnx.ModelProto, types: dict) -> bool:
     """Fill `types` (name -> element type) in node order; True when every node output is typed."""
     opsets = schemas.model_opsets(model)
+    signatures: dict = {}  # (domain, op type) -> Signature or None, looked up once per op type
     complete = True
-    stack = [model.graph]
-    while stack:
-        graph = stack.pop()
-        for node in graph.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
+    for scope in collect_scopes(model.graph):  # parents first: outer tensors are typed before bodies
+        for node in scope.graph.node:
+            key = (node.domain, node.op_type)
+            if key not in signatures:
+                domain = "" if key[0] in schemas.DEFAULT_DOMAINS else key[0]
+                signatures[key] = schemas.signature(domain, key[1], opsets[domain]) if domain in opsets else None
+            sig = signatures[key]
             inputs, outputs = list(node.input), list(node.output)
-            domain = "" if node.domain in schemas.DEFAULT_DOMAINS else node.domain
-            sig = schemas.signature(domain, node.op_type, opsets[domain]) if domain in opsets else None
             if sig is None:
                 complete = complete and all(not x or x in types for x in outputs)
                 continue
