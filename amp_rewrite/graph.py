@@ -75,9 +75,6 @@ class ColouringGraph:
             s = self.scopes[s].parent
         return None
 
-    def is_output_only(self, v: int) -> bool:
-        return self.vertices[v].group.output_only
-
 
 def collect_scopes(graph: onnx.GraphProto) -> list[Scope]:
     """The main graph and every subgraph, parents before children."""
@@ -231,7 +228,6 @@ def build(
                 if skip:  # Constant nodes are skipped silently: they are sources, not vertices
                     cg.notes.append((_label(node, s, n), skip))
                 continue
-            domain = sig.domain
             inputs, outputs = list(node.input), list(node.output)
             kept = keep(node.name) if keep_fp32_nodes and node.name else False
             holds_body = (s, n) in owners

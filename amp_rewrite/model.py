@@ -469,19 +469,6 @@ def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None)
     return types, shapes
 
 
-def _constant_nodes(graph: onnx.GraphProto):
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        for node in g.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                yield node
-            for attr in node.attribute:
-                if attr.HasField("g"):
-                    stack.append(attr.g)
-                stack.extend(attr.graphs)
-
-
 def check_output_path(output: Path, inputs: list[Path], force: bool) -> None:
     """Refuse to write over an input, or over an existing file without `force`."""
     for source in inputs:

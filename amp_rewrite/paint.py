@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain
 from types import MappingProxyType
 
 from amp_rewrite.graph import ColouringGraph

@@ -9,7 +9,6 @@ rounding of the products becomes a ~50% error of the difference.
 """
 
 import numpy as np
-from onnx import TensorProto
 
 from helpers import init, make_model, node, tensor
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import warnings
 
-import numpy as np
 import onnx
 import pytest
 

@@ -16,7 +16,6 @@ import sys
 import time
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.training import SGD, Trainer

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
