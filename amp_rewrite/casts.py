@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from amp_rewrite import tensordata
 from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.paint import Plan
@@ -65,16 +66,9 @@ def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tu
     return array.astype(dtype), clamped
 
 
-def float_values(tensor: onnx.TensorProto) -> np.ndarray:
-    """A float32 tensor's values, flat; read straight from raw bytes when stored that way."""
-    if tensor.data_type == FLOAT and tensor.HasField("raw_data"):
-        return np.frombuffer(tensor.raw_data, dtype="<f4")
-    return numpy_helper.to_array(tensor).reshape(-1)
-
-
 def _converted_tensor(tensor: onnx.TensorProto, elem: int, clamp: bool, target: str, name: str):
     """A new TensorProto holding `tensor`'s values as `elem`, stored as raw bytes."""
-    array, clamped = _convert_array(float_values(tensor), elem, clamp, target)
+    array, clamped = _convert_array(tensordata.float_values(tensor), elem, clamp, target)
     out = onnx.TensorProto(name=name, data_type=elem, dims=tensor.dims, raw_data=array.tobytes())
     return out, clamped
 
@@ -250,6 +244,8 @@ class _Materialiser:
                 source.ClearField("float_data")
                 source.data_type = elem
                 source.raw_data = converted.raw_data
+                source.data_location = TensorProto.DEFAULT  # it may have been left on disk
+                del source.external_data[:]
                 self.result.converted_constants += 1
             else:
                 scope.graph.initializer.append(converted)

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from amp_rewrite import schemas
+from amp_rewrite import schemas, tensordata
 from amp_rewrite.oplists import OpLists
 
 FLOAT = TensorProto.FLOAT
@@ -138,10 +138,7 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
 
 
 def _largest_finite(tensor: onnx.TensorProto) -> float:
-    if tensor.data_type == FLOAT and tensor.HasField("raw_data"):
-        array = np.frombuffer(tensor.raw_data, dtype="<f4")
-    else:
-        array = numpy_helper.to_array(tensor).reshape(-1)
+    array = tensordata.float_values(tensor)
     if not array.size:
         return 0.0
     largest = float(np.max(np.abs(array)))

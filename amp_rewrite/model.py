@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from amp_rewrite import elemtypes
+from amp_rewrite import elemtypes, tensordata
 from amp_rewrite.errors import ModelError, OutputError
 
 TWO_GB = 2**31
@@ -42,6 +42,7 @@ class LoadedModel:
     path: Path | None  # None when the model came in memory
     had_external_data: bool
     owned: bool = False  # True when nobody else holds `model` (read from a file): no copy needed
+    lazy: bool = False  # big external weights stay on disk (tensordata reads them one at a time)
     data_bytes: int = 0  # bytes of tensor data, counted while validating
 
 
@@ -84,9 +85,13 @@ def _all_tensors(graph: onnx.GraphProto):
                 stack.extend(attr.graphs)
 
 
-def _load_external_data(model: onnx.ModelProto, path: Path) -> bool:
+LAZY_MIN_BYTES = 2**20  # with lazy_weights, external tensors from this size stay on disk
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False) -> tuple[bool, bool]:
+    """Read (or, with `lazy`, point at) every external tensor: (any external, any left on disk)."""
     base_dir = path.parent
-    found = False
+    found = left = False
     for tensor in list(_external_tensors(model.graph)):
         found = True
         info = {e.key: e.value for e in tensor.external_data}
@@ -100,6 +105,10 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> bool:
             _fail(path, f"external data for {tensor.name!r} has a non-numeric offset or length")
         if offset < 0 or (length is not None and length < 0):
             _fail(path, f"external data for {tensor.name!r} has a negative offset or length")
+        if lazy and (length if length is not None else target.stat().st_size - offset) >= LAZY_MIN_BYTES:
+            _point_at(tensor, target, offset, length)  # read when needed (tensordata), one at a time
+            left = True
+            continue
         try:
             with open(target, "rb") as handle:
                 handle.seek(offset)
@@ -108,11 +117,24 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> bool:
             _fail(path, f"cannot read external data for {tensor.name!r} ({exc.strerror or exc})")
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
-    return found
+    return found, left
 
 
-def load(source) -> LoadedModel:
-    """A path or a ModelProto -> LoadedModel; every failure is one ModelError line."""
+def _point_at(tensor: TensorProto, target: Path, offset: int, length: int | None) -> None:
+    """Refer to the checked, resolved file by absolute path (never saved: `save` writes the bytes)."""
+    if length is None:
+        length = target.stat().st_size - offset
+    del tensor.external_data[:]
+    for key, value in (("location", str(target)), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def load(source, *, lazy_weights: bool = False) -> LoadedModel:
+    """A path or a ModelProto -> LoadedModel; every failure is one ModelError line.
+
+    `lazy_weights` leaves big external-data tensors on disk until they are read or saved: for
+    a caller that will only rewrite and `save`, so memory stays near the converted size."""
     if isinstance(source, LoadedModel):
         return source
     if isinstance(source, onnx.ModelProto):
@@ -143,9 +165,9 @@ def load(source) -> LoadedModel:
     del data
     if not model.HasField("graph") or not model.opset_import:
         _fail(path, "not an ONNX model (no graph or no opset imports)")
-    had_external = _load_external_data(model, path)
-    data_bytes = validate(model, path)
-    return LoadedModel(model, path, had_external, owned=True, data_bytes=data_bytes)
+    had_external, lazy = _load_external_data(model, path, lazy_weights)
+    data_bytes = validate(model, path, skeleton=lazy)
+    return LoadedModel(model, path, had_external, owned=True, lazy=lazy, data_bytes=data_bytes)
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -201,7 +223,13 @@ def _check_tensor_sizes(model: onnx.ModelProto, path) -> int:
             _fail(path, f"tensor {tensor.name!r} has a negative dimension {list(tensor.dims)}")
         count = math.prod(tensor.dims)
         size = _ELEMENT_SIZE.get(tensor.data_type)
-        if tensor.HasField("raw_data") and size is not None:
+        if tensordata.is_external(tensor) and size is not None:  # left on disk by lazy_weights
+            have, need = int(tensordata.external_info(tensor)["length"]), count * size
+            total += need
+            if have != need:
+                _fail(path, f"tensor {tensor.name!r} has {have} bytes of external data but its shape "
+                            f"{list(tensor.dims)} needs {need}")
+        elif tensor.HasField("raw_data") and size is not None:
             have, need = len(tensor.raw_data), count * size
             total += have
             if have != need:
@@ -336,7 +364,7 @@ def _checker_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return skeleton
 
 
-def validate(model: onnx.ModelProto, path=None) -> int:
+def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False) -> int:
     """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
     Returns the bytes of tensor data it counted on the way.
 
@@ -372,7 +400,7 @@ def validate(model: onnx.ModelProto, path=None) -> int:
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
     data_bytes = _check_tensor_sizes(model, where)
-    target = model if data_bytes < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)
+    target = model if data_bytes < CHECK_IN_FULL_LIMIT and not skeleton else _checker_skeleton(model)
     if _passes_checker(target) and not _breaks_rules_checker_skips(model.graph):
         return data_bytes  # the common case; the structure walk below only runs to name a problem
     _check_structure(model.graph, set(), where)
@@ -525,12 +553,6 @@ def _interrupt_hook(stage: str) -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
-def _tensor_bytes(tensor: TensorProto) -> bytes:
-    if tensor.HasField("raw_data"):
-        return tensor.raw_data
-    from onnx import numpy_helper
-
-    return numpy_helper.to_array(tensor).tobytes()
 
 
 def _big_tensors(model: onnx.ModelProto):
@@ -590,7 +612,7 @@ def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_mode
         def write_data(handle):
             offset = 0
             for tensor in _big_tensors(model):
-                blob = _tensor_bytes(tensor)
+                blob = tensordata.tensor_bytes(tensor)
                 pad = (-offset) % _ALIGN
                 if pad:
                     handle.write(b"\0" * pad)
@@ -671,7 +693,8 @@ def byte_size(model: onnx.ModelProto, data: int | None = None) -> int:
     return data + 64 * sum(len(g.node) + len(g.initializer) for g in _graphs(model.graph))
 
 
-def checker_target(model: onnx.ModelProto, data: int | None = None) -> onnx.ModelProto:
-    """What onnx.checker should see: the model, or above CHECK_IN_FULL_LIMIT its data-free skeleton."""
+def checker_target(model: onnx.ModelProto, data: int | None = None, *, skeleton: bool = False) -> onnx.ModelProto:
+    """What onnx.checker should see: the model, or above CHECK_IN_FULL_LIMIT (or with weights
+    left on disk) its data-free skeleton."""
     data = _data_size(model) if data is None else data
-    return model if data < CHECK_IN_FULL_LIMIT else _checker_skeleton(model)
+    return model if data < CHECK_IN_FULL_LIMIT and not skeleton else _checker_skeleton(model)

@@ -122,7 +122,7 @@ def rewrite(
         sort_graphs(work)
     data_after = loaded.data_bytes + materialised.weight_bytes_delta
     if check:
-        _check(work, data_after)
+        _check(work, data_after, skeleton=loaded.lazy)
     rep = report_mod.build(cg, plan, materialised, bytes_before=bytes_before,
                            bytes_after=model_io.byte_size(work, data_after),
                            seconds=time.perf_counter() - started, weights_before=weights_before,
@@ -140,10 +140,10 @@ def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     return inlined
 
 
-def _check(model: onnx.ModelProto, data_bytes: int | None = None) -> None:
+def _check(model: onnx.ModelProto, data_bytes: int | None = None, *, skeleton: bool = False) -> None:
     """Refuse to hand back an invalid model: that would be a bug of ours, said plainly."""
     try:  # a big model is checked as a data-free skeleton: the checker serialises what it gets
-        onnx.checker.check_model(model_io.checker_target(model, data_bytes))
+        onnx.checker.check_model(model_io.checker_target(model, data_bytes, skeleton=skeleton))
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
         raise RuntimeError(f"amp-rewrite produced an invalid model ({first}); please report this") from exc

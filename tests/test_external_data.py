@@ -132,3 +132,37 @@ def test_symlink_inside_the_folder_is_allowed(tmp_path):
     result = amp_rewrite.rewrite(str(tmp_path / "linked.onnx"))
     feeds = random_feeds(original)
     assert_close(run_ort(result.model, feeds), run_ort(original, feeds))
+
+
+def test_cli_leaves_big_weights_on_disk_until_saved_and_matches_the_in_memory_rewrite(tmp_path, monkeypatch):
+    """The CLI (rewrite + save only) loads big external weights lazily: same output, fewer copies."""
+    monkeypatch.setattr(model_io, "LAZY_MIN_BYTES", 8 * 1024)  # the 64x64 weights (16 KiB) count as big
+    model = _weights_model()
+    huge = np.zeros(64, np.float32)
+    huge[3] = 1e6  # out of the float16 range: its reader stays float32, the tensor is not converted
+    model.graph.initializer.append(init("huge", huge))
+    model.graph.node.append(node("Add", ["r2", "huge"], ["y"], "add_huge"))
+    del model.graph.output[:]
+    model.graph.output.append(tensor("y", [2, 64]))
+    onnx.checker.check_model(model)
+    original = onnx.ModelProto()
+    original.CopyFrom(model)  # onnx.save below turns `model`'s weights into references
+    path = tmp_path / "big.onnx"
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="big.onnx.data",
+              size_threshold=0)
+    loaded = model_io.load(path, lazy_weights=True)
+    assert loaded.lazy and sum(t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.model.graph.initializer) == 3
+    out = tmp_path / "big.fp16.onnx"
+    assert main([str(path), "-o", str(out), "--quiet"]) == 0
+    eager = amp_rewrite.rewrite(str(path)).model  # everything read up front
+    lazy_out = onnx.load(str(out))
+    assert {t.name: (t.data_type, numpy_helper_bytes(t)) for t in lazy_out.graph.initializer} == \
+        {t.name: (t.data_type, numpy_helper_bytes(t)) for t in eager.graph.initializer}
+    onnx.checker.check_model(str(out), full_check=True)
+    feeds = random_feeds(original)
+    assert_close(_session(out).run(None, feeds), run_ort(original, feeds), rtol=2e-2, atol=2e-2)
+    assert str(tmp_path) not in out.read_bytes().decode("latin-1")  # no absolute path leaked into the model
+
+
+def numpy_helper_bytes(t):
+    return onnx.numpy_helper.to_array(t).tobytes()
