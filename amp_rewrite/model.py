@@ -513,18 +513,15 @@ def check_output_path(output: Path, inputs: list[Path], force: bool) -> None:
         raise OutputError(f"{output}: folder {parent} is not writable")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it."""
+def atomic_write(path, write) -> None:
+    """Write through a temporary file beside `path` (fsync), then rename over it: a crash or a full
+    disk never leaves half a file, and the previous file stays until the new one is complete."""
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+        tmp = _write_tmp(path, write)
     except OSError as exc:
         raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
         _interrupt_hook("rename")
         os.replace(tmp, path)
     except OSError as exc:
@@ -533,6 +530,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda handle: handle.write(data))
 
 
 def _remove_quietly(path) -> None:
@@ -578,9 +579,18 @@ def _graphs(graph: onnx.GraphProto):
                 stack.extend(attr.graphs)
 
 
+def _file_mode() -> int:
+    """The mode a plainly created file gets (0666 less the umask); mkstemp's is 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _write_tmp(path: Path, write) -> str:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()

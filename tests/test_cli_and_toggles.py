@@ -108,3 +108,17 @@ def test_toggles_follow_tensorflow_semantics():
             assert amp_rewrite.maybe_rewrite(model) is model
     feeds = random_feeds(model)
     assert_close(run_ort(out, feeds), run_ort(model, feeds))
+
+
+def test_written_files_get_the_usual_permissions_not_mkstemps(model_file):
+    """Outputs go through a temporary file (mkstemp makes it 0600) but end with 0666 less umask."""
+    import os
+    import stat
+
+    mask = os.umask(0o022)
+    try:
+        assert main([str(model_file), "--quiet", "--report", str(model_file.parent / "r.json")]) == 0
+    finally:
+        os.umask(mask)
+    for name in ("net.fp16.onnx", "r.json"):
+        assert stat.S_IMODE((model_file.parent / name).stat().st_mode) == 0o644, name

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ from onnx import helper, numpy_helper
 import onnxruntime as ort
 
 from amp_rewrite.errors import TrainingError
+from amp_rewrite.model import atomic_write
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import Optimizer
 from amp_rewrite.training.session import open_session
@@ -168,7 +168,7 @@ class Trainer:
         arrays = {f"state_{i}": value for i, value in enumerate(state.values())}
         arrays["names"] = np.array(list(state), dtype=np.str_)
         arrays["meta"] = np.array(json.dumps(self._checkpoint_meta()), dtype=np.str_)
-        _atomic_write(path, lambda f: np.savez(f, **arrays))
+        atomic_write(path, lambda f: np.savez(f, **arrays))
 
     def load(self, path) -> None:
         """Restore a checkpoint written by `save` for the same model, optimizer and loss scale."""
@@ -204,7 +204,7 @@ class Trainer:
     def export(self, path, precision: str = "float32") -> None:
         """Write the trained inference model (float32, or rewritten to `precision`), atomically."""
         data = self.inference_model(precision).SerializeToString()
-        _atomic_write(path, lambda f: f.write(data))
+        atomic_write(path, lambda f: f.write(data))
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -321,18 +321,3 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
 
 def _input_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
     return {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}
-
-
-def _atomic_write(path, write) -> None:
-    """Write through a temporary file in the same folder, then rename: never a half-written file."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(handle, "wb") as f:
-            write(f)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
