@@ -80,7 +80,7 @@ def accuracy(model: onnx.ModelProto, x, y) -> float:
 
 
 def train(precision: str, epochs: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
-          provider: str = "auto", progress: bool = False) -> list[float]:
+          provider: str = "auto", progress: bool | None = False) -> list[float]:
     """Test accuracy after each epoch of training the digits MLP at `precision`."""
     x_train, y_train, x_test, y_test = digits_split(seed)
     trainer = Trainer(mlp_model(seed=seed), loss="cross_entropy", optimizer=Adam(lr), precision=precision,
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     run = (args.epochs, args.batch_size, args.lr)
-    curves = {"float32": train("float32", *run, provider=args.provider, progress=not args.quiet),
-              f"{args.precision} AMP": train(args.precision, *run, provider=args.provider, progress=not args.quiet)}
+    curves = {"float32": train("float32", *run, provider=args.provider, progress=False if args.quiet else None),
+              f"{args.precision} AMP": train(args.precision, *run, provider=args.provider, progress=False if args.quiet else None)}
     if args.reference:
         curves[f"{args.precision} AMP (onnx.reference)"] = train_on_reference(args.precision, *run)
     print("test accuracy after each epoch")

@@ -70,7 +70,7 @@ def test_export_writes_the_trained_float32_inference_model(tmp_path):
 
 def test_fit_lowers_the_loss_and_reports_progress(capsys):
     trainer = make_trainer(Adam(0.1))
-    losses = trainer.fit(classification_batches(count=4, batch=32), epochs=5)
+    losses = trainer.fit(classification_batches(count=4, batch=32), epochs=5, progress=True)
     assert losses[-1] < losses[0]
     progress = capsys.readouterr().err
     assert "epoch 5/5" in progress and "scale 32768" in progress and "4/4" in progress

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
-import time
 
 import numpy as np
 import onnx
@@ -21,6 +19,7 @@ import onnxruntime as ort
 
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.model import atomic_write
+from amp_rewrite.progress import Progress
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import Optimizer
 from amp_rewrite.training.session import open_session
@@ -91,22 +90,24 @@ class Trainer:
             result = self._run(feeds, retries=result.retries + 1)
         return result
 
-    def fit(self, batches, epochs: int = 1, progress: bool = True) -> list[float]:
+    def fit(self, batches, epochs: int = 1, progress: bool | None = None) -> list[float]:
         """Train for `epochs` over `batches` (a list, or a callable epoch -> iterable of feed dicts);
-        returns the mean loss of each epoch over its non-skipped steps."""
+        returns the mean loss of each epoch over its non-skipped steps. The progress line (loss,
+        scale, skipped steps) shows on a terminal by default; `progress=True/False` forces it."""
         if epochs > 1 and not callable(batches) and iter(batches) is batches:
             raise TrainingError("batches is a one-shot iterator: pass a list or a callable for several epochs")
         epoch_losses = []
         for epoch in range(epochs):
             epoch_batches = batches(epoch) if callable(batches) else batches
-            bar = _ProgressLine(f"epoch {epoch + 1}/{epochs}", _length(epoch_batches), progress)
-            losses = []
-            for feeds in epoch_batches:
-                result = self.step(feeds)
-                if not result.skipped:
-                    losses.append(result.loss)
-                bar.update(result)
-            bar.close()
+            losses, skipped = [], 0
+            with Progress(_length(epoch_batches), f"epoch {epoch + 1}/{epochs}", progress) as bar:
+                for feeds in epoch_batches:
+                    result = self.step(feeds)
+                    skipped += result.skipped
+                    if not result.skipped:
+                        losses.append(result.loss)
+                    last = f"{losses[-1]:.4f}" if losses else "nan"
+                    bar.step(note=f"loss {last} scale {result.loss_scale:g} skipped {skipped}")
             epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
         return epoch_losses
 
@@ -235,39 +236,6 @@ class Trainer:
         binding.bind_ortvalue_output(self.step_graph.loss_output, self._host_outputs[0])
         binding.bind_ortvalue_output(SKIPPED_OUTPUT, self._host_outputs[1])
         return binding
-
-
-class _ProgressLine:
-    """A one-line progress bar on stderr (no tqdm dependency)."""
-
-    def __init__(self, label: str, total: int | None, enabled: bool, width: int = 24):
-        self.label, self.total, self.enabled, self.width = label, total, enabled, width
-        self.done = self.skipped = 0
-        self.started = time.perf_counter()
-        self.last = None
-
-    def update(self, result: StepResult) -> None:
-        self.done += 1
-        self.skipped += result.skipped
-        if not result.skipped:
-            self.last = result.loss
-        if self.enabled:
-            sys.stderr.write("\r" + self._text(result.loss_scale))
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-
-    def _text(self, scale: float) -> str:
-        if self.total:
-            filled = self.width * self.done // self.total
-            bar = f"|{'#' * filled}{'.' * (self.width - filled)}| {self.done}/{self.total}"
-        else:
-            bar = f"{self.done} steps"
-        loss = "nan" if self.last is None else f"{self.last:.4f}"
-        rate = self.done / max(time.perf_counter() - self.started, 1e-9)
-        return f"{self.label} {bar} loss {loss} scale {scale:g} skipped {self.skipped} {rate:.0f} it/s"
 
 
 def _length(batches) -> int | None:
