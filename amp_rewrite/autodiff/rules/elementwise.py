@@ -77,14 +77,23 @@ def _unary(op_type: str, doc: str):
     return decorate
 
 
+# One-input ops whose local derivative is another op of x: op -> (that op, formula).
+_DERIVATIVE_OF_X = {
+    "Log": ("Reciprocal", "dY/x."),
+    "Sin": ("Cos", "dY*cos(x)."),
+    "Sinh": ("Cosh", "dY*cosh(x)."),
+    "Cosh": ("Sinh", "dY*sinh(x)."),
+    "Abs": ("Sign", "dY*sign(x)."),
+    "Softplus": ("Sigmoid", "dY*sigmoid(x)."),
+}
+
+for _op, (_local, _doc) in _DERIVATIVE_OF_X.items():
+    _unary(_op, _doc)(lambda ctx, e, x, y, local=_local: e.op(local, [x]))
+
+
 @_unary("Exp", "dY*y.")
 def _exp(ctx, e, x, y):
     return y
-
-
-@_unary("Log", "dY/x.")
-def _log(ctx, e, x, y):
-    return e.op("Reciprocal", [x])
 
 
 @_unary("Sqrt", "dY*0.5/y.")
@@ -112,11 +121,6 @@ def _erf(ctx, e, x, y):
     return e.op("Mul", [ctx.const(2 / math.sqrt(math.pi), x), e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])])])
 
 
-@_unary("Sin", "dY*cos(x).")
-def _sin(ctx, e, x, y):
-    return e.op("Cos", [x])
-
-
 @_unary("Cos", "-dY*sin(x).")
 def _cos(ctx, e, x, y):
     return e.op("Neg", [e.op("Sin", [x])])
@@ -130,26 +134,6 @@ def _tan(ctx, e, x, y):
 @_unary("Atan", "dY/(1+x^2).")
 def _atan(ctx, e, x, y):
     return e.op("Reciprocal", [e.op("Add", [ctx.const(1, x), e.op("Mul", [x, x])])])
-
-
-@_unary("Sinh", "dY*cosh(x).")
-def _sinh(ctx, e, x, y):
-    return e.op("Cosh", [x])
-
-
-@_unary("Cosh", "dY*sinh(x).")
-def _cosh(ctx, e, x, y):
-    return e.op("Sinh", [x])
-
-
-@_unary("Abs", "dY*sign(x).")
-def _abs(ctx, e, x, y):
-    return e.op("Sign", [x])
-
-
-@_unary("Softplus", "dY*sigmoid(x).")
-def _softplus(ctx, e, x, y):
-    return e.op("Sigmoid", [x])
 
 
 @_unary("Softsign", "dY/(1+|x|)^2.")
