@@ -162,7 +162,8 @@ class _Materialiser:
             self.casts[key] = reuse
             return reuse
         out = self.names.new(f"{name}_{TAG[elem]}")
-        self.add_cast(use_scope, d if use_scope == s else None, name, out, elem, after=use_scope == s)
+        source = self.cast_origin(s, d) or name  # Cast(int -> float) then -> float16: cast the int once
+        self.add_cast(use_scope, d if use_scope == s else None, source, out, elem, after=use_scope == s)
         if elem == self.low:
             self.low_names.add((use_scope, out))
         self.casts[key] = out
@@ -186,6 +187,17 @@ class _Materialiser:
             if source_elem == elem:
                 return source
         return None
+
+    def cast_origin(self, s, d) -> str | None:
+        """The input of the existing Cast that made `d`, when that input is not a float32 tensor we
+        retype (an int, bool or double): casting it directly avoids a Cast of a Cast."""
+        if d[0] != "node":
+            return None
+        node = self.cg.node(s, d[1])
+        if node.op_type != "Cast" or not node.input or not node.input[0]:
+            return None
+        source_type = self.cg.types.get(node.input[0])
+        return node.input[0] if source_type is not None and source_type != FLOAT else None
 
     def add_cast(self, scope, d, source, out, elem, *, after: bool) -> None:
         name = self.names.new(f"amp/Cast_{out}")

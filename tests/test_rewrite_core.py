@@ -361,3 +361,20 @@ def test_unknown_domain_stays_float32_with_a_note():
     assert any("com.example" in note and "float32" in note for note in result.report.notes)
     assert result.report.node("mm")["precision"] == "float16"
     assert result.model.graph.node[-1].input[0] != "h"  # the custom op reads a float32 cast
+
+
+def test_cast_of_an_integer_cast_reads_the_integer_directly():
+    """A Cast(int -> float) read by both colours stays; the float16 readers get Cast(int -> float16)."""
+    model = make_model(
+        [node("Cast", ["ids"], ["idf"], "cast_in", to=TensorProto.FLOAT),
+         node("MatMul", ["idf", "W"], ["h"], "mm"),
+         node("Softmax", ["idf"], ["sm"], "sm")],
+        [tensor("ids", [2, 4], TensorProto.INT64)], [tensor("h", [2, 4]), tensor("sm", [2, 4])],
+        [init("W", weights(4, 4))])
+    out = amp_rewrite.rewrite(model).model
+    by_name = nodes_by_name(out)
+    assert by_name["cast_in"].attribute[0].i == TensorProto.FLOAT  # a float32 reader remains
+    produced_by_cast = {c.output[0] for c in casts(out)}
+    assert all(c.input[0] not in produced_by_cast for c in casts(out)), "cast chain"
+    assert by_name["mm"].input[0] != "idf"
+    check_both(model, out, {"ids": np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.int64)})
