@@ -33,6 +33,7 @@ class Scope:
     parent: int | None
     owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
     defs: dict = field(default_factory=dict)  # tensor name -> ("input"|"initializer"|"node", node, slot)
+    io: list = field(default_factory=list)  # per node: (inputs, outputs) as Python lists, read once
 
 
 @dataclass
@@ -96,8 +97,9 @@ def _record_defs(scope: Scope) -> None:
         defs[tensor.name] = ("initializer", -1, -1)
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
         defs[value.name] = ("input", -1, -1)
-    for n, node in enumerate(scope.graph.node):
-        for slot, name in enumerate(node.output):
+    scope.io = [(list(node.input), list(node.output)) for node in scope.graph.node]
+    for n, (_, outputs) in enumerate(scope.io):
+        for slot, name in enumerate(outputs):
             if name:
                 defs[name] = ("node", n, slot)
 
@@ -116,8 +118,8 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
     unsorted = False
     for s, scope in enumerate(scopes):
         defs = scope.defs
-        for n, node in enumerate(scope.graph.node):
-            for slot, name in enumerate(node.input):
+        for n, (inputs, _) in enumerate(scope.io):
+            for slot, name in enumerate(inputs):
                 if not name:
                     continue
                 found = defs.get(name)
@@ -225,7 +227,7 @@ def build(
                 if skip:  # Constant nodes are skipped silently: they are sources, not vertices
                     cg.notes.append((_label(node, s, n), skip))
                 continue
-            inputs, outputs = list(node.input), list(node.output)
+            inputs, outputs = scope.io[n]
             kept = keep(node.name) if keep_fp32_nodes and node.name else False
             holds_body = (s, n) in owners
             in_types = None
