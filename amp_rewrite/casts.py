@@ -38,7 +38,6 @@ class Materialised:
     duplicated_constants: int = 0
     clamped_values: int = 0
     weight_bytes_delta: int = 0  # float weight bytes after minus before
-    retargeted_nodes: list = field(default_factory=list)  # (scope, node index)
 
 
 def _names_in_use(cg: ColouringGraph) -> set:
@@ -286,7 +285,6 @@ class _Materialiser:
                 for attr in node.attribute:
                     if attr.name in ("to", "dtype"):
                         attr.i = self.low
-                self.result.retargeted_nodes.append((vertex.scope, vertex.node))
 
     def retype_io_and_value_info(self) -> None:
         main = self.cg.scopes[0].graph
@@ -299,8 +297,6 @@ class _Materialiser:
                 found = self.cg.resolve(s, value.name)
                 if found is not None and (found[0], value.name) in self.low_names:
                     value.type.tensor_type.elem_type = self.low
-                elif found is not None and (found[0], value.name) in self.renamed:
-                    pass  # the original name is now the Cast's output, of the declared type
 
     def initializer_index(self, s: int) -> dict:
         if s not in self._initializer_index:

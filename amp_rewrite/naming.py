@@ -11,9 +11,6 @@ class UniqueNames:
     def __init__(self, taken: Iterable[str] = ()):
         self.taken = set(taken)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.taken
-
     def new(self, wanted: str) -> str:
         name, k = wanted, 0
         while name in self.taken:

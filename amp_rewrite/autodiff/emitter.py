@@ -117,9 +117,6 @@ class Emitter:
     def unsqueeze(self, x: str, axes: Sequence[int] | str) -> str:
         return self.axes_op("Unsqueeze", x, axes)
 
-    def squeeze(self, x: str, axes: Sequence[int]) -> str:
-        return self.axes_op("Squeeze", x, list(axes))
-
     def shape(self, x: str, start: int = 0, end: int | None = None) -> str:
         """Shape(x)[start:end] as int64, using Shape's start/end attributes where the opset has them."""
         if start == 0 and end is None:
