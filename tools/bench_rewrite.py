@@ -290,12 +290,17 @@ def parse_args(argv):
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the synthetic stacks")
     parser.add_argument("--no-exported", action="store_true", help="skip the models exported from torch")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1k nodes, one run, no exported models")
+    parser.add_argument("--tools", type=lambda text: [t.strip() for t in text.split(",")], default=list(TOOL_ORDER),
+                        help=f"comma-separated tools to time (default: all of {', '.join(TOOL_ORDER)})")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--worker", choices=TOOL_ORDER, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [t for t in args.tools if t not in TOOL_ORDER]
+    if unknown:
+        parser.error(f"unknown tool(s) {', '.join(unknown)}: choose from {', '.join(TOOL_ORDER)}")
     if args.quick:
         args.sizes, args.repeat, args.no_exported = [1000], 1, True
     return args
@@ -312,7 +317,7 @@ def main(argv=None) -> int:
         if not args.no_exported:
             cases += list(exported_cases(Path(tmp)))
         for label, path, nodes in cases:
-            for tool in TOOL_ORDER:
+            for tool in (t for t in TOOL_ORDER if t in args.tools):
                 rows.append(run_tool(tool, label, path, nodes, args))
                 print(f"{label:>14} {tool:<22} {rows[-1].median or rows[-1].note}", file=sys.stderr, flush=True)
     print(table(rows, args.markdown))
