@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from amp_rewrite import tensordata
+from amp_rewrite import model as model_io, tensordata
 from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.paint import Plan
@@ -53,8 +53,11 @@ def _names_in_use(cg: ColouringGraph) -> set:
     return taken
 
 
+_DTYPE = {elem: helper.tensor_dtype_to_np_dtype(elem) for elem in TAG}
+
+
 def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tuple[np.ndarray, int]:
-    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    dtype = _DTYPE[elem]
     clamped = 0
     if clamp:
         limit = LIMITS[target]
@@ -63,13 +66,6 @@ def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tu
         if clamped:
             array = np.clip(array, -limit, limit)
     return array.astype(dtype), clamped
-
-
-def _converted_tensor(tensor: onnx.TensorProto, elem: int, clamp: bool, target: str, name: str):
-    """A new TensorProto holding `tensor`'s values as `elem`, stored as raw bytes."""
-    array, clamped = _convert_array(tensordata.float_values(tensor), elem, clamp, target)
-    out = onnx.TensorProto(name=name, data_type=elem, dims=tensor.dims, raw_data=array.tobytes())
-    return out, clamped
 
 
 class _Materialiser:
@@ -88,6 +84,7 @@ class _Materialiser:
         self.renamed = {}  # (def scope, name) -> new producer output name
         self.low_names = set()  # (scope, name) whose final type is low precision
         self._initializer_index = {}
+        self.replaced = set()  # borrowed main-graph initializers given converted bytes in place
 
     # --- what each tensor is and what each use needs -------------------------------------------
 
@@ -126,6 +123,7 @@ class _Materialiser:
         self.retarget_attribute_typed_outputs()
         self.retype_io_and_value_info()
         self.emit_nodes()
+        model_io.restore_borrowed(self.cg.scopes[0].graph, self.cg.borrowed, self.replaced)
         return self.result
 
     def place_casts(self, s, name, d, src, uses) -> None:
@@ -237,36 +235,38 @@ class _Materialiser:
                 if self.needed_elem(use) == other:
                     self.set_input(use, other_name)
 
-    def count_bytes(self, source, converted, in_place: bool) -> None:
-        """Weight bytes added: the new data, less the old data when it is replaced."""
-        old = 4 * math.prod(source.dims) if in_place else 0
-        self.result.weight_bytes_delta += len(converted.raw_data) - old
+    def converted_bytes(self, source: onnx.TensorProto, elem: int) -> bytes:
+        array, clamped = _convert_array(tensordata.float_values(source), elem, self.clamp, self.cg.target)
+        self.result.clamped_values += clamped
+        return array.tobytes()
 
     def convert_constant(self, s, name, d, new_name, *, in_place: bool, elem: int | None = None) -> None:
         """Write `name` converted to `elem` (default: the target) under `new_name`."""
         elem = elem or self.low
         scope = self.cg.scopes[s]
         if d[0] == "initializer":
-            source = scope.graph.initializer[self.initializer_index(s)[name]]
-            converted, clamped = _converted_tensor(source, elem, self.clamp, self.cg.target, new_name)
-            self.result.clamped_values += clamped
-            self.count_bytes(source, converted, in_place)
+            tensor = scope.graph.initializer[self.initializer_index(s)[name]]
+            # the working copy may hold it without bytes: read the caller's tensor (never changed)
+            data = self.converted_bytes(self.cg.borrowed.get(name, tensor) if s == 0 else tensor, elem)
+            self.result.weight_bytes_delta += len(data) - (4 * math.prod(tensor.dims) if in_place else 0)
             if in_place:  # swap the data, keep everything else (doc string, metadata)
-                source.ClearField("float_data")
-                source.data_type = elem
-                source.raw_data = converted.raw_data
-                source.data_location = TensorProto.DEFAULT  # it may have been left on disk
-                del source.external_data[:]
+                tensor.ClearField("float_data")
+                tensor.data_type = elem
+                tensor.raw_data = data
+                tensor.data_location = TensorProto.DEFAULT  # it may have been left on disk
+                del tensor.external_data[:]
+                if s == 0:
+                    self.replaced.add(name)
                 self.result.converted_constants += 1
             else:
-                scope.graph.initializer.append(converted)
+                scope.graph.initializer.add(name=new_name, data_type=elem, dims=tensor.dims, raw_data=data)
                 self.result.duplicated_constants += 1
             return
         node = self.cg.node(s, d[1])
-        source = _constant_tensor(node)
-        converted, clamped = _converted_tensor(source, elem, self.clamp, self.cg.target, "")
-        self.result.clamped_values += clamped
-        self.count_bytes(source, converted, in_place)
+        tensor = _constant_tensor(node)
+        data = self.converted_bytes(tensor, elem)
+        self.result.weight_bytes_delta += len(data) - (4 * math.prod(tensor.dims) if in_place else 0)
+        converted = onnx.TensorProto(data_type=elem, dims=tensor.dims, raw_data=data)
         if in_place:
             del node.attribute[:]
             node.attribute.append(helper.make_attribute("value", converted))

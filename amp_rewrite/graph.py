@@ -9,6 +9,7 @@ materialiser chooses freely. Everything is built in one pass over the nodes; loo
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class ColouringGraph:
     shapes: dict  # tensor name -> TensorShapeProto when known
     notes: list  # (node label, text) for ops that could not be classified
     out_of_range: dict  # (def scope, name) -> largest finite |value| of a constant
+    borrowed: dict = field(default_factory=dict)  # main-graph initializer -> the caller's tensor (model.working_copy)
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
 
     def node(self, scope: int, index: int) -> onnx.NodeProto:
@@ -139,15 +141,15 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
     return uses, unsorted
 
 
-def _largest_finite(tensor: onnx.TensorProto) -> float:
-    array = tensordata.float_values(tensor)
+def _largest_finite(array: np.ndarray) -> float:
+    """The largest finite |value| (inf and nan are representable: only finite values overflow)."""
     if not array.size:
         return 0.0
-    largest = float(np.max(np.abs(array)))
-    if not np.isfinite(largest):  # inf/nan are representable: only finite values can overflow
-        finite = np.abs(array[np.isfinite(array)])
-        largest = float(finite.max()) if finite.size else 0.0
-    return largest
+    low, high = float(array.min()), float(array.max())  # no |x| temporary: a third of the time
+    if math.isfinite(low) and math.isfinite(high):
+        return max(high, -low)
+    finite = array[np.isfinite(array)]
+    return float(np.abs(finite).max()) if finite.size else 0.0
 
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
@@ -160,20 +162,21 @@ def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
-def _out_of_range_constants(scopes: list[Scope], limit: float) -> dict:
+def _out_of_range_constants(scopes: list[Scope], limit: float, borrowed: dict) -> dict:
     """Float32 constants holding finite values the target type cannot represent."""
     found = {}
     for s, scope in enumerate(scopes):
         for tensor in scope.graph.initializer:
             if tensor.data_type == FLOAT:
-                largest = _largest_finite(tensor)
+                source = borrowed.get(tensor.name, tensor) if s == 0 else tensor
+                largest = _largest_finite(tensordata.float_values(source))
                 if largest > limit:
                     found[(s, tensor.name)] = largest
         for node in scope.graph.node:
             if _is_constant(node) and node.output:
                 tensor = _constant_tensor(node)
                 if tensor is not None and tensor.data_type == FLOAT:
-                    largest = _largest_finite(tensor)
+                    largest = _largest_finite(tensordata.float_values(tensor))
                     if largest > limit:
                         found[(s, node.output[0])] = largest
     return found
@@ -194,11 +197,13 @@ def build(
     keep_fp32_nodes=(),
     clamp: bool = False,
     force_fp32=None,
+    borrowed=None,
 ) -> ColouringGraph:
     """Build the colouring graph of `model` for `op_lists.target`.
 
     `force_fp32` maps node names (the first output's name for unnamed nodes) to a reason; those
-    nodes become deny roots, so float32 spreads from them as from a deny op.
+    nodes become deny roots, so float32 spreads from them as from a deny op. `borrowed` maps
+    main-graph initializers held without their bytes to the tensors that hold them.
     """
     force_fp32 = dict(force_fp32 or {})
     target = op_lists.target
@@ -207,9 +212,9 @@ def build(
     scopes = collect_scopes(model.graph)
     for scope in scopes:
         _record_defs(scope)
-    cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], {})
+    cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], {}, dict(borrowed or {}))
     cg.uses, cg.unsorted = _record_uses(scopes, cg.resolve)
-    cg.out_of_range = {} if clamp else _out_of_range_constants(scopes, LIMITS[target])
+    cg.out_of_range = {} if clamp else _out_of_range_constants(scopes, LIMITS[target], cg.borrowed)
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)
     owners = {scope.owner for scope in scopes[1:]}

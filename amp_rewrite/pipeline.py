@@ -101,11 +101,10 @@ def rewrite(
                           clear=_as_list(clear))
     loaded = model_io.load(model)
     if loaded.owned:  # read from a file here: nobody else holds it, so no second copy in memory
-        work = loaded.model
-    else:
-        work = onnx.ModelProto()
-        work.CopyFrom(loaded.model)
-    bytes_before = model_io.byte_size(work, loaded.data_bytes)
+        work, borrowed = loaded.model, {}
+    else:  # the caller's model: copied, its big weights borrowed (read, never changed)
+        work, borrowed = model_io.working_copy(loaded.model)
+    bytes_before = model_io.byte_size(loaded.model, loaded.data_bytes)
     if work.functions:  # model-local functions (dynamo exporter): inlined, then coloured as any graph
         work = inline_functions(work)
     types, shapes = model_io.tensor_types(work)
@@ -113,7 +112,7 @@ def rewrite(
     if calibration is not None:
         forced = {**calibration.force_fp32(target), **forced}
     cg = graph.build(work, lists, types=types, shapes=shapes, keep_fp32_nodes=keep_fp32_nodes, clamp=clamp,
-                     force_fp32=forced)
+                     force_fp32=forced, borrowed=borrowed)
     plan = paint.colour(cg, keep_io_types=keep_io_types)
     flops = report_mod.flops_by_node(cg)
     weights_before = report_mod.weight_bytes(scope.graph for scope in cg.scopes)

@@ -67,6 +67,55 @@ def test_mlp_structure_and_numerics():
     check_both(model, out)
 
 
+def big_weights_model():
+    """Weights above the skeleton limit (1024 values), so an in-memory rewrite borrows them: one
+    converted in place (with a doc string and metadata), one read in both precisions, one only
+    in float32, and a big int64 tensor that is never converted."""
+    w_shared = init("W_shared", weights(64, 64))
+    w_doc = init("W_doc", weights(64, 64))
+    w_doc.doc_string = "kept through the conversion"
+    w_doc.metadata_props.add(key="origin", value="test")
+    return make_model(
+        [node("MatMul", ["x", "W_doc"], ["h"], "mm1"), node("MatMul", ["h", "W_shared"], ["y"], "mm2"),
+         node("ReduceSum", ["W_shared"], ["s"], "sum_shared", keepdims=0),
+         node("ReduceMean", ["W_f32"], ["m"], "mean_f32", keepdims=0),
+         node("Gather", ["W_shared", "idx"], ["g"], "gather", axis=0),
+         node("ReduceSum", ["g"], ["gs"], "sum_gathered", keepdims=0)],
+        [tensor("x", ["N", 64])],
+        [tensor("y", ["N", 64]), tensor("s", []), tensor("m", []), tensor("gs", [])],
+        [w_doc, w_shared, init("W_f32", weights(48, 48)),
+         init("idx", np.arange(2000, dtype=np.int64) % 64)])
+
+
+def test_working_copy_restored_whole_is_the_model_byte_for_byte():
+    from amp_rewrite import model as model_io
+
+    model = big_weights_model()
+    work, borrowed = model_io.working_copy(model)
+    assert set(borrowed) == {"W_shared", "W_doc", "W_f32", "idx"}
+    assert all(not t.raw_data for t in work.graph.initializer if t.name in borrowed)
+    model_io.restore_borrowed(work.graph, borrowed, replaced=set())
+    assert work.SerializeToString() == model.SerializeToString()
+
+
+def test_in_memory_rewrite_borrows_big_weights_and_matches_the_rewrite_from_a_file(tmp_path):
+    model = big_weights_model()
+    before = model.SerializeToString()
+    path = tmp_path / "big.onnx"
+    path.write_bytes(before)
+    in_memory = amp_rewrite.rewrite(model).model
+    assert model.SerializeToString() == before  # borrowed, never changed
+    from_file = amp_rewrite.rewrite(str(path)).model  # read here: rewritten in place, nothing borrowed
+    assert in_memory.SerializeToString() == from_file.SerializeToString()
+    tensors = {t.name: t for t in in_memory.graph.initializer}
+    assert tensors["W_doc"].data_type == F16 and tensors["W_doc"].doc_string == "kept through the conversion"
+    assert {p.key: p.value for p in tensors["W_doc"].metadata_props} == {"origin": "test"}
+    assert tensors["W_f32"].data_type == TensorProto.FLOAT and tensors["W_f32"].raw_data
+    assert (tensors["W_shared"].data_type, tensors["W_shared_fp16"].data_type) == (TensorProto.FLOAT, F16)
+    assert onnx.numpy_helper.to_array(tensors["idx"]).tolist() == (np.arange(2000) % 64).tolist()
+    check_both(model, in_memory)
+
+
 def test_input_model_is_not_modified_and_ir_opset_metadata_kept():
     model = mlp()
     model.metadata_props.add(key="author", value="me")
