@@ -91,7 +91,9 @@ def run(args) -> int:
         model_io.check_output_path(Path(args.html), [source, output], True)
     # Only rewriting and saving: big external weights can stay on disk until written (memory).
     needs_weights = args.validate or args.calibrate or args.tolerance or args.html or args.explain is not None
-    loaded = model_io.load(source, lazy_weights=not needs_weights)
+    # onnx.checker: up front when the original runs in ONNX Runtime, else once, on the rewrite
+    runs_original = args.validate or args.calibrate or args.tolerance
+    loaded = model_io.load(source, lazy_weights=not needs_weights, checker=bool(runs_original))
     checked = accuracy.check(
         loaded, inputs=args.inputs, dims=validate.parse_dims(args.dim), samples_count=args.samples,
         validate=args.validate, calibrate=args.calibrate or args.tolerance, tolerance=args.tolerance,

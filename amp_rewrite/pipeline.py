@@ -99,7 +99,20 @@ def rewrite(
     lists = load_op_lists(target, user_files=_as_list(op_lists), allow=_as_list(allow),
                           deny=_as_list(deny) + _as_list(op_block_list), infer=_as_list(infer),
                           clear=_as_list(clear))
-    loaded = model_io.load(model)
+    # onnx.checker runs once, on the result (`_check`); the input gets it only when anything fails,
+    # to tell a bad input (one ModelError line) from a bug of ours, or up front when nothing is checked
+    loaded = model_io.load(model, checker=not check)
+    try:
+        return _rewrite_loaded(loaded, lists, started, target=target, keep_io_types=keep_io_types,
+                               keep_fp32_nodes=keep_fp32_nodes, clamp=clamp, check=check,
+                               force_fp32=force_fp32, calibration=calibration)
+    except Exception:
+        loaded.validate_in_full()
+        raise
+
+
+def _rewrite_loaded(loaded, lists, started, *, target, keep_io_types, keep_fp32_nodes, clamp, check, force_fp32,
+                    calibration) -> RewriteResult:
     if loaded.owned:  # read from a file here: nobody else holds it, so no second copy in memory
         work, borrowed = loaded.model, {}
     else:  # the caller's model: copied, its big weights borrowed (read, never changed)

@@ -172,3 +172,27 @@ def test_save_leaves_the_model_unchanged(tmp_path):
     before = model.SerializeToString()
     model_io.save(model, tmp_path / "m.onnx", external_data=True)
     assert model.SerializeToString() == before
+
+
+def test_checker_runs_on_the_rewrite_and_blames_a_bad_input_only_when_it_fails(tmp_path, monkeypatch):
+    """rewrite() runs onnx.checker once, on its result; a failure sends the input through full
+    validation, so a bad input still gets its one ModelError line and a bug of ours stays one."""
+    built = CASES["unknown_attribute"].build(tmp_path)
+    path = built.cli[0]
+    assert not model_io.load(path, checker=False).checked  # the cheap checks pass: only the checker sees it
+    with pytest.raises(errors.ModelError, match="bogus") as from_file:  # rewritten in place, read again
+        amp_rewrite.rewrite(path)
+    assert str(path) in str(from_file.value)
+    with pytest.raises(errors.ModelError, match="bogus"):  # in memory: the caller's model, never changed
+        amp_rewrite.rewrite(onnx.load(path))
+    with pytest.raises(errors.ModelError, match="bogus"):  # nothing checks the result: checked up front
+        amp_rewrite.rewrite(path, check=False)
+
+    from amp_rewrite import casts
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(casts, "materialise", broken)
+    with pytest.raises(KeyError, match="a bug of ours"):  # the input is valid: the error is ours
+        amp_rewrite.rewrite(str(ROOT / "examples" / "tiny_cnn.onnx"))
