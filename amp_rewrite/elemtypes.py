@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite import schemas
-from amp_rewrite.graph import collect_scopes
+from amp_rewrite.graph import read_scopes
 
 TYPE_OF_STRING = {f"tensor({name.lower()})": value for name, value in TensorProto.DataType.items() if value}
 
@@ -41,19 +41,19 @@ def _single_choice(sig: schemas.Signature, type_param: str) -> int | None:
     return None
 
 
-def propagate(model: onnx.ModelProto, types: dict) -> bool:
-    """Fill `types` (name -> element type) in node order; True when every node output is typed."""
+def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
+    """Fill `types` (name -> element type) in node order; True when every node output is typed.
+    `scopes`: `graph.read_scopes(model.graph)` when the caller has it already."""
     opsets = schemas.model_opsets(model)
     signatures: dict = {}  # (domain, op type) -> Signature or None, looked up once per op type
     complete = True
-    for scope in collect_scopes(model.graph):  # parents first: outer tensors are typed before bodies
-        for node in scope.graph.node:
+    for scope in scopes if scopes is not None else read_scopes(model.graph):  # parents first
+        for node, (inputs, outputs) in zip(scope.graph.node, scope.io):
             key = (node.domain, node.op_type)
             if key not in signatures:
                 domain = "" if key[0] in schemas.DEFAULT_DOMAINS else key[0]
                 signatures[key] = schemas.signature(domain, key[1], opsets[domain]) if domain in opsets else None
             sig = signatures[key]
-            inputs, outputs = list(node.input), list(node.output)
             if sig is None:
                 complete = complete and all(not x or x in types for x in outputs)
                 continue

@@ -93,6 +93,15 @@ def collect_scopes(graph: onnx.GraphProto) -> list[Scope]:
     return scopes
 
 
+def read_scopes(graph: onnx.GraphProto) -> list[Scope]:
+    """`collect_scopes` with every scope's defs and node io read: one walk that type propagation
+    and the colouring graph share."""
+    scopes = collect_scopes(graph)
+    for scope in scopes:
+        _record_defs(scope)
+    return scopes
+
+
 def _record_defs(scope: Scope) -> None:
     defs = scope.defs
     for tensor in scope.graph.initializer:
@@ -198,20 +207,20 @@ def build(
     clamp: bool = False,
     force_fp32=None,
     borrowed=None,
+    scopes=None,
 ) -> ColouringGraph:
     """Build the colouring graph of `model` for `op_lists.target`.
 
     `force_fp32` maps node names (the first output's name for unnamed nodes) to a reason; those
     nodes become deny roots, so float32 spreads from them as from a deny op. `borrowed` maps
-    main-graph initializers held without their bytes to the tensors that hold them.
+    main-graph initializers held without their bytes to the tensors that hold them. `scopes`:
+    `read_scopes(model.graph)` when the caller has it already.
     """
     force_fp32 = dict(force_fp32 or {})
     target = op_lists.target
     target_string = schemas.TYPE_STRING[target]
     opsets = schemas.model_opsets(model)
-    scopes = collect_scopes(model.graph)
-    for scope in scopes:
-        _record_defs(scope)
+    scopes = scopes if scopes is not None else read_scopes(model.graph)
     cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], {}, dict(borrowed or {}))
     cg.uses, cg.unsorted = _record_uses(scopes, cg.resolve)
     cg.out_of_range = {} if clamp else _out_of_range_constants(scopes, LIMITS[target], cg.borrowed)

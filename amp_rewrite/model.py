@@ -570,18 +570,19 @@ def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict) -> N
 SHAPE_INFERENCE_NODE_LIMIT = 20_000
 
 
-def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None):
+def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None, scopes=None):
     """Element type and shape (when known) of every named tensor: (types, shapes).
 
     Types come from the declarations and the schemas (`elemtypes.propagate`); ONNX shape
     inference, on a skeleton so models of any size work, adds shapes and any type the schemas
     could not give. `shape_inference=None` runs it for models up to SHAPE_INFERENCE_NODE_LIMIT
-    nodes, and beyond only when a type is missing.
+    nodes, and beyond only when a type is missing. `scopes`: `graph.read_scopes(model.graph)`
+    when the caller has it already.
     """
     types: dict[str, int] = {}
     shapes: dict[str, object] = {}
     _collect_value_infos(model.graph, types, shapes)
-    complete = elemtypes.propagate(model, types)
+    complete = elemtypes.propagate(model, types, scopes)
     if shape_inference is None:
         shape_inference = not complete or len(model.graph.node) <= SHAPE_INFERENCE_NODE_LIMIT
     if not shape_inference:

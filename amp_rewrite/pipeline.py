@@ -120,12 +120,13 @@ def _rewrite_loaded(loaded, lists, started, *, target, keep_io_types, keep_fp32_
     bytes_before = model_io.byte_size(loaded.model, loaded.data_bytes)
     if work.functions:  # model-local functions (dynamo exporter): inlined, then coloured as any graph
         work = inline_functions(work)
-    types, shapes = model_io.tensor_types(work)
+    scopes = graph.read_scopes(work.graph)
+    types, shapes = model_io.tensor_types(work, scopes=scopes)
     forced = dict(force_fp32 or {})
     if calibration is not None:
         forced = {**calibration.force_fp32(target), **forced}
     cg = graph.build(work, lists, types=types, shapes=shapes, keep_fp32_nodes=keep_fp32_nodes, clamp=clamp,
-                     force_fp32=forced, borrowed=borrowed)
+                     force_fp32=forced, borrowed=borrowed, scopes=scopes)
     plan = paint.colour(cg, keep_io_types=keep_io_types)
     flops = report_mod.flops_by_node(cg)
     weights_before = report_mod.weight_bytes(scope.graph for scope in cg.scopes)
