@@ -171,23 +171,46 @@ def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
-def _out_of_range_constants(scopes: list[Scope], limit: float, borrowed: dict) -> dict:
-    """Float32 constants holding finite values the target type cannot represent."""
-    found = {}
+RANGE_CHUNK_BYTES = 1 << 20
+
+
+def _float_constants(scopes: list[Scope], borrowed: dict):
+    """(def scope, name), TensorProto of every float32 initializer and Constant node value."""
     for s, scope in enumerate(scopes):
         for tensor in scope.graph.initializer:
             if tensor.data_type == FLOAT:
-                source = borrowed.get(tensor.name, tensor) if s == 0 else tensor
-                largest = _largest_finite(tensordata.float_values(source))
-                if largest > limit:
-                    found[(s, tensor.name)] = largest
+                yield (s, tensor.name), borrowed.get(tensor.name, tensor) if s == 0 else tensor
         for node in scope.graph.node:
             if _is_constant(node) and node.output:
                 tensor = _constant_tensor(node)
                 if tensor is not None and tensor.data_type == FLOAT:
-                    largest = _largest_finite(tensordata.float_values(tensor))
-                    if largest > limit:
-                        found[(s, node.output[0])] = largest
+                    yield (s, node.output[0]), tensor
+
+
+def _over_limit(chunk: list, limit: float) -> dict:
+    """key -> largest finite |value| of the (key, values) pairs in `chunk` above `limit`."""
+    whole = chunk[0][1] if len(chunk) == 1 else np.concatenate([values for _, values in chunk])
+    if _largest_finite(whole) <= limit:  # the common case: one look at the whole chunk
+        return {}
+    return {key: largest for key, values in chunk if (largest := _largest_finite(values)) > limit}
+
+
+def _out_of_range_constants(scopes: list[Scope], limit: float, borrowed: dict) -> dict:
+    """Float32 constants holding finite values the target type cannot represent.
+
+    Checked about a megabyte at a time, not tensor by tensor: most weights are small (biases,
+    norms), and two numpy reductions per tensor cost more than reading its values."""
+    found: dict = {}
+    chunk, size = [], 0
+    for key, tensor in _float_constants(scopes, borrowed):
+        values = tensordata.float_values(tensor)
+        chunk.append((key, values))
+        size += values.nbytes
+        if size >= RANGE_CHUNK_BYTES:
+            found.update(_over_limit(chunk, limit))
+            chunk, size = [], 0
+    if chunk:
+        found.update(_over_limit(chunk, limit))
     return found
 
 
