@@ -14,6 +14,7 @@ Rules, all decided per tensor in one pass over its uses:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -54,10 +55,43 @@ def _names_in_use(cg: ColouringGraph) -> set:
 
 
 _DTYPE = {elem: helper.tensor_dtype_to_np_dtype(elem) for elem in TAG}
+ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats a session call (~6 µs)
+
+
+@functools.cache
+def _ort_float16_cast():
+    """float32 array -> float16 array by a one-node ONNX Runtime session, or None if none can be made.
+
+    Its Cast kernel converts with the CPU's F16C instructions, 2-4x faster than numpy's astype and
+    bit for bit the same (round to nearest even; only NaN payloads may differ), which matters with
+    hundreds of megabytes of weights. bfloat16 stays with numpy: ONNX Runtime's Python API cannot
+    hand a bfloat16 array back."""
+    try:
+        import onnxruntime as ort
+
+        graph = helper.make_graph([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)], "cast",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", CAST_OPSET)], ir_version=7)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1  # weights are small: threads cost more than they give
+        options.log_severity_level = 3
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - any failure: numpy does the same job
+        return None
+    return lambda array: session.run(None, {"x": array})[0]
+
+
+def _cast_values(array: np.ndarray, elem: int) -> np.ndarray:
+    """Flat float32 `array` as `elem`, rounding to nearest even."""
+    if elem == TensorProto.FLOAT16 and array.size >= ORT_CAST_MIN_VALUES:
+        cast = _ort_float16_cast()
+        if cast is not None:
+            return cast(array)
+    return array.astype(_DTYPE[elem])
 
 
 def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tuple[np.ndarray, int]:
-    dtype = _DTYPE[elem]
     clamped = 0
     if clamp:
         limit = LIMITS[target]
@@ -65,7 +99,7 @@ def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tu
         clamped = int(over.sum())
         if clamped:
             array = np.clip(array, -limit, limit)
-    return array.astype(dtype), clamped
+    return _cast_values(array.reshape(-1), elem), clamped
 
 
 class _Materialiser:
