@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 from amp_rewrite import model as model_io, tensordata
 from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant
 from amp_rewrite.naming import UniqueNames
-from amp_rewrite.paint import Plan
+from amp_rewrite.paint import LOW, Plan
 
 ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
 TAG = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
@@ -42,15 +42,12 @@ class Materialised:
 
 
 def _names_in_use(cg: ColouringGraph) -> set:
+    """Every tensor and node name of every graph: the defs already list the tensors."""
     taken = set()
     for scope in cg.scopes:
-        g = scope.graph
-        taken.update(v.name for v in g.input)
-        taken.update(v.name for v in g.output)
-        taken.update(t.name for t in g.initializer)
-        for node in g.node:
-            taken.add(node.name)
-            taken.update(node.output)
+        taken.update(scope.defs)
+        taken.update([v.name for v in scope.graph.output])
+        taken.update([node.name for node in scope.graph.node])
     return taken
 
 
@@ -110,6 +107,10 @@ class _Materialiser:
         self.keep_io = keep_io_types
         self.clamp = clamp
         self.low = ELEM[cg.target]
+        self.io_elem = FLOAT if keep_io_types else self.low  # what main-graph inputs and outputs hold
+        self.low_vertices = {v for v, colour in plan.colour.items() if colour == LOW}  # read per use
+        self.slot_vertex = cg.slot_vertex
+        self.main_outputs = {(0, value.name) for value in cg.scopes[0].graph.output}
         self.names = UniqueNames(_names_in_use(cg))
         self.result = Materialised()
         self.casts = {}  # (def scope, name, elem, use scope) -> cast output name
@@ -128,18 +129,16 @@ class _Materialiser:
         if kind == "initializer":
             return None
         if kind == "input":
-            return self.low if (s == 0 and not self.keep_io) else FLOAT
+            return self.io_elem if s == 0 else FLOAT
         if _is_constant(self.cg.node(s, n)):
             return None
-        v = self.cg.slot_vertex.get((s, n, "o", slot))
-        return self.low if v is not None and self.plan.is_low(v) else FLOAT
+        return self.low if self.slot_vertex.get((s, n, "o", slot)) in self.low_vertices else FLOAT
 
     def needed_elem(self, use) -> int:
         s, n, slot = use
         if n < 0:
-            return self.low if (s == 0 and not self.keep_io) else FLOAT
-        v = self.cg.slot_vertex.get((s, n, "i", slot))
-        return self.low if v is not None and self.plan.is_low(v) else FLOAT
+            return self.io_elem if s == 0 else FLOAT
+        return self.low if self.slot_vertex.get((s, n, "i", slot)) in self.low_vertices else FLOAT
 
     # --- the pass ----------------------------------------------------------------------------------
 
@@ -163,7 +162,8 @@ class _Materialiser:
     def place_casts(self, s, name, d, src, uses) -> None:
         if src == self.low:
             self.low_names.add((s, name))
-        rename_for_output = any(u[0] == 0 and u[1] < 0 and self.needed_elem(u) != src for u in uses)
+        rename_for_output = (s, name) in self.main_outputs and any(
+            u[0] == 0 and u[1] < 0 and self.needed_elem(u) != src for u in uses)
         if rename_for_output and d[0] == "node":
             # Main-graph output needs the other type: producer writes a new name, a Cast the old.
             new = self.names.new(f"{name}_{TAG[src]}")
