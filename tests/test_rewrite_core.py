@@ -116,6 +116,32 @@ def test_in_memory_rewrite_borrows_big_weights_and_matches_the_rewrite_from_a_fi
     check_both(model, in_memory)
 
 
+def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
+    from amp_rewrite import casts
+
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    near_range = np.arange(0x33000000, 0x47800000, 9973, dtype=np.uint32)  # subnormals .. past 65504
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x477FE000, 0x477FEFFF,
+                        0x477FF000, 0x387FC000, 0x33000001], dtype=np.uint32)  # ties, overflow, tiny
+    values = np.concatenate([patterns, near_range, near_range | 0x80000000, special]).view(np.float32)
+    assert values.size >= casts.ORT_CAST_MIN_VALUES and casts._ort_float16_cast() is not None
+    with np.errstate(over="ignore"):
+        ours, reference = casts._cast_values(values, F16), values.astype(np.float16)
+    nan = np.isnan(reference)
+    assert ours.dtype == np.float16 and (np.isnan(ours) == nan).all()
+    assert (ours.view(np.uint16)[~nan] == reference.view(np.uint16)[~nan]).all()
+
+
+def test_rewrite_is_the_same_with_numpy_doing_the_casts(monkeypatch):
+    from amp_rewrite import casts
+
+    model = big_weights_model()
+    fast = amp_rewrite.rewrite(model).model.SerializeToString()
+    monkeypatch.setattr(casts, "_ort_float16_cast", lambda: None)
+    assert amp_rewrite.rewrite(model).model.SerializeToString() == fast
+
+
 def test_input_model_is_not_modified_and_ir_opset_metadata_kept():
     model = mlp()
     model.metadata_props.add(key="author", value="me")
@@ -291,6 +317,20 @@ def test_out_of_range_constant_keeps_consumer_float32_unless_clamped():
     clamped = amp_rewrite.rewrite(model, clamp=True)
     assert clamped.report.node("add_big")["precision"] == "float16"
     assert clamped.report.summary["values_clamped"] == 1
+
+
+def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
+    from amp_rewrite import graph
+
+    rng = np.random.default_rng(1)
+    tensors = [init(f"w{i}", rng.standard_normal(1000).astype(np.float32)) for i in range(700)]  # ~3 chunks
+    for i, value in ((3, 7e4), (400, -1e9), (699, np.inf)):  # inf is representable: not out of range
+        array = onnx.numpy_helper.to_array(tensors[i]).copy()
+        array[17] = value
+        tensors[i].CopyFrom(onnx.numpy_helper.from_array(array, f"w{i}"))
+    g = helper.make_graph([], "g", [], [], tensors)
+    assert graph._out_of_range_constants([graph.Scope(g, None, None)], 65504.0, {}) == {(0, "w3"): 7e4,
+                                                                                         (0, "w400"): 1e9}
 
 
 def test_keep_fp32_node_by_name_and_regex():
