@@ -23,7 +23,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from amp_rewrite import model as model_io, tensordata
-from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant
+from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant, value_holder
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.paint import LOW, Plan
 
@@ -103,7 +103,6 @@ class _Materialiser:
     def __init__(self, model, cg: ColouringGraph, plan: Plan, keep_io_types: bool, clamp: bool):
         self.model = model
         self.cg = cg
-        self.plan = plan
         self.keep_io = keep_io_types
         self.clamp = clamp
         self.low = ELEM[cg.target]
@@ -280,8 +279,7 @@ class _Materialiser:
         scope = self.cg.scopes[s]
         if d[0] == "initializer":
             tensor = scope.graph.initializer[self.initializer_index(s)[name]]
-            # the working copy may hold it without bytes: read the caller's tensor (never changed)
-            data = self.converted_bytes(self.cg.borrowed.get(name, tensor) if s == 0 else tensor, elem)
+            data = self.converted_bytes(value_holder(self.cg.borrowed, s, tensor), elem)
             self.result.weight_bytes_delta += len(data) - (4 * math.prod(tensor.dims) if in_place else 0)
             if in_place:  # swap the data, keep everything else (doc string, metadata)
                 tensor.ClearField("float_data")
@@ -314,7 +312,7 @@ class _Materialiser:
 
     def retarget_attribute_typed_outputs(self) -> None:
         for v, vertex in enumerate(self.cg.vertices):
-            if vertex.group.output_only and self.plan.is_low(v):
+            if vertex.group.output_only and v in self.low_vertices:
                 node = self.cg.node(vertex.scope, vertex.node)
                 for attr in node.attribute:
                     if attr.name in ("to", "dtype"):

@@ -174,12 +174,18 @@ def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
 RANGE_CHUNK_BYTES = 1 << 20
 
 
+def value_holder(borrowed: dict, scope: int, tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """The tensor holding `tensor`'s values: the caller's for a borrowed main-graph initializer
+    (the working copy holds it without bytes, see model.working_copy), else `tensor` itself."""
+    return borrowed.get(tensor.name, tensor) if scope == 0 else tensor
+
+
 def _float_constants(scopes: list[Scope], borrowed: dict):
     """(def scope, name), TensorProto of every float32 initializer and Constant node value."""
     for s, scope in enumerate(scopes):
         for tensor in scope.graph.initializer:
             if tensor.data_type == FLOAT:
-                yield (s, tensor.name), borrowed.get(tensor.name, tensor) if s == 0 else tensor
+                yield (s, tensor.name), value_holder(borrowed, s, tensor)
         for node in scope.graph.node:
             if _is_constant(node) and node.output:
                 tensor = _constant_tensor(node)
