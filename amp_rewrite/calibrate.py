@@ -21,7 +21,7 @@ from onnx import TensorProto
 
 from amp_rewrite import model as model_io
 from amp_rewrite import validate as val
-from amp_rewrite.graph import LIMITS
+from amp_rewrite.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
 FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2,

@@ -14,22 +14,20 @@ Rules, all decided per tensor in one pass over its uses:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from amp_rewrite import model as model_io, tensordata
-from amp_rewrite.graph import FLOAT, LIMITS, ColouringGraph, _constant_tensor, _is_constant, value_holder
+from amp_rewrite import model as model_io, tensordata, weights
+from amp_rewrite.graph import FLOAT, ColouringGraph
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.paint import LOW, Plan
 
 ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
 TAG = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
-CAST_OPSET = 13  # the first default-domain opset whose Cast takes bfloat16
+CAST_OPSET = weights.CAST_OPSET
 
 
 @dataclass
@@ -49,54 +47,6 @@ def _names_in_use(cg: ColouringGraph) -> set:
         taken.update([v.name for v in scope.graph.output])
         taken.update([node.name for node in scope.graph.node])
     return taken
-
-
-_DTYPE = {elem: helper.tensor_dtype_to_np_dtype(elem) for elem in TAG}
-ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats a session call (~6 µs)
-
-
-@functools.cache
-def _ort_float16_cast():
-    """float32 array -> float16 array by a one-node ONNX Runtime session, or None if none can be made.
-
-    Its Cast kernel converts with the CPU's F16C instructions, 2-4x faster than numpy's astype and
-    bit for bit the same (round to nearest even; only NaN payloads may differ), which matters with
-    hundreds of megabytes of weights. bfloat16 stays with numpy: ONNX Runtime's Python API cannot
-    hand a bfloat16 array back."""
-    try:
-        import onnxruntime as ort
-
-        graph = helper.make_graph([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)], "cast",
-                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None])])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", CAST_OPSET)], ir_version=7)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1  # weights are small: threads cost more than they give
-        options.log_severity_level = 3
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception:  # noqa: BLE001 - any failure: numpy does the same job
-        return None
-    return lambda array: session.run(None, {"x": array})[0]
-
-
-def _cast_values(array: np.ndarray, elem: int) -> np.ndarray:
-    """Flat float32 `array` as `elem`, rounding to nearest even."""
-    if elem == TensorProto.FLOAT16 and array.size >= ORT_CAST_MIN_VALUES:
-        cast = _ort_float16_cast()
-        if cast is not None:
-            return cast(array)
-    return array.astype(_DTYPE[elem])
-
-
-def _convert_array(array: np.ndarray, elem: int, clamp: bool, target: str) -> tuple[np.ndarray, int]:
-    clamped = 0
-    if clamp:
-        limit = LIMITS[target]
-        over = np.isfinite(array) & (np.abs(array) > limit)
-        clamped = int(over.sum())
-        if clamped:
-            array = np.clip(array, -limit, limit)
-    return _cast_values(array.reshape(-1), elem), clamped
 
 
 class _Materialiser:
@@ -129,7 +79,7 @@ class _Materialiser:
             return None
         if kind == "input":
             return self.io_elem if s == 0 else FLOAT
-        if _is_constant(self.cg.node(s, n)):
+        if weights.is_constant(self.cg.node(s, n)):
             return None
         return self.low if self.slot_vertex.get((s, n, "o", slot)) in self.low_vertices else FLOAT
 
@@ -268,8 +218,12 @@ class _Materialiser:
                 if self.needed_elem(use) == other:
                     self.set_input(use, other_name)
 
-    def converted_bytes(self, source: onnx.TensorProto, elem: int) -> bytes:
-        array, clamped = _convert_array(tensordata.float_values(source), elem, self.clamp, self.cg.target)
+    def converted_bytes(self, key, source: onnx.TensorProto, elem: int) -> bytes:
+        """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now."""
+        ahead = self.cg.constants.take(key) if elem == self.low else None
+        if ahead is None:
+            ahead = weights.convert(tensordata.float_values(source), elem, weights.LIMITS[self.cg.target], self.clamp)
+        array, clamped = ahead
         self.result.clamped_values += clamped
         return array.tobytes()
 
@@ -279,7 +233,7 @@ class _Materialiser:
         scope = self.cg.scopes[s]
         if d[0] == "initializer":
             tensor = scope.graph.initializer[self.initializer_index(s)[name]]
-            data = self.converted_bytes(value_holder(self.cg.borrowed, s, tensor), elem)
+            data = self.converted_bytes((s, name), weights.value_holder(self.cg.borrowed, s, tensor), elem)
             self.result.weight_bytes_delta += len(data) - (4 * math.prod(tensor.dims) if in_place else 0)
             if in_place:  # swap the data, keep everything else (doc string, metadata)
                 tensor.ClearField("float_data")
@@ -295,8 +249,8 @@ class _Materialiser:
                 self.result.duplicated_constants += 1
             return
         node = self.cg.node(s, d[1])
-        tensor = _constant_tensor(node)
-        data = self.converted_bytes(tensor, elem)
+        tensor = weights.constant_tensor(node)
+        data = self.converted_bytes((s, name), tensor, elem)
         self.result.weight_bytes_delta += len(data) - (4 * math.prod(tensor.dims) if in_place else 0)
         converted = onnx.TensorProto(data_type=elem, dims=tensor.dims, raw_data=data)
         if in_place:

@@ -9,21 +9,18 @@ materialiser chooses freely. Everything is built in one pass over the nodes; loo
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
 import networkx as nx
-import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 
-from amp_rewrite import schemas, tensordata
+from amp_rewrite import schemas, weights
 from amp_rewrite.oplists import OpLists
 
 FLOAT = TensorProto.FLOAT
 LOW_ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
-LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
 
 
 @dataclass
@@ -61,7 +58,7 @@ class ColouringGraph:
     types: dict  # tensor name -> element type
     shapes: dict  # tensor name -> TensorShapeProto when known
     notes: list  # (node label, text) for ops that could not be classified
-    out_of_range: dict  # (def scope, name) -> largest finite |value| of a constant
+    constants: weights.Scan  # float32 constants: out of the target range, or converted ahead
     borrowed: dict = field(default_factory=dict)  # main-graph initializer -> the caller's tensor (model.working_copy)
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
 
@@ -119,10 +116,6 @@ def _label(node: onnx.NodeProto, s: int, n: int) -> str:
     return f"{node.op_type} '{node.name}'" if node.name else f"{node.op_type} (graph {s} #{n})"
 
 
-def _is_constant(node: onnx.NodeProto) -> bool:
-    return node.op_type == "Constant" and node.domain in schemas.DEFAULT_DOMAINS
-
-
 def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
     """(def scope, name) -> readers, and whether some node reads a tensor made after it."""
     uses: dict = {}
@@ -148,76 +141,6 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
             if found is not None:
                 uses.setdefault((found[0], value.name), []).append((s, -1, slot))
     return uses, unsorted
-
-
-def _largest_finite(array: np.ndarray) -> float:
-    """The largest finite |value| (inf and nan are representable: only finite values overflow)."""
-    if not array.size:
-        return 0.0
-    low, high = float(array.min()), float(array.max())  # no |x| temporary: a third of the time
-    if math.isfinite(low) and math.isfinite(high):
-        return max(high, -low)
-    finite = array[np.isfinite(array)]
-    return float(np.abs(finite).max()) if finite.size else 0.0
-
-
-def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
-    for attr in node.attribute:
-        if attr.name == "value":
-            return attr.t
-        if attr.name in ("value_float", "value_floats"):
-            values = [attr.f] if attr.name == "value_float" else list(attr.floats)
-            return numpy_helper.from_array(np.array(values if attr.name == "value_floats" else values[0], np.float32))
-    return None
-
-
-RANGE_CHUNK_BYTES = 1 << 20
-
-
-def value_holder(borrowed: dict, scope: int, tensor: onnx.TensorProto) -> onnx.TensorProto:
-    """The tensor holding `tensor`'s values: the caller's for a borrowed main-graph initializer
-    (the working copy holds it without bytes, see model.working_copy), else `tensor` itself."""
-    return borrowed.get(tensor.name, tensor) if scope == 0 else tensor
-
-
-def _float_constants(scopes: list[Scope], borrowed: dict):
-    """(def scope, name), TensorProto of every float32 initializer and Constant node value."""
-    for s, scope in enumerate(scopes):
-        for tensor in scope.graph.initializer:
-            if tensor.data_type == FLOAT:
-                yield (s, tensor.name), value_holder(borrowed, s, tensor)
-        for node in scope.graph.node:
-            if _is_constant(node) and node.output:
-                tensor = _constant_tensor(node)
-                if tensor is not None and tensor.data_type == FLOAT:
-                    yield (s, node.output[0]), tensor
-
-
-def _over_limit(chunk: list, limit: float) -> dict:
-    """key -> largest finite |value| of the (key, values) pairs in `chunk` above `limit`."""
-    whole = chunk[0][1] if len(chunk) == 1 else np.concatenate([values for _, values in chunk])
-    if _largest_finite(whole) <= limit:  # the common case: one look at the whole chunk
-        return {}
-    return {key: largest for key, values in chunk if (largest := _largest_finite(values)) > limit}
-
-
-def _out_of_range_constants(scopes: list[Scope], limit: float, borrowed: dict) -> dict:
-    """Float32 constants holding finite values the target type cannot represent.
-
-    Checked about a megabyte at a time, not tensor by tensor: most weights are small (biases,
-    norms), and two numpy reductions per tensor cost more than reading its values."""
-    found: dict = {}
-    chunk, size = [], 0
-    for key, tensor in _float_constants(scopes, borrowed):
-        values = tensordata.float_values(tensor)
-        chunk.append((key, values))
-        size += values.nbytes
-        if size >= RANGE_CHUNK_BYTES:
-            found.update(_over_limit(chunk, limit))
-            chunk, size = [], 0
-    if chunk:
-        found.update(_over_limit(chunk, limit))
-    return found
 
 
 def _keep_fp32_matcher(patterns):
@@ -250,9 +173,9 @@ def build(
     target_string = schemas.TYPE_STRING[target]
     opsets = schemas.model_opsets(model)
     scopes = scopes if scopes is not None else read_scopes(model.graph)
-    cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], {}, dict(borrowed or {}))
+    cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], weights.Scan(),
+                        dict(borrowed or {}))
     cg.uses, cg.unsorted = _record_uses(scopes, cg.resolve)
-    cg.out_of_range = {} if clamp else _out_of_range_constants(scopes, LIMITS[target], cg.borrowed)
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)
     owners = {scope.owner for scope in scopes[1:]}
@@ -316,6 +239,10 @@ def build(
                 for i in group.outputs:
                     cg.slot_vertex[(s, n, "o", i)] = v
     cg.graph.add_nodes_from(range(len(cg.vertices)))
+    # converted ahead only when something can be low precision (see weights.py)
+    may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
+    cg.constants = weights.scan(scopes, cg.borrowed, target, clamp=clamp,
+                                convert_to=LOW_ELEM[target] if may_go_low else None)
     _block_out_of_range_readers(cg)
     _add_edges(cg)
     return cg
@@ -343,7 +270,7 @@ def _group_type(node, group, types):
 
 def _block_out_of_range_readers(cg: ColouringGraph) -> None:
     """Readers of a constant the target type cannot hold stay float32 (the report says which)."""
-    for key, value in cg.out_of_range.items():
+    for key, value in cg.constants.out_of_range.items():
         for s, n, slot in cg.uses.get(key, ()):
             v = cg.slot_vertex.get((s, n, "i", slot))
             if v is not None and cg.vertices[v].blocked is None:

@@ -117,7 +117,7 @@ def test_in_memory_rewrite_borrows_big_weights_and_matches_the_rewrite_from_a_fi
 
 
 def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
-    from amp_rewrite import casts
+    from amp_rewrite import weights
 
     rng = np.random.default_rng(0)
     patterns = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
@@ -125,20 +125,20 @@ def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
     special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x477FE000, 0x477FEFFF,
                         0x477FF000, 0x387FC000, 0x33000001], dtype=np.uint32)  # ties, overflow, tiny
     values = np.concatenate([patterns, near_range, near_range | 0x80000000, special]).view(np.float32)
-    assert values.size >= casts.ORT_CAST_MIN_VALUES and casts._ort_float16_cast() is not None
+    assert values.size >= weights.ORT_CAST_MIN_VALUES and weights._ort_float16_cast() is not None
     with np.errstate(over="ignore"):
-        ours, reference = casts._cast_values(values, F16), values.astype(np.float16)
+        ours, reference = weights.cast_values(values, F16), values.astype(np.float16)
     nan = np.isnan(reference)
     assert ours.dtype == np.float16 and (np.isnan(ours) == nan).all()
     assert (ours.view(np.uint16)[~nan] == reference.view(np.uint16)[~nan]).all()
 
 
 def test_rewrite_is_the_same_with_numpy_doing_the_casts(monkeypatch):
-    from amp_rewrite import casts
+    from amp_rewrite import weights
 
     model = big_weights_model()
     fast = amp_rewrite.rewrite(model).model.SerializeToString()
-    monkeypatch.setattr(casts, "_ort_float16_cast", lambda: None)
+    monkeypatch.setattr(weights, "_ort_float16_cast", lambda: None)
     assert amp_rewrite.rewrite(model).model.SerializeToString() == fast
 
 
@@ -320,7 +320,7 @@ def test_out_of_range_constant_keeps_consumer_float32_unless_clamped():
 
 
 def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
-    from amp_rewrite import graph
+    from amp_rewrite import graph, weights
 
     rng = np.random.default_rng(1)
     tensors = [init(f"w{i}", rng.standard_normal(1000).astype(np.float32)) for i in range(700)]  # ~3 chunks
@@ -329,8 +329,17 @@ def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
         array[17] = value
         tensors[i].CopyFrom(onnx.numpy_helper.from_array(array, f"w{i}"))
     g = helper.make_graph([], "g", [], [], tensors)
-    assert graph._out_of_range_constants([graph.Scope(g, None, None)], 65504.0, {}) == {(0, "w3"): 7e4,
-                                                                                         (0, "w400"): 1e9}
+    scopes = [graph.Scope(g, None, None)]
+    scan = weights.scan(scopes, {}, "float16", convert_to=F16)
+    assert scan.out_of_range == {(0, "w3"): 7e4, (0, "w400"): 1e9}
+    values = {t.name: onnx.numpy_helper.to_array(t).reshape(-1) for t in tensors}
+    assert set(scan.converted) == {(0, name) for name in values} - {(0, "w3"), (0, "w400")}
+    for (_, name), (converted, clamped) in scan.converted.items():  # converted a chunk at a time
+        assert clamped == 0 and converted.tobytes() == values[name].astype(np.float16).tobytes(), name
+    clamped = weights.scan(scopes, {}, "float16", clamp=True, convert_to=F16)
+    assert not clamped.out_of_range and len(clamped.converted) == 700
+    assert [(name, n) for (_, name), (_, n) in clamped.converted.items() if n] == [("w3", 1), ("w400", 1)]
+    assert clamped.converted[(0, "w400")][0][17] == np.float16(-65504)
 
 
 def test_keep_fp32_node_by_name_and_regex():
