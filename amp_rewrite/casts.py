@@ -106,6 +106,7 @@ class _Materialiser:
         self.retype_io_and_value_info()
         self.emit_nodes()
         model_io.restore_borrowed(self.cg.scopes[0].graph, self.cg.borrowed, self.replaced)
+        self.cg.constants.converted.clear()  # what stays float32 was converted for nothing: free it
         return self.result
 
     def place_casts(self, s, name, d, src, uses) -> None:
@@ -222,10 +223,11 @@ class _Materialiser:
         """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now."""
         ahead = self.cg.constants.take(key) if elem == self.low else None
         if ahead is None:
-            ahead = weights.convert(tensordata.float_values(source), elem, weights.LIMITS[self.cg.target], self.clamp)
-        array, clamped = ahead
-        self.result.clamped_values += clamped
-        return array.tobytes()
+            array, clamped = weights.convert(tensordata.float_values(source), elem, weights.LIMITS[self.cg.target],
+                                             self.clamp)
+            ahead = array.tobytes(), clamped
+        self.result.clamped_values += ahead[1]
+        return ahead[0]
 
     def convert_constant(self, s, name, d, new_name, *, in_place: bool, elem: int | None = None) -> None:
         """Write `name` converted to `elem` (default: the target) under `new_name`."""

@@ -34,7 +34,7 @@ class Scope:
     io: list = field(default_factory=list)  # per node: (inputs, outputs) as Python lists, read once
 
 
-@dataclass
+@dataclass(slots=True)
 class Vertex:
     scope: int
     node: int
@@ -170,7 +170,6 @@ def build(
     """
     force_fp32 = dict(force_fp32 or {})
     target = op_lists.target
-    target_string = schemas.TYPE_STRING[target]
     opsets = schemas.model_opsets(model)
     scopes = scopes if scopes is not None else read_scopes(model.graph)
     cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], weights.Scan(),
@@ -182,6 +181,8 @@ def build(
     local_functions = {(f.domain, f.name) for f in model.functions}
 
     op_info: dict = {}  # (domain, op type) -> (signature, list entry, why it is skipped)
+    templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups with their fixed reasons
+    vertices, slot_vertex = cg.vertices, cg.slot_vertex
     for s, scope in enumerate(scopes):
         for n, node in enumerate(scope.graph.node):
             key = (node.domain, node.op_type)
@@ -194,50 +195,52 @@ def build(
                     cg.notes.append((_label(node, s, n), skip))
                 continue
             inputs, outputs = scope.io[n]
-            kept = keep(node.name) if keep_fp32_nodes and node.name else False
+            name = node.name
+            kept = keep(name) if keep_fp32_nodes and name else False
             holds_body = (s, n) in owners
             in_types = None
-            forced = force_fp32.get(node.name or (outputs[0] if outputs else "")) if force_fp32 else None
-            groups = schemas.type_groups(sig, len(inputs), len(outputs))
+            forced = force_fp32.get(name or (outputs[0] if outputs else "")) if force_fp32 else None
+            shape_key = (key, len(inputs), len(outputs))
+            template = templates.get(shape_key)
+            if template is None:
+                groups = schemas.type_groups(sig, len(inputs), len(outputs))
+                template = templates[shape_key] = _template(sig, entry, groups, target)
             if sig.probe and entry is not None and not holds_body:
-                in_types = [types.get(x) if x else 0 for x in node.input]
-                float_params = {g.type_param for g in groups if _group_type(node, g, types) == FLOAT}
-                groups = schemas.tie(sig, node, opsets, in_types, groups, float_params, LOW_ELEM[target])
-            for group in groups:
+                in_types = [types.get(x) if x else 0 for x in inputs]
+                groups = tuple(group for group, _, _ in template)
+                float_params = {g.type_param for g in groups if _group_type(inputs, outputs, g, types) == FLOAT}
+                tied = schemas.tie(sig, node, opsets, in_types, groups, float_params, LOW_ELEM[target])
+                if tied is not groups:
+                    template = _template(sig, entry, tied, target)
+            op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
+            list_reason = entry.reason if entry else ""
+            for group, fixed, late in template:
                 names = [inputs[i] for i in group.inputs if inputs[i]] + [outputs[i] for i in group.outputs if outputs[i]]
-                known = [types[x] for x in names if x in types]
-                if not known or known[0] != FLOAT:
+                known = next((t for x in names if (t := types.get(x)) is not None), None)
+                if known != FLOAT:
                     continue
                 for x in names:  # the schema ties them: fill types inference could not give
                     types.setdefault(x, FLOAT)
-                blocked = None
-                if entry is None:
-                    blocked = f"{node.op_type} is in no op list"
-                elif not sig.admits(group.type_param, target_string):
-                    blocked = (f"schema {node.op_type}-{sig.since_version} does not allow {target} "
-                               f"for {group.type_param.split('@')[0]}")
-                elif kept:
-                    blocked = "kept float32 by the user (keep_fp32_nodes)"
-                elif holds_body:
-                    blocked = f"{node.op_type} boundary keeps the declared types of its bodies (inside is coloured)"
-                elif sig.containers:
-                    blocked = f"schema {node.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
+                blocked = fixed
+                if blocked is None:
+                    if kept:
+                        blocked = "kept float32 by the user (keep_fp32_nodes)"
+                    elif holds_body:
+                        blocked = f"{node.op_type} boundary keeps the declared types of its bodies (inside is coloured)"
+                    else:
+                        blocked = late
                 if blocked is None and sig.probe:
                     if in_types is None:
-                        in_types = [types.get(x) if x else 0 for x in node.input]
+                        in_types = [types.get(x) if x else 0 for x in inputs]
                     refused = schemas.rejects(sig, node, opsets, in_types, group, LOW_ELEM[target])
                     if refused:
                         blocked = f"schema {node.op_type}-{sig.since_version} inference refuses {target}: {refused}"
-                v = len(cg.vertices)
-                op_list = entry.list if entry else None
-                if forced is not None:  # measured unsafe: a deny root whatever its list
-                    op_list = "deny"
-                cg.vertices.append(Vertex(s, n, node.name, node.op_type, group, op_list,
-                                          entry.reason if entry else "", blocked, forced))
+                v = len(vertices)
+                vertices.append(Vertex(s, n, name, node.op_type, group, op_list, list_reason, blocked, forced))
                 for i in group.inputs:
-                    cg.slot_vertex[(s, n, "i", i)] = v
+                    slot_vertex[(s, n, "i", i)] = v
                 for i in group.outputs:
-                    cg.slot_vertex[(s, n, "o", i)] = v
+                    slot_vertex[(s, n, "o", i)] = v
     cg.graph.add_nodes_from(range(len(cg.vertices)))
     # converted ahead only when something can be low precision (see weights.py)
     may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
@@ -263,9 +266,27 @@ def _describe_op(node_domain: str, op_type: str, opsets: dict, local_functions: 
     return sig, op_lists.classify(domain, op_type), None
 
 
-def _group_type(node, group, types):
-    names = [node.input[i] for i in group.inputs] + [node.output[i] for i in group.outputs]
+def _group_type(inputs, outputs, group, types):
+    names = [inputs[i] for i in group.inputs] + [outputs[i] for i in group.outputs]
     return next((types[x] for x in names if x and x in types), None)
+
+
+def _template(sig, entry, groups, target: str) -> list:
+    """(group, reason it is blocked whatever the node, reason after the user's) for each group:
+    what depends only on the op type and slot counts, worked out once per kind of node."""
+    target_string = schemas.TYPE_STRING[target]
+    template = []
+    for group in groups:
+        fixed = late = None
+        if entry is None:
+            fixed = f"{sig.op_type} is in no op list"
+        elif not sig.admits(group.type_param, target_string):
+            fixed = (f"schema {sig.op_type}-{sig.since_version} does not allow {target} "
+                     f"for {group.type_param.split('@')[0]}")
+        elif sig.containers:
+            late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
+        template.append((group, fixed, late))
+    return template
 
 
 def _block_out_of_range_readers(cg: ColouringGraph) -> None:

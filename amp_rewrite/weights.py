@@ -33,10 +33,10 @@ class Scan:
     """What one read of the float32 constants found, keyed by (defining scope, tensor name)."""
 
     out_of_range: dict = field(default_factory=dict)  # -> largest finite |value| the target cannot hold
-    converted: dict = field(default_factory=dict)  # -> (flat array in the target type, values clamped)
+    converted: dict = field(default_factory=dict)  # -> (bytes in the target type, values clamped)
 
     def take(self, key) -> tuple | None:
-        """The converted values of `key` once (then freed with their chunk), or None."""
+        """The converted bytes of `key`, once, or None."""
         return self.converted.pop(key, None)
 
 
@@ -131,7 +131,8 @@ def convert(array: np.ndarray, elem: int, limit: float, clamp: bool) -> tuple[np
 
 def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to: int | None = None) -> Scan:
     """Check every float32 constant against `target`'s range (not with `clamp`: clipped instead),
-    and with `convert_to` (an element type) convert every one that fits, ahead of need."""
+    and with `convert_to` (an element type) convert every one that fits, ahead of need. Bytes per
+    tensor, not views of the chunk: a view would keep its whole chunk alive."""
     result = Scan()
     if clamp and convert_to is None:
         return result
@@ -167,5 +168,5 @@ def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, 
     for key, values in chunk:
         end = start + values.size
         if key not in result.out_of_range:
-            result.converted[key] = (low[start:end], int(over[start:end].sum()) if over is not None else 0)
+            result.converted[key] = (low[start:end].tobytes(), int(over[start:end].sum()) if over is not None else 0)
         start = end
