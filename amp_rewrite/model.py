@@ -81,20 +81,29 @@ def _external_tensors(graph: onnx.GraphProto):
             yield tensor
 
 
-def _all_tensors(graph: onnx.GraphProto):
-    """Every TensorProto in a graph and its subgraphs: initializers and tensor attributes."""
-    stack = [graph]
-    while stack:
-        g = stack.pop()
+def _all_tensors(graph: onnx.GraphProto, walked=None):
+    """Every TensorProto in a graph and its subgraphs: initializers and tensor attributes.
+    `walked`: `_walk(graph)` when the caller has it already."""
+    graphs, attribute_tensors = walked or _walk(graph)
+    for g in graphs:
         yield from g.initializer
+    yield from attribute_tensors
+
+
+def _walk(graph: onnx.GraphProto) -> tuple[list, list]:
+    """(every graph, main first; every tensor attribute): one walk over the node attributes,
+    which costs about a microsecond a node."""
+    graphs, tensors = [graph], []
+    for g in graphs:  # grows as subgraphs are found
         for node in g.node:
             for attr in node.attribute:
                 if attr.HasField("t"):
-                    yield attr.t
-                yield from attr.tensors
+                    tensors.append(attr.t)
+                tensors.extend(attr.tensors)
                 if attr.HasField("g"):
-                    stack.append(attr.g)
-                stack.extend(attr.graphs)
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
+    return graphs, tensors
 
 
 LAZY_MIN_BYTES = 2**20  # with lazy_weights, external tensors from this size stay on disk
@@ -288,19 +297,21 @@ def _where(path) -> str:
 _KNOWN_TYPES = frozenset(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
 
 
-def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False) -> int:
+def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, walked=None) -> int:
     """Every tensor holds exactly the data its shape asks for; returns the total bytes of data.
-    `in_memory`: the model came as a ModelProto, so external data has no folder to come from."""
+    `in_memory`: the model came as a ModelProto, so external data has no folder to come from.
+    `walked`: `_walk(model.graph)` when the caller has it."""
     total = 0
-    for tensor in _all_tensors(model.graph):
-        if tensor.data_type not in _KNOWN_TYPES:
-            _fail(path, f"tensor {tensor.name!r} has unknown element type {tensor.data_type}")
-        dims = tensor.dims
+    for tensor in _all_tensors(model.graph, walked):
+        data_type = tensor.data_type
+        if data_type not in _KNOWN_TYPES:
+            _fail(path, f"tensor {tensor.name!r} has unknown element type {data_type}")
+        dims = tensor.dims[:]  # a list: the container is read once
         if dims and min(dims) < 0:
-            _fail(path, f"tensor {tensor.name!r} has a negative dimension {list(dims)}")
+            _fail(path, f"tensor {tensor.name!r} has a negative dimension {dims}")
         count = math.prod(dims)
-        size = _ELEMENT_SIZE.get(tensor.data_type)
-        external = tensordata.is_external(tensor)
+        size = _ELEMENT_SIZE.get(data_type)
+        external = tensor.data_location == TensorProto.EXTERNAL  # tensordata.is_external, inlined: 58k calls
         if external and in_memory:
             raise ModelError("model refers to external data but came in memory: pass its path instead")
         if external and size is not None:  # left on disk by lazy_weights
@@ -417,9 +428,10 @@ def _passes_checker(model: onnx.ModelProto) -> bool:
         return False
 
 
-def _breaks_rules_checker_skips(graph: onnx.GraphProto) -> bool:
-    """Rules onnx.checker leaves alone: unique node names, typed graph inputs and outputs."""
-    for g in _graphs(graph):
+def _breaks_rules_checker_skips(graph: onnx.GraphProto, graphs=None) -> bool:
+    """Rules onnx.checker leaves alone: unique node names, typed graph inputs and outputs.
+    `graphs`: `graph` and its subgraphs when the caller has them."""
+    for g in graphs or _graphs(graph):
         names = [node.name for node in g.node if node.name]
         if len(names) != len(set(names)):
             return True
@@ -481,11 +493,12 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
         _fail(where, "model imports no opset")
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
-    data_bytes = _check_tensor_sizes(model, where, in_memory)
-    if not checker and not _breaks_rules_checker_skips(model.graph):
+    walked = _walk(model.graph)
+    data_bytes = _check_tensor_sizes(model, where, in_memory, walked)
+    if not checker and not _breaks_rules_checker_skips(model.graph, walked[0]):
         return data_bytes
     target = model if data_bytes < CHECK_IN_FULL_LIMIT and not skeleton else _checker_skeleton(model)
-    if _passes_checker(target) and not _breaks_rules_checker_skips(model.graph):
+    if _passes_checker(target) and not _breaks_rules_checker_skips(model.graph, walked[0]):
         return data_bytes  # the common case; the structure walk below only runs to name a problem
     _check_structure(model.graph, set(), where)
     for attempt in range(2):
@@ -523,34 +536,33 @@ def _inference_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.output.extend(source.output)
     graph.value_info.extend(source.value_info)
     declared = {v.name for v in source.input}
+    types: dict = {}  # (element type, *dims) -> TypeProto: weights share a few shapes
     for tensor in source.initializer:
-        count = 1
-        for d in tensor.dims:
-            count *= d
-        if count <= INFERENCE_DATA_LIMIT:
+        dims = tensor.dims[:]
+        if math.prod(dims) <= INFERENCE_DATA_LIMIT:
             graph.initializer.append(tensor)
         elif tensor.name not in declared:
-            _add_typed_input(graph, tensor)
+            key = (tensor.data_type, *dims)
+            if key not in types:
+                types[key] = _tensor_type(tensor.data_type, dims)
+            graph.input.add(name=tensor.name, type=types[key])
     return skeleton
 
 
-def _add_typed_input(graph: onnx.GraphProto, tensor: onnx.TensorProto) -> None:
-    """Declare `tensor` as a graph input of its type and shape (onnx's make_tensor_value_info,
-    without its per-call checks: the skeletons declare every big weight, 58k on a 100k-node model)."""
-    value = graph.input.add()
-    value.name = tensor.name
-    tensor_type = value.type.tensor_type
-    tensor_type.elem_type = tensor.data_type
-    shape = tensor_type.shape
+def _tensor_type(elem_type: int, dims) -> onnx.TypeProto:
+    """onnx's make_tensor_type_proto without its per-call checks (58k weights at 100k nodes)."""
+    proto = onnx.TypeProto()
+    proto.tensor_type.elem_type = elem_type
+    shape = proto.tensor_type.shape
     shape.SetInParent()  # a scalar has a shape with no dims, not no shape
-    for d in tensor.dims:
+    for d in dims:
         shape.dim.add().dim_value = d
+    return proto
 
 
-def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict) -> None:
-    stack = [graph]
-    while stack:
-        g = stack.pop()
+def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict, graphs=None) -> None:
+    """Declared types and shapes of `graph` and its subgraphs (`graphs`, when the caller has them)."""
+    for g in graphs if graphs is not None else _graphs(graph):
         for value in (*g.input, *g.output, *g.value_info):
             if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
                 types.setdefault(value.name, value.type.tensor_type.elem_type)
@@ -558,11 +570,6 @@ def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict) -> N
                     shapes.setdefault(value.name, value.type.tensor_type.shape)
         for tensor in g.initializer:
             types.setdefault(tensor.name, tensor.data_type)
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.HasField("g"):
-                    stack.append(attr.g)
-                stack.extend(attr.graphs)
 
 
 # Above this many nodes, shape inference (20-40 µs a node) runs only when the schemas alone
@@ -581,7 +588,7 @@ def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None,
     """
     types: dict[str, int] = {}
     shapes: dict[str, object] = {}
-    _collect_value_infos(model.graph, types, shapes)
+    _collect_value_infos(model.graph, types, shapes, [scope.graph for scope in scopes] if scopes else None)
     complete = elemtypes.propagate(model, types, scopes)
     if shape_inference is None:
         shape_inference = not complete or len(model.graph.node) <= SHAPE_INFERENCE_NODE_LIMIT
@@ -665,16 +672,8 @@ def _big_tensors(model: onnx.ModelProto):
                 yield tensor
 
 
-def _graphs(graph: onnx.GraphProto):
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        yield g
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.HasField("g"):
-                    stack.append(attr.g)
-                stack.extend(attr.graphs)
+def _graphs(graph: onnx.GraphProto) -> list:
+    return _walk(graph)[0]
 
 
 def _file_mode() -> int:
