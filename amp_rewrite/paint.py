@@ -45,7 +45,7 @@ class Plan:
 
 
 def reach(adjacencies, roots, enter) -> dict:
-    """Multi-source BFS over networkx adjacency views (`g.succ`, `g.pred`, or both): vertex ->
+    """Multi-source BFS over adjacency mappings (`_Masks.succ`, `.pred`, or both): vertex ->
     the vertex it was reached from (None for roots). `enter[w]` says whether w may be entered."""
     parent = dict.fromkeys(roots)
     queue = deque(parent)
@@ -60,11 +60,14 @@ def reach(adjacencies, roots, enter) -> dict:
 
 
 class _Masks:
-    """Per-vertex facts the passes test millions of times, computed once as plain lists."""
+    """Per-vertex facts the passes test millions of times, computed once as plain lists, and the
+    graph's own neighbour dicts (networkx's `adjacency()`): its views cost a Python call per visit."""
 
     def __init__(self, cg: ColouringGraph):
         self.lists = [vx.op_list for vx in cg.vertices]
         self.paintable = [vx.blocked is None and not vx.group.output_only for vx in cg.vertices]
+        self.succ = dict(cg.graph.adjacency())
+        self.pred = dict(cg.graph.reverse(copy=False).adjacency())
 
     def where(self, test) -> list[bool]:
         return [test(v) for v in range(len(self.lists))]
@@ -76,32 +79,29 @@ def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
 
 def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
     """Deny spreads forward into infer/clear vertices that lead back to a deny or infer op."""
-    g = cg.graph
     roots = [v for v, name in enumerate(m.lists) if name in ("deny", "infer")]
-    upstream = reach([g.pred], roots, [name == "clear" for name in m.lists])
+    upstream = reach([m.pred], roots, [name == "clear" for name in m.lists])
     deny_roots = [v for v in roots if m.lists[v] == "deny"]
-    parent = reach([g.succ], deny_roots, m.where(lambda w: w in upstream and w not in allow))
+    parent = reach([m.succ], deny_roots, m.where(lambda w: w in upstream and w not in allow))
     return {v: Reason(cg.vertices[v].forced or "deny list") if p is None else Reason("downstream of deny", p)
             for v, p in parent.items()}
 
 
 def paint_between_allow(cg: ColouringGraph, m: _Masks, allow: dict, deny: dict) -> dict:
     """Infer/clear vertices on a path from an allow vertex to another allow vertex."""
-    g = cg.graph
     passable = m.where(lambda w: m.lists[w] in ("infer", "clear") and m.paintable[w] and w not in deny)
-    downstream = reach([g.succ], list(allow), passable)
-    back = reach([g.pred], list(allow), m.where(lambda w: w in downstream and w not in allow))
+    downstream = reach([m.succ], list(allow), passable)
+    back = reach([m.pred], list(allow), m.where(lambda w: w in downstream and w not in allow))
     return {v: Reason("between allow ops", downstream[v]) for v, p in back.items() if p is not None}
 
 
 def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
     """bfloat16 only: an infer vertex fed by low precision and by no deny vertex follows it."""
-    g = cg.graph
     painted = {}
     for v, name in enumerate(m.lists):  # vertices are in node order: chains follow
         if name != "infer" or v in low or v in deny or not m.paintable[v]:
             continue
-        preds = list(g.pred[v])
+        preds = list(m.pred[v])
         source = next((p for p in preds if p in low or p in painted), None)
         if source is not None and not any(p in deny for p in preds):
             painted[v] = Reason("infer fed by allow (bfloat16)", source)
@@ -109,9 +109,8 @@ def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict
 
 
 def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
-    g = cg.graph
     passable = m.where(lambda w: m.lists[w] == "clear" and m.paintable[w] and w not in deny)
-    parent = reach([g.succ, g.pred], list(low), passable)
+    parent = reach([m.succ, m.pred], list(low), passable)
     return {v: Reason("clear next to low precision", p) for v, p in parent.items() if p is not None}
 
 
