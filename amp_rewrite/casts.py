@@ -296,16 +296,22 @@ class _Materialiser:
         return self._initializers[s]
 
     def emit_nodes(self) -> None:
-        changed = set(self.top) | {s for s, _ in self.after}
+        points: dict = {}  # scope -> indices of the nodes that get nodes right after them
+        for s, n in self.after:
+            points.setdefault(s, []).append(n)
         # Children first: re-adding a parent's nodes copies them, subgraphs included.
         for s in reversed(range(len(self.cg.scopes))):
             scope = self.cg.scopes[s]
-            if s not in changed:
+            if s not in self.top and s not in points:
                 continue
+            old = list(scope.graph.node)
             nodes = list(self.top.get(s, []))
-            for n, node in enumerate(scope.graph.node):
-                nodes.append(node)
-                nodes.extend(self.after.get((s, n), ()))
+            start = 0
+            for n in sorted(points.get(s, ())):  # spliced: one step per insertion point, not per node
+                nodes.extend(old[start:n + 1])
+                nodes.extend(self.after[(s, n)])
+                start = n + 1
+            nodes.extend(old[start:])
             del scope.graph.node[:]
             scope.graph.node.extend(nodes)
 

@@ -194,7 +194,7 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True) -> LoadedM
 # --- the working copy -----------------------------------------------------------------------------
 
 _DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data"}
-_TENSOR_META = [f for f in TensorProto.DESCRIPTOR.fields if f.name not in _DATA_FIELDS]
+_TENSOR_RARE_META = [f for f in TensorProto.DESCRIPTOR.fields if f.name not in _DATA_FIELDS | {"name", "data_type", "dims"}]
 
 
 def working_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
@@ -212,12 +212,14 @@ def working_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     _copy_fields(work.graph, model.graph, skip={"initializer"})
     borrowed = {}
     for tensor in model.graph.initializer:
-        copy = work.graph.initializer.add()
-        if math.prod(tensor.dims) > INFERENCE_DATA_LIMIT and tensor.HasField("raw_data"):
-            _copy_fields(copy, tensor, fields=_TENSOR_META)
+        dims = tensor.dims[:]
+        if math.prod(dims) > INFERENCE_DATA_LIMIT and tensor.HasField("raw_data"):
+            # named, typed and shaped (validated): set at once; the rarely set fields one by one
+            copy = work.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=dims)
+            _copy_fields(copy, tensor, fields=_TENSOR_RARE_META)
             borrowed[tensor.name] = tensor
         else:
-            copy.CopyFrom(tensor)
+            work.graph.initializer.add().CopyFrom(tensor)
     return work, borrowed
 
 
