@@ -45,23 +45,17 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
     """Fill `types` (name -> element type) in node order; True when every node output is typed.
     `scopes`: `graph.read_scopes(model.graph)` when the caller has it already."""
     opsets = schemas.model_opsets(model)
-    signatures: dict = {}  # (domain, op type) -> Signature or None, looked up once per op type
+    templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups, or None without a schema
     complete = True
     for scope in scopes if scopes is not None else read_scopes(model.graph):  # parents first
         for node, (inputs, outputs) in zip(scope.graph.node, scope.io):
-            key = (node.domain, node.op_type)
-            if key not in signatures:
-                domain = "" if key[0] in schemas.DEFAULT_DOMAINS else key[0]
-                signatures[key] = schemas.signature(domain, key[1], opsets[domain]) if domain in opsets else None
-            sig = signatures[key]
-            if sig is None:
-                complete = complete and all(not x or x in types for x in outputs)
-                continue
-            for group in schemas.type_groups(sig, len(inputs), len(outputs)):
+            shape_key = (node.domain, node.op_type, len(inputs), len(outputs))
+            if shape_key not in templates:
+                templates[shape_key] = _template(*shape_key, opsets)
+            template = templates[shape_key]
+            for group, single_choice in template or ():
                 names = [inputs[i] for i in group.inputs if inputs[i]] + [outputs[i] for i in group.outputs if outputs[i]]
-                known = next((types[x] for x in names if x in types), None)
-                if known is None:
-                    known = _single_choice(sig, group.type_param)
+                known = next((types[x] for x in names if x in types), single_choice)
                 if known is None and group.output_only:
                     known = _attribute_type(node)
                 if known is None:
@@ -70,3 +64,13 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
                     types.setdefault(x, known)
             complete = complete and all(not x or x in types for x in outputs)
     return complete
+
+
+def _template(node_domain: str, op_type: str, n_inputs: int, n_outputs: int, opsets: dict):
+    """[(type group, the type its parameter allows when it allows one)] of a kind of node, or None
+    when no schema is known: worked out once per op type and slot counts, not once per node."""
+    domain = "" if node_domain in schemas.DEFAULT_DOMAINS else node_domain
+    sig = schemas.signature(domain, op_type, opsets[domain]) if domain in opsets else None
+    if sig is None:
+        return None
+    return [(group, _single_choice(sig, group.type_param)) for group in schemas.type_groups(sig, n_inputs, n_outputs)]
