@@ -58,7 +58,7 @@ class _Materialiser:
         self.low = ELEM[cg.target]
         self.io_elem = FLOAT if keep_io_types else self.low  # what main-graph inputs and outputs hold
         self.low_vertices = {v for v, colour in plan.colour.items() if colour == LOW}  # read per use
-        self.slot_vertex = cg.slot_vertex
+        self.reads, self.writes = cg.reads, cg.writes
         self.main_outputs = {(0, value.name) for value in cg.scopes[0].graph.output}
         self.names = UniqueNames(_names_in_use(cg))
         self.result = Materialised()
@@ -79,7 +79,8 @@ class _Materialiser:
             return None
         if kind == "input":
             return self.io_elem if s == 0 else FLOAT
-        vertex = self.slot_vertex.get((s, n, "o", slot))
+        row = self.writes[s][n]
+        vertex = row[slot] if row else None
         if vertex is not None:  # a vertex: not a Constant, which is a source (and the common case)
             return self.low if vertex in self.low_vertices else FLOAT
         return None if weights.is_constant(self.cg.node(s, n)) else FLOAT
@@ -88,7 +89,8 @@ class _Materialiser:
         s, n, slot = use
         if n < 0:
             return self.io_elem if s == 0 else FLOAT
-        return self.low if self.slot_vertex.get((s, n, "i", slot)) in self.low_vertices else FLOAT
+        row = self.reads[s][n]  # cg.input_vertex, inlined: read for every use
+        return self.low if row and row[slot] in self.low_vertices else FLOAT
 
     # --- the pass ----------------------------------------------------------------------------------
 

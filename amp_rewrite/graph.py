@@ -53,7 +53,8 @@ class ColouringGraph:
     scopes: list[Scope]
     vertices: list[Vertex]
     graph: nx.DiGraph
-    slot_vertex: dict  # (scope, node, "i"|"o", slot) -> vertex id
+    reads: list  # [scope][node] -> the vertex of each input slot (or None); None for a node without vertices
+    writes: list  # [scope][node] -> the vertex of each output slot, likewise
     uses: dict  # (def scope, name) -> [(scope, node, slot)]; graph outputs use node -1
     types: dict  # tensor name -> element type
     shapes: dict  # tensor name -> TensorShapeProto when known
@@ -64,6 +65,15 @@ class ColouringGraph:
 
     def node(self, scope: int, index: int) -> onnx.NodeProto:
         return self.scopes[scope].graph.node[index]
+
+    def input_vertex(self, scope: int, node: int, slot: int) -> int | None:
+        """The vertex reading input `slot` of a node, or None (graph outputs are node -1)."""
+        row = self.reads[scope][node] if node >= 0 else None
+        return row[slot] if row else None
+
+    def output_vertex(self, scope: int, node: int, slot: int) -> int | None:
+        row = self.writes[scope][node]
+        return row[slot] if row else None
 
     def resolve(self, scope: int, name: str):
         """(defining scope, def) for a tensor visible from `scope`, or None if undefined."""
@@ -172,7 +182,8 @@ def build(
     target = op_lists.target
     opsets = schemas.model_opsets(model)
     scopes = scopes if scopes is not None else read_scopes(model.graph)
-    cg = ColouringGraph(target, scopes, [], nx.DiGraph(), {}, {}, types, shapes or {}, [], weights.Scan(),
+    cg = ColouringGraph(target, scopes, [], nx.DiGraph(), [[None] * len(scope.io) for scope in scopes],
+                        [[None] * len(scope.io) for scope in scopes], {}, types, shapes or {}, [], weights.Scan(),
                         dict(borrowed or {}))
     cg.uses, cg.unsorted = _record_uses(scopes, cg.resolve)
     keep_fp32_nodes = list(keep_fp32_nodes)
@@ -182,8 +193,9 @@ def build(
 
     op_info: dict = {}  # (domain, op type) -> (signature, list entry, why it is skipped)
     templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups with their fixed reasons
-    vertices, slot_vertex = cg.vertices, cg.slot_vertex
+    vertices = cg.vertices
     for s, scope in enumerate(scopes):
+        reads, writes = cg.reads[s], cg.writes[s]
         for n, node in enumerate(scope.graph.node):
             key = (node.domain, node.op_type)
             info = op_info.get(key)
@@ -237,10 +249,12 @@ def build(
                         blocked = f"schema {node.op_type}-{sig.since_version} inference refuses {target}: {refused}"
                 v = len(vertices)
                 vertices.append(Vertex(s, n, name, node.op_type, group, op_list, list_reason, blocked, forced))
+                if reads[n] is None:
+                    reads[n], writes[n] = [None] * len(inputs), [None] * len(outputs)
                 for i in group.inputs:
-                    slot_vertex[(s, n, "i", i)] = v
+                    reads[n][i] = v
                 for i in group.outputs:
-                    slot_vertex[(s, n, "o", i)] = v
+                    writes[n][i] = v
     cg.graph.add_nodes_from(range(len(cg.vertices)))
     # converted ahead only when something can be low precision (see weights.py)
     may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
@@ -293,7 +307,7 @@ def _block_out_of_range_readers(cg: ColouringGraph) -> None:
     """Readers of a constant the target type cannot hold stay float32 (the report says which)."""
     for key, value in cg.constants.out_of_range.items():
         for s, n, slot in cg.uses.get(key, ()):
-            v = cg.slot_vertex.get((s, n, "i", slot))
+            v = cg.input_vertex(s, n, slot)
             if v is not None and cg.vertices[v].blocked is None:
                 cg.vertices[v].blocked = (f"constant {key[1]!r} holds {value:.4g}, outside the {cg.target} range "
                                           f"(use clamp to allow)")
@@ -302,16 +316,16 @@ def _block_out_of_range_readers(cg: ColouringGraph) -> None:
 def _add_edges(cg: ColouringGraph) -> None:
     """Producer group -> reader group, for every tensor made by a node, in any graph."""
     edges = []
-    slot_vertex = cg.slot_vertex
+    reads, writes = cg.reads, cg.writes
     for (s, name), uses in cg.uses.items():
         kind, n, slot = cg.scopes[s].defs[name]
-        if kind != "node":
+        if kind != "node" or not writes[s][n]:
             continue
-        producer = slot_vertex.get((s, n, "o", slot))
+        producer = writes[s][n][slot]
         if producer is None:
             continue
-        for use in uses:
-            reader = slot_vertex.get((use[0], use[1], "i", use[2]))
-            if reader is not None:
-                edges.append((producer, reader))
+        for use_scope, reader_node, use_slot in uses:  # cg.input_vertex, inlined: 230k uses at 100k nodes
+            row = reads[use_scope][reader_node] if reader_node >= 0 else None
+            if row and row[use_slot] is not None:
+                edges.append((producer, row[use_slot]))
     cg.graph.add_edges_from(edges)

@@ -136,7 +136,7 @@ def _only_vertex_uses(cg: ColouringGraph, vertex, node) -> bool:
     """Every reader of the group's outputs is a vertex (not a fixed-type or untyped slot)."""
     for i in vertex.group.outputs:
         for scope, n, slot in cg.uses.get((vertex.scope, node.output[i]), []):
-            if n < 0 or (scope, n, "i", slot) not in cg.slot_vertex:
+            if cg.input_vertex(scope, n, slot) is None:
                 return False
     return True
 
