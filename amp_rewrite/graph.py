@@ -31,7 +31,7 @@ class Scope:
     parent: int | None
     owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
     defs: dict = field(default_factory=dict)  # tensor name -> ("input"|"initializer"|"node", node, slot)
-    io: list = field(default_factory=list)  # per node: (inputs, outputs) as Python lists, read once
+    io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (half list()'s time), read once
 
 
 @dataclass(slots=True)
@@ -115,7 +115,7 @@ def _record_defs(scope: Scope) -> None:
         defs[tensor.name] = ("initializer", -1, -1)
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
         defs[value.name] = ("input", -1, -1)
-    scope.io = [(list(node.input), list(node.output)) for node in scope.graph.node]
+    scope.io = [(tuple(node.input), tuple(node.output)) for node in scope.graph.node]
     for n, (_, outputs) in enumerate(scope.io):
         for slot, name in enumerate(outputs):
             if name:
