@@ -259,7 +259,8 @@ def build(
     # converted ahead only when something can be low precision (see weights.py)
     may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
     cg.constants = weights.scan(scopes, cg.borrowed, target, clamp=clamp,
-                                convert_to=LOW_ELEM[target] if may_go_low else None)
+                                convert_to=LOW_ELEM[target] if may_go_low else None,
+                                constant_nodes=any(op_type == "Constant" for _, op_type in op_info))
     _block_out_of_range_readers(cg)
     _add_edges(cg)
     return cg

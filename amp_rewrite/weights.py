@@ -61,13 +61,14 @@ def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None
 
 
-def float_constants(scopes, borrowed: dict):
-    """(def scope, name), TensorProto of every float32 initializer and Constant node value."""
+def float_constants(scopes, borrowed: dict, constant_nodes: bool = True):
+    """(def scope, name), TensorProto of every float32 initializer and Constant node value
+    (`constant_nodes=False`: the caller knows there is no Constant node, so nodes are not read)."""
     for s, scope in enumerate(scopes):
         for tensor in scope.graph.initializer:
             if tensor.data_type == FLOAT:
                 yield (s, tensor.name), value_holder(borrowed, s, tensor)
-        for node in scope.graph.node:
+        for node in scope.graph.node if constant_nodes else ():
             if is_constant(node) and node.output:
                 tensor = constant_tensor(node)
                 if tensor is not None and tensor.data_type == FLOAT:
@@ -129,16 +130,18 @@ def convert(array: np.ndarray, elem: int, limit: float, clamp: bool) -> tuple[np
     return cast_values(array.reshape(-1), elem), clamped
 
 
-def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to: int | None = None) -> Scan:
+def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to: int | None = None,
+         constant_nodes: bool = True) -> Scan:
     """Check every float32 constant against `target`'s range (not with `clamp`: clipped instead),
-    and with `convert_to` (an element type) convert every one that fits, ahead of need. Bytes per
+    and with `convert_to` (an element type) convert every one that fits, ahead of need.
+    `constant_nodes=False` when the graphs hold no Constant node (no walk over the nodes). Bytes per
     tensor, not views of the chunk: a view would keep its whole chunk alive."""
     result = Scan()
     if clamp and convert_to is None:
         return result
     limit = LIMITS[target]
     chunk, size = [], 0
-    for key, tensor in float_constants(scopes, borrowed):
+    for key, tensor in float_constants(scopes, borrowed, constant_nodes):
         values = tensordata.float_values(tensor)
         chunk.append((key, values))
         size += values.nbytes
