@@ -28,6 +28,7 @@ from amp_rewrite.paint import LOW, Plan
 ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
 TAG = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 CAST_OPSET = weights.CAST_OPSET
+_ITEMSIZE = {TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.FLOAT: 4}
 
 
 @dataclass
@@ -241,7 +242,7 @@ class _Materialiser:
         if d[0] == "initializer":
             tensor = self.initializers(s)[name]
             data = self.converted_bytes((s, name), weights.value_holder(self.cg.borrowed, s, tensor), elem)
-            self.result.weight_bytes_delta += len(data) - (4 * math.prod(tensor.dims) if in_place else 0)
+            self.result.weight_bytes_delta += len(data) - (4 * (len(data) // _ITEMSIZE[elem]) if in_place else 0)
             if in_place:  # swap the data, keep everything else (doc string, metadata)
                 tensor.ClearField("float_data")
                 tensor.data_type = elem

@@ -139,13 +139,18 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
                 found = defs.get(name)
                 if found is not None:  # the common case: defined in the same graph
                     key = (s, name)
-                    unsorted = unsorted or found[1] >= n
+                    if found[1] >= n:
+                        unsorted = True
                 else:
                     found = cg_resolve(s, name)
                     if found is None:
                         continue
                     key = (found[0], name)
-                uses.setdefault(key, []).append((s, n, slot))
+                readers = uses.get(key)  # not setdefault: no empty list made per use
+                if readers is None:
+                    uses[key] = [(s, n, slot)]
+                else:
+                    readers.append((s, n, slot))
         for slot, value in enumerate(scope.graph.output):
             found = cg_resolve(s, value.name)
             if found is not None:

@@ -252,9 +252,14 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> di
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
           seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None,
           node_flops: dict | None = None) -> Report:
+    vertices, colour = cg.vertices, plan.colour
     by_node: dict = {}
-    for v, vertex in enumerate(cg.vertices):
-        by_node.setdefault((vertex.scope, vertex.node), []).append(v)
+    for v, vertex in enumerate(vertices):
+        key = (vertex.scope, vertex.node)
+        if key in by_node:
+            by_node[key].append(v)
+        else:
+            by_node[key] = [v]
     precisions = {}
     flops_of = {}
     precision_counts = Counter()
@@ -263,8 +268,8 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
     flops_total = flops_low = 0
     flops_known = 0
     for key, vs in by_node.items():
-        first = cg.vertices[vs[0]]
-        lows = [plan.colour[v] == LOW for v in vs if not cg.vertices[v].group.output_only or plan.colour[v] == LOW]
+        first = vertices[vs[0]]
+        lows = [colour[v] == LOW for v in vs if colour[v] == LOW or not vertices[v].group.output_only]
         precision = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
         precisions[key] = precision
         precision_counts[precision] += 1
