@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite import schemas
-from amp_rewrite.graph import read_scopes
+from amp_rewrite.graph import group_names, read_scopes
 
 TYPE_OF_STRING = {f"tensor({name.lower()})": value for name, value in TensorProto.DataType.items() if value}
 
@@ -54,8 +54,12 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
                 templates[shape_key] = _template(*shape_key, opsets)
             template = templates[shape_key]
             for group, single_choice in template or ():
-                names = [inputs[i] for i in group.inputs if inputs[i]] + [outputs[i] for i in group.outputs if outputs[i]]
-                known = next((types[x] for x in names if x in types), single_choice)
+                names = group_names(inputs, outputs, group)
+                known = single_choice
+                for x in names:  # the first typed tensor gives the group's type
+                    if x in types:
+                        known = types[x]
+                        break
                 if known is None and group.output_only:
                     known = _attribute_type(node)
                 if known is None:

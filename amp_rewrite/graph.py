@@ -214,7 +214,7 @@ def build(
             inputs, outputs = scope.io[n]
             name = node.name
             kept = keep(name) if keep_fp32_nodes and name else False
-            holds_body = (s, n) in owners
+            holds_body = bool(owners) and (s, n) in owners
             in_types = None
             forced = force_fp32.get(name or (outputs[0] if outputs else "")) if force_fp32 else None
             shape_key = (key, len(inputs), len(outputs))
@@ -232,8 +232,12 @@ def build(
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
             for group, fixed, late in template:
-                names = [inputs[i] for i in group.inputs if inputs[i]] + [outputs[i] for i in group.outputs if outputs[i]]
-                known = next((t for x in names if (t := types.get(x)) is not None), None)
+                names = group_names(inputs, outputs, group)
+                known = None
+                for x in names:  # the first typed tensor gives the group's type
+                    known = types.get(x)
+                    if known is not None:
+                        break
                 if known != FLOAT:
                     continue
                 for x in names:  # the schema ties them: fill types inference could not give
@@ -284,6 +288,19 @@ def _describe_op(node_domain: str, op_type: str, opsets: dict, local_functions: 
     if sig is None:
         return None, None, f"no schema for {domain or 'ai.onnx'}:{op_type} at opset {opsets[domain]}; stays float32"
     return sig, op_lists.classify(domain, op_type), None
+
+
+def group_names(inputs, outputs, group) -> list:
+    """The named tensors of a group, inputs first. Plain loops: a comprehension is a function call
+    in Python 3.11, and this runs for every group of every node."""
+    names = []
+    for i in group.inputs:
+        if inputs[i]:
+            names.append(inputs[i])
+    for i in group.outputs:
+        if outputs[i]:
+            names.append(outputs[i])
+    return names
 
 
 def _group_type(inputs, outputs, group, types):
