@@ -69,8 +69,14 @@ class _Masks:
         self.succ = dict(cg.graph.adjacency())
         self.pred = dict(cg.graph.reverse(copy=False).adjacency())
 
-    def where(self, test) -> list[bool]:
-        return [test(v) for v in range(len(self.lists))]
+    def inside(self, reached: dict, left_out: dict) -> list[bool]:
+        """Per vertex: in `reached` and not in `left_out` (a comprehension, not a call per vertex)."""
+        return [v in reached and v not in left_out for v in range(len(self.lists))]
+
+    def passable(self, lists: tuple, painted: dict) -> list[bool]:
+        """Per vertex: in one of `lists`, paintable, and not in `painted`."""
+        return [name in lists and ok and v not in painted
+                for v, (name, ok) in enumerate(zip(self.lists, self.paintable))]
 
 
 def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
@@ -82,16 +88,16 @@ def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
     roots = [v for v, name in enumerate(m.lists) if name in ("deny", "infer")]
     upstream = reach([m.pred], roots, [name == "clear" for name in m.lists])
     deny_roots = [v for v in roots if m.lists[v] == "deny"]
-    parent = reach([m.succ], deny_roots, m.where(lambda w: w in upstream and w not in allow))
+    parent = reach([m.succ], deny_roots, m.inside(upstream, allow))
     return {v: Reason(cg.vertices[v].forced or "deny list") if p is None else Reason("downstream of deny", p)
             for v, p in parent.items()}
 
 
 def paint_between_allow(cg: ColouringGraph, m: _Masks, allow: dict, deny: dict) -> dict:
     """Infer/clear vertices on a path from an allow vertex to another allow vertex."""
-    passable = m.where(lambda w: m.lists[w] in ("infer", "clear") and m.paintable[w] and w not in deny)
+    passable = m.passable(("infer", "clear"), deny)
     downstream = reach([m.succ], list(allow), passable)
-    back = reach([m.pred], list(allow), m.where(lambda w: w in downstream and w not in allow))
+    back = reach([m.pred], list(allow), m.inside(downstream, allow))
     return {v: Reason("between allow ops", downstream[v]) for v, p in back.items() if p is not None}
 
 
@@ -109,7 +115,7 @@ def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict
 
 
 def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
-    passable = m.where(lambda w: m.lists[w] == "clear" and m.paintable[w] and w not in deny)
+    passable = m.passable(("clear",), deny)
     parent = reach([m.succ, m.pred], list(low), passable)
     return {v: Reason("clear next to low precision", p) for v, p in parent.items() if p is not None}
 
