@@ -142,9 +142,9 @@ def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to
     limit = LIMITS[target]
     chunk, size = [], 0
     for key, tensor in float_constants(scopes, borrowed, constant_nodes):
-        values = tensordata.float_values(tensor)
-        chunk.append((key, values))
-        size += values.nbytes
+        data = tensordata.tensor_bytes(tensor)  # little-endian float32
+        chunk.append((key, data))
+        size += len(data)
         if size >= CHUNK_BYTES:
             _scan_chunk(chunk, limit, clamp, convert_to, result)
             chunk, size = [], 0
@@ -154,10 +154,12 @@ def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to
 
 
 def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, result: Scan) -> None:
-    whole = chunk[0][1] if len(chunk) == 1 else np.concatenate([values for _, values in chunk])
+    """One chunk of (key, float32 bytes): joined into one array, checked, converted, split."""
+    whole = np.frombuffer(b"".join(data for _, data in chunk), "<f4")
+    bounds = np.cumsum([0] + [len(data) // 4 for _, data in chunk]).tolist()
     if not clamp and largest_finite(whole) > limit:  # rare: name the tensors over the limit
-        for key, values in chunk:
-            if (largest := largest_finite(values)) > limit:
+        for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
+            if (largest := largest_finite(whole[start:end])) > limit:
                 result.out_of_range[key] = largest
     if convert_to is None:
         return
@@ -167,9 +169,6 @@ def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, 
     else:
         over = None
     low = cast_values(whole, convert_to)
-    start = 0
-    for key, values in chunk:
-        end = start + values.size
+    for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
         if key not in result.out_of_range:
             result.converted[key] = (low[start:end].tobytes(), int(over[start:end].sum()) if over is not None else 0)
-        start = end
