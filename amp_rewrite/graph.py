@@ -100,10 +100,11 @@ def collect_scopes(graph: onnx.GraphProto) -> list[Scope]:
     return scopes
 
 
-def read_scopes(graph: onnx.GraphProto) -> list[Scope]:
+def read_scopes(graph: onnx.GraphProto, nested: bool = True) -> list[Scope]:
     """`collect_scopes` with every scope's defs and node io read: one walk that type propagation
-    and the colouring graph share."""
-    scopes = collect_scopes(graph)
+    and the colouring graph share. `nested=False`: the caller knows no node holds a subgraph
+    (validation walked the attributes already), so they are not walked again."""
+    scopes = collect_scopes(graph) if nested else [Scope(graph, None, None)]
     for scope in scopes:
         _record_defs(scope)
     return scopes

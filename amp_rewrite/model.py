@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -44,6 +45,7 @@ class LoadedModel:
     owned: bool = False  # True when nobody else holds `model` (read from a file): no copy needed
     lazy: bool = False  # big external weights stay on disk (tensordata reads them one at a time)
     data_bytes: int = 0  # bytes of tensor data, counted while validating
+    nested: bool = True  # some node holds a subgraph (False: validation saw none)
     checked: bool = True  # False: loaded with checker=False, onnx.checker has not seen it yet
 
     def validate_in_full(self) -> None:
@@ -163,8 +165,8 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True) -> LoadedM
     if isinstance(source, onnx.ModelProto):
         if not source.HasField("graph"):
             raise ModelError("model has no graph")
-        data_bytes = validate(source, "model", in_memory=True, checker=checker)
-        return LoadedModel(source, None, False, data_bytes=data_bytes, checked=checker)
+        found = validate(source, "model", in_memory=True, checker=checker)
+        return LoadedModel(source, None, False, data_bytes=found.data_bytes, nested=found.nested, checked=checker)
     if not isinstance(source, (str, os.PathLike)):
         raise ModelError(f"expected a path or an onnx.ModelProto, got {type(source).__name__}")
     path = Path(source)
@@ -187,8 +189,9 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True) -> LoadedM
     if not model.HasField("graph") or not model.opset_import:
         _fail(path, "not an ONNX model (no graph or no opset imports)")
     had_external, lazy = _load_external_data(model, path, lazy_weights)
-    data_bytes = validate(model, path, skeleton=lazy, checker=checker)
-    return LoadedModel(model, path, had_external, owned=True, lazy=lazy, data_bytes=data_bytes, checked=checker)
+    found = validate(model, path, skeleton=lazy, checker=checker)
+    return LoadedModel(model, path, had_external, owned=True, lazy=lazy, data_bytes=found.data_bytes,
+                       nested=found.nested, checked=checker)
 
 
 # --- the working copy -----------------------------------------------------------------------------
@@ -458,10 +461,17 @@ def _checker_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return skeleton
 
 
+class Validated(NamedTuple):
+    """What validation counted on the way, so later stages need not walk the model again."""
+
+    data_bytes: int  # bytes of tensor data
+    nested: bool  # some node holds a subgraph
+
+
 def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_memory: bool = False,
-             checker: bool = True) -> int:
+             checker: bool = True) -> Validated:
     """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
-    Returns the bytes of tensor data it counted on the way.
+    Returns the bytes of tensor data it counted on the way and whether it holds subgraphs.
 
     Checks, cheapest first: versions against ONNX Runtime's limits, names and structure (cycles,
     undefined inputs, duplicates), tensor data sizes, then onnx.checker (on a data-free skeleton
@@ -497,16 +507,17 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
     walked = _walk(model.graph)
     data_bytes = _check_tensor_sizes(model, where, in_memory, walked)
+    found = Validated(data_bytes, len(walked[0]) > 1)
     if not checker and not _breaks_rules_checker_skips(model.graph, walked[0]):
-        return data_bytes
+        return found
     target = model if data_bytes < CHECK_IN_FULL_LIMIT and not skeleton else _checker_skeleton(model)
     if _passes_checker(target) and not _breaks_rules_checker_skips(model.graph, walked[0]):
-        return data_bytes  # the common case; the structure walk below only runs to name a problem
+        return found  # the common case; the structure walk below only runs to name a problem
     _check_structure(model.graph, set(), where)
     for attempt in range(2):
         try:
             onnx.checker.check_model(target)
-            return data_bytes
+            return found
         except onnx.checker.ValidationError as exc:
             message = _one_line(str(exc))
             if attempt == 0 and "topologically sorted" in message:

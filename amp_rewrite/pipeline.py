@@ -118,9 +118,10 @@ def _rewrite_loaded(loaded, lists, started, *, target, keep_io_types, keep_fp32_
     else:  # the caller's model: copied, its big weights borrowed (read, never changed)
         work, borrowed = model_io.working_copy(loaded.model)
     bytes_before = model_io.byte_size(loaded.model, loaded.data_bytes)
+    nested = loaded.nested
     if work.functions:  # model-local functions (dynamo exporter): inlined, then coloured as any graph
-        work = inline_functions(work)
-    scopes = graph.read_scopes(work.graph)
+        work, nested = inline_functions(work), True  # a function body may bring subgraphs
+    scopes = graph.read_scopes(work.graph, nested)
     types, shapes = model_io.tensor_types(work, scopes=scopes)
     forced = dict(force_fp32 or {})
     if calibration is not None:
