@@ -141,7 +141,7 @@ def _rewrite_loaded(loaded, lists, started, *, target, keep_io_types, keep_fp32_
                            bytes_after=model_io.byte_size(work, data_after),
                            seconds=time.perf_counter() - started, weights_before=weights_before,
                            weights_after=weights_before + materialised.weight_bytes_delta, node_flops=flops)
-    changed = bool(materialised.casts or rep.summary["groups_low"] or not keep_io_types)
+    changed = bool(materialised.casts or not keep_io_types or paint.LOW in plan.colour.values())
     return RewriteResult(work, rep, changed)
 
 

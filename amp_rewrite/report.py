@@ -7,6 +7,7 @@ Softmax 'sm' (deny list)".
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -155,11 +156,19 @@ class Report:
     """Decisions and figures of one rewrite; `to_dict()` is what `--report` writes as JSON."""
 
     target: str
-    summary: dict
+    make_summary: object  # builds the summary figures on first use
     make_nodes: object = list  # builds the per-node entries on first use (100k sentences cost seconds)
     notes: list = field(default_factory=list)
     sections: dict = field(default_factory=dict)  # "calibration", "validation", "fallback" when run
+    _summary: dict | None = field(default=None, repr=False)
     _nodes: list | None = field(default=None, repr=False)
+
+    @property
+    def summary(self) -> dict:
+        """Counts, shares, FLOPs, bytes and seconds of the rewrite (see `build`)."""
+        if self._summary is None:
+            self._summary = self.make_summary()
+        return self._summary
 
     @property
     def nodes(self) -> list:
@@ -252,70 +261,78 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> di
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
           seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None,
           node_flops: dict | None = None) -> Report:
-    vertices, colour = cg.vertices, plan.colour
-    by_node: dict = {}
-    for v, vertex in enumerate(vertices):
-        key = (vertex.scope, vertex.node)
-        if key in by_node:
-            by_node[key].append(v)
-        else:
-            by_node[key] = [v]
-    precisions = {}
-    flops_of = {}
-    precision_counts = Counter()
-    allow_ops = allow_low = 0
-    low_by_list = Counter()
-    flops_total = flops_low = 0
-    flops_known = 0
-    for key, vs in by_node.items():
-        first = vertices[vs[0]]
-        lows = [colour[v] == LOW for v in vs if colour[v] == LOW or not vertices[v].group.output_only]
-        precision = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
-        precisions[key] = precision
-        precision_counts[precision] += 1
-        if precision != "float32":
-            low_by_list[first.op_list or "none"] += 1
-        if first.op_list == "allow" or (first.forced and first.op_type in _HEAVY):
-            allow_ops += 1
-            allow_low += precision != "float32"
-            flops = flops_of[key] = (node_flops or {}).get(key)
-            if flops is not None:
-                flops_known += 1
-                flops_total += flops
-                flops_low += flops if precision != "float32" else 0
-    deny_roots = sum(1 for vs in by_node.values() if cg.vertices[vs[0]].op_list == "deny")
-    deny_blocked = len({(cg.vertices[v].scope, cg.vertices[v].node) for v, r in plan.reason.items()
-                        if r.step == "downstream of deny"})
-    summary = {
-        "groups": len(cg.vertices),
-        "groups_low": sum(1 for c in plan.colour.values() if c == LOW),
-        "nodes_float": len(by_node),
-        "nodes_low": precision_counts[cg.target],
-        "nodes_mixed": precision_counts["mixed"],
-        "nodes_float32": precision_counts["float32"],
-        "casts_inserted": len(materialised.casts),
-        "constants_converted": materialised.converted_constants,
-        "constants_duplicated": materialised.duplicated_constants,
-        "values_clamped": materialised.clamped_values,
-        "allow_ops": allow_ops,
-        "allow_ops_low": allow_low,
-        "allow_share": allow_low / allow_ops if allow_ops else 0.0,
-        "low_by_list": dict(sorted(low_by_list.items())),
-        "flops_total": flops_total,
-        "flops_low": flops_low,
-        "flops_share": flops_low / flops_total if flops_total else 0.0,
-        "flops_ops_known": flops_known,
-        "deny_ops": deny_roots,
-        "deny_blocked": deny_blocked,
-        "bytes_before": bytes_before,
-        "bytes_after": bytes_after,
-        "seconds": round(seconds, 4),
-    }
-    if weights_before is not None:
-        summary["weight_bytes_before"] = weights_before
-        summary["weight_bytes_after"] = weights_after
+    """The report of one rewrite. Its figures and per-node entries are worked out on first use:
+    a caller that wants only the model (an export pipeline) does not pay for them."""
+
+    @functools.cache
+    def figures():
+        vertices, colour = cg.vertices, plan.colour
+        by_node: dict = {}
+        for v, vertex in enumerate(vertices):
+            key = (vertex.scope, vertex.node)
+            if key in by_node:
+                by_node[key].append(v)
+            else:
+                by_node[key] = [v]
+        precisions = {}
+        flops_of = {}
+        precision_counts = Counter()
+        allow_ops = allow_low = 0
+        low_by_list = Counter()
+        flops_total = flops_low = 0
+        flops_known = 0
+        for key, vs in by_node.items():
+            first = vertices[vs[0]]
+            lows = [colour[v] == LOW for v in vs if colour[v] == LOW or not vertices[v].group.output_only]
+            precision = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
+            precisions[key] = precision
+            precision_counts[precision] += 1
+            if precision != "float32":
+                low_by_list[first.op_list or "none"] += 1
+            if first.op_list == "allow" or (first.forced and first.op_type in _HEAVY):
+                allow_ops += 1
+                allow_low += precision != "float32"
+                flops = flops_of[key] = (node_flops or {}).get(key)
+                if flops is not None:
+                    flops_known += 1
+                    flops_total += flops
+                    flops_low += flops if precision != "float32" else 0
+        deny_roots = sum(1 for vs in by_node.values() if cg.vertices[vs[0]].op_list == "deny")
+        deny_blocked = len({(cg.vertices[v].scope, cg.vertices[v].node) for v, r in plan.reason.items()
+                            if r.step == "downstream of deny"})
+        summary = {
+            "groups": len(cg.vertices),
+            "groups_low": sum(1 for c in plan.colour.values() if c == LOW),
+            "nodes_float": len(by_node),
+            "nodes_low": precision_counts[cg.target],
+            "nodes_mixed": precision_counts["mixed"],
+            "nodes_float32": precision_counts["float32"],
+            "casts_inserted": len(materialised.casts),
+            "constants_converted": materialised.converted_constants,
+            "constants_duplicated": materialised.duplicated_constants,
+            "values_clamped": materialised.clamped_values,
+            "allow_ops": allow_ops,
+            "allow_ops_low": allow_low,
+            "allow_share": allow_low / allow_ops if allow_ops else 0.0,
+            "low_by_list": dict(sorted(low_by_list.items())),
+            "flops_total": flops_total,
+            "flops_low": flops_low,
+            "flops_share": flops_low / flops_total if flops_total else 0.0,
+            "flops_ops_known": flops_known,
+            "deny_ops": deny_roots,
+            "deny_blocked": deny_blocked,
+            "bytes_before": bytes_before,
+            "bytes_after": bytes_after,
+            "seconds": round(seconds, 4),
+        }
+        if weights_before is not None:
+            summary["weight_bytes_before"] = weights_before
+            summary["weight_bytes_after"] = weights_after
+
+        return summary, by_node, precisions, flops_of
 
     def make_nodes():
+        _, by_node, precisions, flops_of = figures()
         return [_node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key)) for key, vs in by_node.items()]
 
-    return Report(cg.target, summary, make_nodes, [f"{label}: {text}" for label, text in cg.notes])
+    return Report(cg.target, lambda: figures()[0], make_nodes, [f"{label}: {text}" for label, text in cg.notes])
