@@ -45,6 +45,7 @@ class LoadedModel:
     owned: bool = False  # True when nobody else holds `model` (read from a file): no copy needed
     lazy: bool = False  # big external weights stay on disk (tensordata reads them one at a time)
     data_bytes: int = 0  # bytes of tensor data, counted while validating
+    float_bytes: int | None = None  # bytes of float weights, counted while validating
     nested: bool = True  # some node holds a subgraph (False: validation saw none)
     checked: bool = True  # False: loaded with checker=False, onnx.checker has not seen it yet
 
@@ -166,7 +167,8 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True) -> LoadedM
         if not source.HasField("graph"):
             raise ModelError("model has no graph")
         found = validate(source, "model", in_memory=True, checker=checker)
-        return LoadedModel(source, None, False, data_bytes=found.data_bytes, nested=found.nested, checked=checker)
+        return LoadedModel(source, None, False, data_bytes=found.data_bytes, float_bytes=found.float_bytes,
+                           nested=found.nested, checked=checker)
     if not isinstance(source, (str, os.PathLike)):
         raise ModelError(f"expected a path or an onnx.ModelProto, got {type(source).__name__}")
     path = Path(source)
@@ -191,7 +193,7 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True) -> LoadedM
     had_external, lazy = _load_external_data(model, path, lazy_weights)
     found = validate(model, path, skeleton=lazy, checker=checker)
     return LoadedModel(model, path, had_external, owned=True, lazy=lazy, data_bytes=found.data_bytes,
-                       nested=found.nested, checked=checker)
+                       float_bytes=found.float_bytes, nested=found.nested, checked=checker)
 
 
 # --- the working copy -----------------------------------------------------------------------------
@@ -300,13 +302,14 @@ def _where(path) -> str:
 
 
 _KNOWN_TYPES = frozenset(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
 
 
-def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, walked=None) -> int:
-    """Every tensor holds exactly the data its shape asks for; returns the total bytes of data.
-    `in_memory`: the model came as a ModelProto, so external data has no folder to come from.
-    `walked`: `_walk(model.graph)` when the caller has it."""
-    total = 0
+def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, walked=None) -> tuple[int, int]:
+    """Every tensor holds exactly the data its shape asks for; returns the bytes of data, all and
+    of float tensors. `in_memory`: the model came as a ModelProto, so external data has no folder
+    to come from. `walked`: `_walk(model.graph)` when the caller has it."""
+    total = floats = 0
     for tensor in _all_tensors(model.graph, walked):
         data_type = tensor.data_type
         if data_type not in _KNOWN_TYPES:
@@ -316,6 +319,8 @@ def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, w
             _fail(path, f"tensor {tensor.name!r} has a negative dimension {dims}")
         count = math.prod(dims)
         size = _ELEMENT_SIZE.get(data_type)
+        if data_type in FLOAT_TYPES:
+            floats += count * size  # what it holds, once the checks below pass
         external = tensor.data_location == TensorProto.EXTERNAL  # tensordata.is_external, inlined: 58k calls
         if external and in_memory:
             raise ModelError("model refers to external data but came in memory: pass its path instead")
@@ -342,7 +347,7 @@ def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, w
             if have != count:
                 _fail(path, f"tensor {tensor.name!r} holds {have} values but its shape {list(tensor.dims)} "
                             f"needs {count}")
-    return total
+    return total, floats
 
 
 def _free_names(graph: onnx.GraphProto) -> set[str]:
@@ -465,6 +470,7 @@ class Validated(NamedTuple):
     """What validation counted on the way, so later stages need not walk the model again."""
 
     data_bytes: int  # bytes of tensor data
+    float_bytes: int  # of float tensors (initializers and tensor attributes): the weights
     nested: bool  # some node holds a subgraph
 
 
@@ -506,8 +512,8 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
     walked = _walk(model.graph)
-    data_bytes = _check_tensor_sizes(model, where, in_memory, walked)
-    found = Validated(data_bytes, len(walked[0]) > 1)
+    data_bytes, float_bytes = _check_tensor_sizes(model, where, in_memory, walked)
+    found = Validated(data_bytes, float_bytes, len(walked[0]) > 1)
     if not checker and not _breaks_rules_checker_skips(model.graph, walked[0]):
         return found
     target = model if data_bytes < CHECK_IN_FULL_LIMIT and not skeleton else _checker_skeleton(model)

@@ -118,9 +118,9 @@ def _rewrite_loaded(loaded, lists, started, *, target, keep_io_types, keep_fp32_
     else:  # the caller's model: copied, its big weights borrowed (read, never changed)
         work, borrowed = model_io.working_copy(loaded.model)
     bytes_before = model_io.byte_size(loaded.model, loaded.data_bytes)
-    nested = loaded.nested
+    nested, weights_before = loaded.nested, loaded.float_bytes
     if work.functions:  # model-local functions (dynamo exporter): inlined, then coloured as any graph
-        work, nested = inline_functions(work), True  # a function body may bring subgraphs
+        work, nested, weights_before = inline_functions(work), True, None  # bodies may bring subgraphs, weights
     scopes = graph.read_scopes(work.graph, nested)
     types, shapes = model_io.tensor_types(work, scopes=scopes)
     forced = dict(force_fp32 or {})
@@ -130,7 +130,8 @@ def _rewrite_loaded(loaded, lists, started, *, target, keep_io_types, keep_fp32_
                      force_fp32=forced, borrowed=borrowed, scopes=scopes)
     plan = paint.colour(cg, keep_io_types=keep_io_types)
     flops = report_mod.flops_by_node(cg)
-    weights_before = report_mod.weight_bytes(scope.graph for scope in cg.scopes)
+    if weights_before is None:
+        weights_before = report_mod.weight_bytes(scope.graph for scope in cg.scopes)
     materialised = casts.materialise(work, cg, plan, keep_io_types=keep_io_types, clamp=clamp)
     if cg.unsorted:  # casts go right after their producers, so a sorted input stays sorted
         sort_graphs(work)

@@ -49,6 +49,9 @@ def test_summary_figures():
     assert s["flops_total"] == 2 * 4 * 16 * 32 + 2 * 4 * 32 * 8 and s["flops_share"] == 1.0
     assert s["weight_bytes_before"] == (16 * 32 + 32 * 8) * 4 and s["weight_bytes_after"] == (16 * 32 + 32 * 8) * 2
     assert s["casts_inserted"] >= 2
+    from amp_rewrite import model as model_io, report
+
+    assert model_io.load(model).float_bytes == report.weight_bytes([model.graph])  # counted while validating
     feeds = random_feeds(model)
     assert_close(run_reference(rewrite(model).model, feeds), run_ort(model, feeds))
 
