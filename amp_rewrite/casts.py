@@ -41,12 +41,12 @@ class Materialised:
 
 
 def _names_in_use(cg: ColouringGraph) -> set:
-    """Every tensor and node name of every graph: the defs already list the tensors."""
+    """Every tensor and node name of every graph, from what read_scopes read (defs, node names)."""
     taken = set()
     for scope in cg.scopes:
         taken.update(scope.defs)
         taken.update([v.name for v in scope.graph.output])
-        taken.update([node.name for node in scope.graph.node])
+        taken.update(scope.names)
     return taken
 
 

@@ -32,6 +32,7 @@ class Scope:
     owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
     defs: dict = field(default_factory=dict)  # tensor name -> ("input"|"initializer"|"node", node, slot)
     io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (half list()'s time), read once
+    names: list = field(default_factory=list)  # per node: its name, read once
 
 
 @dataclass(slots=True)
@@ -116,7 +117,9 @@ def _record_defs(scope: Scope) -> None:
         defs[tensor.name] = ("initializer", -1, -1)
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
         defs[value.name] = ("input", -1, -1)
-    scope.io = [(tuple(node.input), tuple(node.output)) for node in scope.graph.node]
+    rows = [(tuple(node.input), tuple(node.output), node.name) for node in scope.graph.node]  # one visit a node
+    scope.io = [row[:2] for row in rows]
+    scope.names = [row[2] for row in rows]
     for n, (_, outputs) in enumerate(scope.io):
         for slot, name in enumerate(outputs):
             if name:
@@ -213,7 +216,7 @@ def build(
                     cg.notes.append((_label(node, s, n), skip))
                 continue
             inputs, outputs = scope.io[n]
-            name = node.name
+            name = scope.names[n]
             kept = keep(name) if keep_fp32_nodes and name else False
             holds_body = bool(owners) and (s, n) in owners
             in_types = None

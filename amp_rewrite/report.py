@@ -146,8 +146,12 @@ def flops_by_node(cg: ColouringGraph) -> dict:
     """(scope, node index) -> FLOPs of compute-heavy nodes; call before materialising moves nodes."""
     out = {}
     for vertex in cg.vertices:
-        if vertex.op_type in _HEAVY and (vertex.scope, vertex.node) not in out:
-            out[(vertex.scope, vertex.node)] = estimate_flops(cg.node(vertex.scope, vertex.node), cg.shapes)
+        key = (vertex.scope, vertex.node)
+        if vertex.op_type in _HEAVY and key not in out:
+            inputs = cg.scopes[vertex.scope].io[vertex.node][0]
+            # without the first input's shape every estimate is None: then the node is not read
+            known = inputs and inputs[0] in cg.shapes
+            out[key] = estimate_flops(cg.node(*key), cg.shapes) if known else None
     return out
 
 
