@@ -14,7 +14,6 @@ Rules, all decided per tensor in one pass over its uses:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import onnx
@@ -28,7 +27,6 @@ from amp_rewrite.paint import LOW, Plan
 ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
 TAG = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 CAST_OPSET = weights.CAST_OPSET
-_ITEMSIZE = {TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.FLOAT: 4}
 
 
 @dataclass
@@ -85,9 +83,6 @@ class _Materialiser:
         if vertex is not None:  # a vertex: not a Constant, which is a source (and the common case)
             return self.low if vertex in self.low_vertices else FLOAT
         return None if weights.is_constant(self.cg.node(s, n)) else FLOAT
-
-    def needed_elem(self, use) -> int:
-        return self.needs([use])[0]
 
     def needs(self, uses) -> list[int]:
         """The element type each use reads: one call per tensor, not one per use (500k at 100k nodes)."""
@@ -215,13 +210,14 @@ class _Materialiser:
     # --- constants -----------------------------------------------------------------------------------
 
     def place_constant(self, s, name, d, uses) -> None:
-        needs = set(self.needs(uses))
-        if self.low not in needs:
+        needs = self.needs(uses)
+        kinds = set(needs)
+        if self.low not in kinds:
             return
-        main_output = next((u for u in uses if u[0] == 0 and u[1] < 0), None)
-        primary = self.needed_elem(main_output) if main_output else (FLOAT if FLOAT in needs else self.low)
+        main_output = next((need for u, need in zip(uses, needs) if u[0] == 0 and u[1] < 0), None)
+        primary = main_output if main_output is not None else (FLOAT if FLOAT in kinds else self.low)
         other = self.low if primary == FLOAT else FLOAT
-        other_name = self.names.new(f"{name}_{TAG[other]}") if other in needs else None
+        other_name = self.names.new(f"{name}_{TAG[other]}") if other in kinds else None
         if primary == self.low:
             self.low_names.add((s, name))
             if other_name:  # copy the float32 values before converting them in place
@@ -231,8 +227,8 @@ class _Materialiser:
             self.convert_constant(s, name, d, other_name, in_place=False)
             self.low_names.add((s, other_name))
         if other_name:
-            for use in uses:
-                if self.needed_elem(use) == other:
+            for use, need in zip(uses, needs):
+                if need == other:
                     self.set_input(use, other_name)
 
     def converted_bytes(self, key, source: onnx.TensorProto, elem: int) -> bytes:
@@ -245,6 +241,11 @@ class _Materialiser:
         self.result.clamped_values += ahead[1]
         return ahead[0]
 
+    @staticmethod
+    def size_change(data: bytes, elem: int, in_place: bool) -> int:
+        """Weight bytes added by `data` (`elem` values): in place, less the float32 values it replaces."""
+        return len(data) - (4 * (len(data) // model_io.ELEMENT_SIZE[elem]) if in_place else 0)
+
     def convert_constant(self, s, name, d, new_name, *, in_place: bool, elem: int | None = None) -> None:
         """Write `name` converted to `elem` (default: the target) under `new_name`."""
         elem = elem or self.low
@@ -252,7 +253,7 @@ class _Materialiser:
         if d[0] == "initializer":
             tensor = self.initializers(s)[name]
             data = self.converted_bytes((s, name), weights.value_holder(self.cg.borrowed, s, tensor), elem)
-            self.result.weight_bytes_delta += len(data) - (4 * (len(data) // _ITEMSIZE[elem]) if in_place else 0)
+            self.result.weight_bytes_delta += self.size_change(data, elem, in_place)
             if in_place:  # swap the data, keep everything else (doc string, metadata)
                 tensor.ClearField("float_data")
                 tensor.data_type = elem
@@ -269,7 +270,7 @@ class _Materialiser:
         node = self.cg.node(s, d[1])
         tensor = weights.constant_tensor(node)
         data = self.converted_bytes((s, name), tensor, elem)
-        self.result.weight_bytes_delta += len(data) - (4 * math.prod(tensor.dims) if in_place else 0)
+        self.result.weight_bytes_delta += self.size_change(data, elem, in_place)
         converted = onnx.TensorProto(data_type=elem, dims=tensor.dims, raw_data=data)
         if in_place:
             del node.attribute[:]

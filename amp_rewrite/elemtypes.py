@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite import schemas
-from amp_rewrite.graph import group_names, read_scopes
+from amp_rewrite.graph import first_type, group_names, read_scopes
 
 TYPE_OF_STRING = {f"tensor({name.lower()})": value for name, value in TensorProto.DataType.items() if value}
 
@@ -55,11 +55,9 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
             template = templates[shape_key]
             for group, single_choice in template or ():
                 names = group_names(inputs, outputs, group)
-                known = single_choice
-                for x in names:  # the first typed tensor gives the group's type
-                    if x in types:
-                        known = types[x]
-                        break
+                known = first_type(names, types)
+                if known is None:
+                    known = single_choice
                 if known is None and group.output_only:
                     known = _attribute_type(node)
                 if known is None:

@@ -72,10 +72,6 @@ class ColouringGraph:
         row = self.reads[scope][node] if node >= 0 else None
         return row[slot] if row else None
 
-    def output_vertex(self, scope: int, node: int, slot: int) -> int | None:
-        row = self.writes[scope][node]
-        return row[slot] if row else None
-
     def resolve(self, scope: int, name: str):
         """(defining scope, def) for a tensor visible from `scope`, or None if undefined."""
         s = scope
@@ -229,7 +225,7 @@ def build(
             if sig.probe and entry is not None and not holds_body:
                 in_types = [types.get(x) if x else 0 for x in inputs]
                 groups = tuple(group for group, _, _ in template)
-                float_params = {g.type_param for g in groups if _group_type(inputs, outputs, g, types) == FLOAT}
+                float_params = {g.type_param for g in groups if first_type(group_names(inputs, outputs, g), types) == FLOAT}
                 tied = schemas.tie(sig, node, opsets, in_types, groups, float_params, LOW_ELEM[target])
                 if tied is not groups:
                     template = _template(sig, entry, tied, target)
@@ -237,12 +233,7 @@ def build(
             list_reason = entry.reason if entry else ""
             for group, fixed, late in template:
                 names = group_names(inputs, outputs, group)
-                known = None
-                for x in names:  # the first typed tensor gives the group's type
-                    known = types.get(x)
-                    if known is not None:
-                        break
-                if known != FLOAT:
+                if first_type(names, types) != FLOAT:
                     continue
                 for x in names:  # the schema ties them: fill types inference could not give
                     types.setdefault(x, FLOAT)
@@ -307,9 +298,12 @@ def group_names(inputs, outputs, group) -> list:
     return names
 
 
-def _group_type(inputs, outputs, group, types):
-    names = [inputs[i] for i in group.inputs] + [outputs[i] for i in group.outputs]
-    return next((types[x] for x in names if x and x in types), None)
+def first_type(names, types: dict) -> int | None:
+    """The element type of the first typed tensor among `names`: the type of their group."""
+    for x in names:
+        if x in types:
+            return types[x]
+    return None
 
 
 def _template(sig, entry, groups, target: str) -> list:

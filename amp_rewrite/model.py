@@ -287,7 +287,7 @@ def ort_limits() -> tuple[int, dict[str, int]]:
 
 _LIMITS_CACHE: dict = {}
 
-_ELEMENT_SIZE = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
+ELEMENT_SIZE = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
                  for t in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16,
                            TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16,
                            TensorProto.INT32, TensorProto.UINT32, TensorProto.INT64, TensorProto.UINT64,
@@ -318,7 +318,7 @@ def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, w
         if dims and min(dims) < 0:
             _fail(path, f"tensor {tensor.name!r} has a negative dimension {dims}")
         count = math.prod(dims)
-        size = _ELEMENT_SIZE.get(data_type)
+        size = ELEMENT_SIZE.get(data_type)
         if data_type in FLOAT_TYPES:
             floats += count * size  # what it holds, once the checks below pass
         external = tensor.data_location == TensorProto.EXTERNAL  # tensordata.is_external, inlined: 58k calls
@@ -685,7 +685,7 @@ def _big_tensors(model: onnx.ModelProto):
         for tensor in graph.initializer:
             if tensor.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
                 continue
-            size = _ELEMENT_SIZE.get(tensor.data_type)
+            size = ELEMENT_SIZE.get(tensor.data_type)
             count = math.prod(tensor.dims)
             if size is not None and count * size >= EXTERNAL_THRESHOLD:
                 yield tensor
@@ -804,7 +804,7 @@ def _data_size(model: onnx.ModelProto) -> int:
         if tensor.HasField("raw_data"):
             total += len(tensor.raw_data)  # upb: no copy (ByteSize() would serialise the tensor)
         else:
-            size = _ELEMENT_SIZE.get(tensor.data_type, 8)
+            size = ELEMENT_SIZE.get(tensor.data_type, 8)
             total += size * (int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1)
     return total
 

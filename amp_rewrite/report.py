@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
+from amp_rewrite import model as model_io
 from amp_rewrite.graph import ColouringGraph
 from amp_rewrite.paint import LOW, Plan
 
@@ -91,9 +91,6 @@ def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
     return f"{_label(cg, v)} {verb}: {text}"
 
 
-_WEIGHT_SIZE = {TensorProto.DOUBLE: 8, TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2}
-
-
 def weight_bytes(graphs) -> int:
     """Bytes of float weights (initializers and Constant tensors) in `graphs`, from their shapes."""
     total = 0
@@ -101,9 +98,8 @@ def weight_bytes(graphs) -> int:
         tensors = list(graph.initializer)
         tensors += [a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
         for t in tensors:
-            size = _WEIGHT_SIZE.get(t.data_type)
-            if size:
-                total += size * math.prod(t.dims)
+            if t.data_type in model_io.FLOAT_TYPES:
+                total += model_io.ELEMENT_SIZE[t.data_type] * math.prod(t.dims)
     return total
 
 

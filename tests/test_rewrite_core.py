@@ -342,6 +342,33 @@ def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
     assert np.frombuffer(clamped.converted[(0, "w400")][0], np.float16)[17] == np.float16(-65504)
 
 
+def test_weights_over_many_chunks_convert_once_and_run_the_same():
+    """4 MB of weights (several scan chunks), one bias out of range in a late chunk: its reader
+    stays float32, every other weight is converted once, and both models agree in ONNX Runtime."""
+    from amp_rewrite import weights
+
+    rng = np.random.default_rng(3)
+    nodes, inits, h = [], [], "x"
+    for i in range(64):
+        bias = (rng.standard_normal(128) * 0.1).astype(np.float32)
+        if i == 50:
+            bias[7] = 1e5
+        inits += [init(f"W{i}", (rng.standard_normal((128, 128)) / 16).astype(np.float32)), init(f"b{i}", bias)]
+        nodes += [node("MatMul", [h, f"W{i}"], [f"m{i}"], f"mm{i}"), node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], f"add{i}"),
+                  node("Tanh", [f"a{i}"], [f"h{i}"], f"tanh{i}")]
+        h = f"h{i}"
+    model = make_model(nodes, [tensor("x", [2, 128])], [tensor(h, [2, 128])], inits)
+    assert 64 * 128 * 128 * 4 > 3 * weights.CHUNK_BYTES
+    result = amp_rewrite.rewrite(model)
+    assert result.report.node("add50")["precision"] == "float32"
+    assert result.report.node("add49")["precision"] == "float16" and result.report.node("mm50")["precision"] == "float16"
+    converted = {t.name for t in result.model.graph.initializer if t.data_type == F16}
+    # b63: the last Add leads to no allow op, so it stays float32 (infer ops go low only between allow ops)
+    assert converted == {f"W{i}" for i in range(64)} | ({f"b{i}" for i in range(64)} - {"b50", "b63"})
+    assert result.report.summary["constants_converted"] == 126 and result.report.summary["constants_duplicated"] == 0
+    check_both(model, result.model, rtol=5e-2, atol=5e-2)
+
+
 def test_keep_fp32_node_by_name_and_regex():
     model = cnn()
     by_name = amp_rewrite.rewrite(model, keep_fp32_nodes=["conv2"]).report
