@@ -12,10 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from amp_rewrite import accuracy, validate
-from amp_rewrite import model as model_io
+from amp_rewrite.analysis.oplists import TARGETS
+from amp_rewrite.api import RewriteOptions
+from amp_rewrite.checks import fallback, validate
 from amp_rewrite.errors import AmpRewriteError, UsageError
-from amp_rewrite.oplists import TARGETS
+from amp_rewrite.io import atomic_write_bytes, check_output_path, load, save
 
 SUFFIX = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -78,42 +79,47 @@ def default_output(model_path: Path, target: str) -> Path:
     return model_path.with_name(f"{model_path.stem}.{SUFFIX[target]}{model_path.suffix or '.onnx'}")
 
 
+def rewrite_options(args) -> RewriteOptions:
+    """The rewrite's options, built once from the command line."""
+    return RewriteOptions.of(target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
+                             allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
+                             keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp)
+
+
 def run(args) -> int:
     source = Path(args.model)
     output = Path(args.output) if args.output else default_output(source, args.target)
     if args.explain is not None:
         args.dry_run = True
     if not args.dry_run:
-        model_io.check_output_path(output, [source], args.force)
+        check_output_path(output, [source], args.force)
     if args.report:
-        model_io.check_output_path(Path(args.report), [source, output], True)
+        check_output_path(Path(args.report), [source, output], True)
     if args.html:
-        model_io.check_output_path(Path(args.html), [source, output], True)
+        check_output_path(Path(args.html), [source, output], True)
     # Only rewriting and saving: big external weights can stay on disk until written (memory).
     needs_weights = args.validate or args.calibrate or args.tolerance or args.html or args.explain is not None
     # onnx.checker: up front when the original runs in ONNX Runtime, else once, on the rewrite
     runs_original = args.validate or args.calibrate or args.tolerance
-    loaded = model_io.load(source, lazy_weights=not needs_weights, checker=bool(runs_original))
-    checked = accuracy.check(
+    loaded = load(source, lazy_weights=not needs_weights, checker=bool(runs_original))
+    checked = fallback.check(
         loaded, inputs=args.inputs, dims=validate.parse_dims(args.dim), samples_count=args.samples,
         validate=args.validate, calibrate=args.calibrate or args.tolerance, tolerance=args.tolerance,
         provider=args.provider, rtol=args.rtol, atol=args.atol, safety=args.safety, max_runs=args.max_runs,
         reference={"auto": "auto", "always": True, "never": False}[args.reference], progress=args.progress,
-        target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
-        allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
-        keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp, keep_original=bool(args.html))
+        options=rewrite_options(args), keep_original=bool(args.html))
     result = checked.result
     if args.explain is not None:
-        print(accuracy.explain_text(result.report, args.explain))
+        print(fallback.explain_text(result.report, args.explain))
         return 0
     if not args.dry_run:
-        model_io.save(result.model, output, external_data=args.external_data or loaded.had_external_data,
+        save(result.model, output, external_data=args.external_data or loaded.had_external_data,
                       keep_model=False)
     if args.report:
-        model_io.atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
+        atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
     if args.html:
-        from amp_rewrite import html_report
-        model_io.atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model, source.name).encode())
+        from amp_rewrite.report import html as html_report
+        atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model, source.name).encode())
     if not args.quiet:
         print(result.report.to_text())
         print(result.report.table_text())

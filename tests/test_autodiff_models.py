@@ -65,7 +65,7 @@ def compare(model, feeds, weights, torch_loss, trainable):
 
 def check_float16_rewrite(grad_model, feeds, float32_outputs, trainable):
     """The AMP rewrite colours forward and backward together; float16 gradients stay within 5e-3."""
-    from amp_rewrite.pipeline import rewrite
+    from amp_rewrite import rewrite
 
     result = rewrite(grad_model, target="float16")
     assert any(n.name.startswith("grad/") and n.op_type in ("MatMul", "Gemm", "Conv", "ConvTranspose")

@@ -10,7 +10,8 @@ import onnxruntime as ort
 import pytest
 
 import amp_rewrite
-from amp_rewrite import model as model_io
+from amp_rewrite import io as model_io
+from amp_rewrite.io import loader
 from amp_rewrite.cli import main
 from helpers import assert_close, init, make_model, node, random_feeds, run_ort, tensor
 
@@ -136,7 +137,7 @@ def test_symlink_inside_the_folder_is_allowed(tmp_path):
 
 def test_cli_leaves_big_weights_on_disk_until_saved_and_matches_the_in_memory_rewrite(tmp_path, monkeypatch):
     """The CLI (rewrite + save only) loads big external weights lazily: same output, fewer copies."""
-    monkeypatch.setattr(model_io, "LAZY_MIN_BYTES", 8 * 1024)  # the 64x64 weights (16 KiB) count as big
+    monkeypatch.setattr(loader, "LAZY_MIN_BYTES", 8 * 1024)  # the 64x64 weights (16 KiB) count as big
     model = _weights_model()
     huge = np.zeros(64, np.float32)
     huge[3] = 1e6  # out of the float16 range: its reader stays float32, the tensor is not converted

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import amp_rewrite
-from amp_rewrite.oplists import load_op_lists
+from amp_rewrite.analysis.oplists import load_op_lists
 from helpers import random_feeds, run_ort
 
 F32, F16, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL

@@ -16,7 +16,8 @@ import onnx
 import pytest
 
 import amp_rewrite
-from amp_rewrite import errors, model as model_io
+from amp_rewrite import errors
+from amp_rewrite import io as model_io
 from amp_rewrite.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
@@ -188,7 +189,7 @@ def test_checker_runs_on_the_rewrite_and_blames_a_bad_input_only_when_it_fails(t
     with pytest.raises(errors.ModelError, match="bogus"):  # nothing checks the result: checked up front
         amp_rewrite.rewrite(path, check=False)
 
-    from amp_rewrite import casts
+    from amp_rewrite.transform import materialise as casts
 
     def broken(*args, **kwargs):
         raise KeyError("a bug of ours")

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import amp_rewrite
-from amp_rewrite.oplists import load_op_lists
+from amp_rewrite.analysis.oplists import load_op_lists
 from helpers import init, make_model, node, run_ort, tensor
 
 D = 4

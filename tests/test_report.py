@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 
 from amp_rewrite.cli import main
-from amp_rewrite.pipeline import rewrite
+from amp_rewrite import rewrite
 from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor
 
 
@@ -49,7 +49,8 @@ def test_summary_figures():
     assert s["flops_total"] == 2 * 4 * 16 * 32 + 2 * 4 * 32 * 8 and s["flops_share"] == 1.0
     assert s["weight_bytes_before"] == (16 * 32 + 32 * 8) * 4 and s["weight_bytes_after"] == (16 * 32 + 32 * 8) * 2
     assert s["casts_inserted"] >= 2
-    from amp_rewrite import model as model_io, report
+    from amp_rewrite import io as model_io
+    from amp_rewrite.report import report
 
     assert model_io.load(model).float_bytes == report.weight_bytes([model.graph])  # counted while validating
     feeds = random_feeds(model)

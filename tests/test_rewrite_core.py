@@ -88,7 +88,7 @@ def big_weights_model():
 
 
 def test_working_copy_restored_whole_is_the_model_byte_for_byte():
-    from amp_rewrite import model as model_io
+    from amp_rewrite import io as model_io
 
     model = big_weights_model()
     work, borrowed = model_io.working_copy(model)
@@ -117,7 +117,7 @@ def test_in_memory_rewrite_borrows_big_weights_and_matches_the_rewrite_from_a_fi
 
 
 def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
-    from amp_rewrite import weights
+    from amp_rewrite.transform import weights
 
     rng = np.random.default_rng(0)
     patterns = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
@@ -134,7 +134,7 @@ def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
 
 
 def test_rewrite_is_the_same_with_numpy_doing_the_casts(monkeypatch):
-    from amp_rewrite import weights
+    from amp_rewrite.transform import weights
 
     model = big_weights_model()
     fast = amp_rewrite.rewrite(model).model.SerializeToString()
@@ -320,7 +320,8 @@ def test_out_of_range_constant_keeps_consumer_float32_unless_clamped():
 
 
 def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
-    from amp_rewrite import graph, weights
+    from amp_rewrite.analysis import graph
+    from amp_rewrite.transform import weights
 
     rng = np.random.default_rng(1)
     tensors = [init(f"w{i}", rng.standard_normal(1000).astype(np.float32)) for i in range(700)]  # ~3 chunks
@@ -345,7 +346,7 @@ def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
 def test_weights_over_many_chunks_convert_once_and_run_the_same():
     """4 MB of weights (several scan chunks), one bias out of range in a late chunk: its reader
     stays float32, every other weight is converted once, and both models agree in ONNX Runtime."""
-    from amp_rewrite import weights
+    from amp_rewrite.transform import weights
 
     rng = np.random.default_rng(3)
     nodes, inits, h = [], [], "x"

@@ -109,7 +109,7 @@ def test_if_branches_with_outer_scope_capture():
         [tensor("x", [2, 4])], [tensor("y", [2, 3])],
         [init("W", _w(4, 3)), init("zero", np.array(0.0, np.float32))],
     )
-    from amp_rewrite import model as model_io
+    from amp_rewrite import io as model_io
 
     flat = make_model([node("Relu", ["x"], ["y"], name="relu")], [tensor("x", [2])], [tensor("y", [2])])
     assert model_io.load(model).nested and not model_io.load(flat).nested  # read_scopes walks only when nested

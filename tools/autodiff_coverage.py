@@ -122,7 +122,7 @@ def render() -> str:
 
 def _float16_lists():
     try:
-        from amp_rewrite.oplists import load_op_lists
+        from amp_rewrite.analysis.oplists import load_op_lists
 
         op_lists = load_op_lists("float16")
     except Exception:  # noqa: BLE001 - the rewrite package is optional for this table

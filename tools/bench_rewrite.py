@@ -50,7 +50,7 @@ def block_list(model: onnx.ModelProto) -> list[str]:
     """Op types in `model` that amp-rewrite's float16 lists keep float32: deny, or in no list.
 
     Constant is left out: it is a source of values, not an op any tool computes in float32."""
-    from amp_rewrite.oplists import load_op_lists
+    from amp_rewrite.analysis.oplists import load_op_lists
 
     lists = load_op_lists("float16")
     kept = set()

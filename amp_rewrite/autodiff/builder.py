@@ -19,6 +19,7 @@ import onnx
 from onnx import helper
 
 from ..errors import GradientError
+from ..onnx_facts import default_opset
 from .emitter import Emitter
 from .graphinfo import GraphIndex, TypeInfo
 from .registry import GradContext, lookup
@@ -58,10 +59,10 @@ def build_gradient_graph(
 
 
 def model_opset(model: onnx.ModelProto) -> int:
-    for entry in model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return entry.version
-    raise GradientError("the model imports no default-domain opset")
+    opset = default_opset(model)
+    if opset is None:
+        raise GradientError("the model imports no default-domain opset")
+    return opset
 
 
 class _Builder:
@@ -84,9 +85,7 @@ class _Builder:
         self._check_loss()
         self.wrt = self._default_wrt() if wrt is None else list(dict.fromkeys(wrt))
         self._check_wrt()
-        taken = {name for node in self.nodes for name in (*node.input, *node.output, node.name)}
-        taken |= {v.name for v in (*self.graph.input, *self.graph.output, *self.graph.initializer)}
-        self.emit = Emitter(self.graph, self.opset, taken)
+        self.emit = Emitter.for_graph(self.graph, self.opset)
 
     # -- checks --------------------------------------------------------------------------------
     def _known(self, name: str) -> bool:

@@ -1,6 +1,7 @@
-"""A tiny graph emitter: unique names, cached constants and opset-aware forms of common ops.
+"""The graph emitter of autodiff and training: unique names, shared constants and opset-aware
+forms of common ops.
 
-Rules never build NodeProtos by hand; they call `Emitter.op` and the helpers below, which pick the
+Rules and the training step never build NodeProtos by hand; they call `Emitter.op` and the helpers below, which pick the
 right form for the model's opset (ReduceMean takes axes as an input from opset 18, Shape has
 start/end from 15) so every rule is valid at every supported opset.
 """
@@ -14,6 +15,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.naming import UniqueNames
+from amp_rewrite.onnx_facts import names_in
 
 # Ops whose `axes` moved from attribute to input, with the opset where that happened.
 AXES_INPUT_SINCE = {
@@ -33,16 +35,38 @@ AXES_INPUT_SINCE = {
 
 
 class Emitter:
-    """Appends backward nodes and constants to a graph, with names that never collide."""
+    """Appends uniquely named nodes and constants to a graph: the one emitter of autodiff (the
+    backward region, `grad/...`) and of training (`loss/`, `amp/`, `opt/`).
 
-    def __init__(self, graph: onnx.GraphProto, opset: int, taken: Iterable[str]):
-        self.graph = graph
+    Every node and tensor it makes is named under `scope` (`<scope>/<op type>`), so the AMP
+    rewrite can pin a whole region with one regex and a reader of the graph sees which part of
+    training a node belongs to. Constants of equal value and type are shared.
+    """
+
+    def __init__(self, nodes, initializers, opset: int, taken: Iterable[str] | UniqueNames, scope: str = "grad"):
+        self.nodes = nodes  # where new nodes are appended (a list, or a graph's node field)
+        self.initializers = initializers  # where new constants are appended
         self.opset = opset
-        self.names = UniqueNames(taken)
+        self.names = taken if isinstance(taken, UniqueNames) else UniqueNames(taken)
         self.taken = self.names.taken  # the same set: exact names claimed below count too
-        self.scope = "grad"
-        self.new_nodes: list[onnx.NodeProto] = []
+        self.scope = scope.rstrip("/")
         self._constants: dict[tuple, str] = {}
+
+    @classmethod
+    def for_graph(cls, graph: onnx.GraphProto, opset: int, taken: Iterable[str] | None = None, scope: str = "grad"):
+        """New nodes collected in `new_nodes` (appended to the graph by the caller), constants
+        straight into `graph`; `taken` defaults to every name in the graph."""
+        return cls([], graph.initializer, opset, names_in(graph) if taken is None else taken, scope)
+
+    @property
+    def new_nodes(self):
+        return self.nodes
+
+    def scoped(self, scope: str) -> "Emitter":
+        """An emitter writing to the same graph, names and constants under another scope."""
+        other = Emitter(self.nodes, self.initializers, self.opset, self.names, scope)
+        other._constants = self._constants
+        return other
 
     # -- names ---------------------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -56,10 +80,22 @@ class Emitter:
         self.taken.add(name)
         return name
 
+    def reserve(self, names: Iterable[str]) -> None:
+        """Mark names (e.g. inputs declared later) as used."""
+        self.taken.update(names)
+
     # -- nodes ---------------------------------------------------------------------------------
-    def op(self, op_type: str, inputs: Sequence[str | None], outputs: int | Sequence[str] = 1, **attrs):
-        """Emit one node; returns its output name, or a list of names when it has several."""
-        if isinstance(outputs, int):
+    def op(self, op_type: str, inputs: Sequence[str | None], outputs: int | str | Sequence[str] = 1, *,
+           out: str | None = None, **attrs):
+        """Emit one node; returns its output name, or a list of names when it has several.
+
+        `outputs`: how many, their exact names, or (a str) a hint naming the one output
+        `<scope>/<hint>`; `out`: the one output's exact name."""
+        if out is not None:
+            outputs = [self.claim(out) if out not in self.taken else out]
+        elif isinstance(outputs, str):
+            outputs = [self.fresh(f"{self.scope}/{outputs}")]
+        elif isinstance(outputs, int):
             outputs = [self.fresh(f"{self.scope}/{op_type}_out") for _ in range(outputs)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
         node = helper.make_node(
@@ -69,20 +105,25 @@ class Emitter:
             name=self.fresh(f"{self.scope}/{op_type}"),
             **attrs,
         )
-        self.new_nodes.append(node)
+        self.nodes.append(node)
         return outputs[0] if len(outputs) == 1 else list(outputs)
 
+    def where(self, condition: str, if_true: str, if_false: str, hint: str | None = None) -> str:
+        return self.op("Where", [condition, if_true, if_false], hint or 1)
+
     # -- constants -----------------------------------------------------------------------------
-    def const(self, value, elem_type: int = TensorProto.FLOAT) -> str:
-        """A constant initializer, shared by every rule that needs the same value."""
+    def const(self, value, dtype=TensorProto.FLOAT, hint: str | None = None) -> str:
+        """A constant initializer of an ONNX element type (or numpy dtype), shared by every caller
+        that needs the same value."""
+        elem_type = dtype if isinstance(dtype, int) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         array = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(elem_type))
         key = (elem_type, array.shape, array.tobytes())
         if key not in self._constants:
-            name = self.fresh(f"grad/const_{len(self._constants)}")
+            name = self.fresh(f"{self.scope}/{hint or 'const'}")
             tensor = numpy_helper.from_array(array, name)
             if tensor.data_type != elem_type:  # float16 vs bfloat16 share a numpy dtype in ml_dtypes
                 tensor = helper.make_tensor(name, elem_type, array.shape, array.flatten().tolist())
-            self.graph.initializer.append(tensor)
+            self.initializers.append(tensor)
             self._constants[key] = name
         return self._constants[key]
 
@@ -93,19 +134,24 @@ class Emitter:
         return self.const(np.asarray(value), elem_type)
 
     # -- opset-aware helpers -------------------------------------------------------------------
-    def axes_op(self, op_type: str, x: str, axes: Sequence[int] | str | None, **attrs) -> str:
-        """Reduce/Squeeze/Unsqueeze with `axes` as attribute or input, whichever the opset wants.
-
-        `axes` may be a name of a runtime tensor only where the opset takes axes as an input.
-        """
+    def axes_op(self, op_type: str, x: str, axes: Sequence[int] | str | None, hint: str | None = None,
+                **attrs) -> str:
+        """Reduce/Squeeze/Unsqueeze with `axes` as attribute or input, whichever the opset wants
+        (None: all axes). `axes` may be a name of a runtime tensor only where the opset takes
+        axes as an input."""
+        outputs = hint or 1
         if axes is None:
-            return self.op(op_type, [x], **attrs)
+            return self.op(op_type, [x], outputs, **attrs)
         if self.opset >= AXES_INPUT_SINCE.get(op_type, 1):
             axes_input = axes if isinstance(axes, str) else self.ints(axes)
-            return self.op(op_type, [x, axes_input], **attrs)
+            return self.op(op_type, [x, axes_input], outputs, **attrs)
         if isinstance(axes, str):
             raise ValueError(f"{op_type} at opset {self.opset} needs constant axes")
-        return self.op(op_type, [x], axes=list(axes), **attrs)
+        return self.op(op_type, [x], outputs, axes=list(axes), **attrs)
+
+    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: int, hint: str | None = None) -> str:
+        """ReduceX over `axes` (None: all axes)."""
+        return self.axes_op(op_type, x, axes, hint, keepdims=keepdims)
 
     def reduce_sum(self, x: str, axes: Sequence[int] | str, keepdims: bool = True) -> str:
         """Sum over axes; an empty runtime axes tensor means 'nothing to sum', never 'sum all'."""

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from amp_rewrite.errors import TrainingError
-from amp_rewrite.training.emit import Emitter
+from amp_rewrite.autodiff.emitter import Emitter
 
 SCALE_STATE = "amp/loss_scale"
 GOOD_STEPS_STATE = "amp/good_steps"

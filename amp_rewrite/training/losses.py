@@ -12,7 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from amp_rewrite.errors import TrainingError
-from amp_rewrite.training.emit import Emitter
+from amp_rewrite.autodiff.emitter import Emitter
 
 LOSS_OUTPUT = "loss"
 LABELS_INPUT = "labels"

@@ -17,7 +17,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.errors import TrainingError
-from amp_rewrite.training.emit import Emitter, opset_of, taken_names
+from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.training.loss_scale import SCALE_STATE, GOOD_STEPS_STATE, emit_scale_update, initial_scale_state
 from amp_rewrite.training.losses import attach_loss
 from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm, zero_slots
@@ -47,10 +48,12 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     """The float32 step graph for `model` trained on `loss` with `optimizer` and a loss-scale policy."""
     forward = onnx.ModelProto()
     forward.CopyFrom(model)
-    opset = opset_of(forward)
-    taken = taken_names(forward.graph)
+    opset = default_opset(forward)
+    if opset is None:
+        raise TrainingError("the model imports no default-domain (ai.onnx) opset")
+    taken = names_in(forward.graph)
     _reject_existing_loss_scaling(taken)
-    loss_emitter = Emitter("loss/", forward.graph.node, forward.graph.initializer, opset, taken)
+    loss_emitter = Emitter(forward.graph.node, forward.graph.initializer, opset, taken, scope="loss")
     loss_name, loss_constants = attach_loss(forward, loss, loss_emitter)
 
     build = gradient_builder or _autodiff_builder()
@@ -65,7 +68,7 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     graph = with_grads.graph
     nodes: list = []
     initializers: list = []
-    emitter = Emitter("amp/", nodes, initializers, opset, taken_names(graph))
+    emitter = Emitter(nodes, initializers, opset, names_in(graph), scope="amp")
     state_inputs, next_state = _emit_update(emitter, optimizer, loss_scale, loss_name, grads)
 
     graph.node.extend(nodes)
@@ -216,9 +219,7 @@ def apply_precision(step: StepGraph, precision: str) -> StepGraph:
     """Rewrite forward+backward to `precision` with the loss/scale/optimizer region pinned float32."""
     if precision == "float32":
         return step
-    try:
-        from amp_rewrite.pipeline import rewrite
-    except ImportError as error:
-        raise TrainingError(f"mixed precision needs the AMP rewrite (amp_rewrite.rewrite): {error}") from None
+    from amp_rewrite.api import rewrite
+
     result = rewrite(step.model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS)
     return dataclasses.replace(step, model=result.model)

@@ -17,16 +17,18 @@ import onnx
 from onnx import helper, numpy_helper
 import onnxruntime as ort
 
-from amp_rewrite.errors import TrainingError
-from amp_rewrite.model import atomic_write
+from amp_rewrite.api import rewrite
+from amp_rewrite.checks.sessions import CUDA, open_session
+from amp_rewrite.errors import AmpRewriteError, TrainingError
+from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import Optimizer
-from amp_rewrite.training.session import open_session
 from amp_rewrite.training.step_graph import (LR_INPUT, SKIPPED_OUTPUT, STEP_STATE, StepGraph, apply_precision,
                                              build_step_graph)
 
 PRECISIONS = ("float16", "bfloat16", "float32")
+PROVIDERS = ("auto", "cuda", "cpu")
 NONFINITE_POLICIES = ("skip", "retry")
 CHECKPOINT_FORMAT = "amp-rewrite-trainer/1"
 
@@ -198,8 +200,6 @@ class Trainer:
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[tensor.name], tensor.name))
         if precision == "float32":
             return model
-        from amp_rewrite.pipeline import rewrite
-
         return rewrite(model, target=precision, keep_io_types=True).model
 
     def export(self, path, precision: str = "float32") -> None:
@@ -246,13 +246,11 @@ def _length(batches) -> int | None:
 
 
 def _load_model(model) -> onnx.ModelProto:
-    if isinstance(model, onnx.ModelProto):
-        return model
+    """Through the one loader (external data containment, input checks), as a TrainingError."""
     try:
-        return onnx.load(os.fspath(model))
-    except Exception as error:  # onnx raises assorted types for unreadable files
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise TrainingError(f"cannot load model {model!r}: {reason}") from None
+        return load(model).model
+    except AmpRewriteError as error:
+        raise TrainingError(f"cannot load model: {error}") from None
 
 
 _LOSS_SCALING_MARKERS = ("loss_scale", "get_scale", "loss_scale_factor", "_loss_scale")
@@ -272,8 +270,14 @@ def _check_optimizer(optimizer) -> Optimizer:
 
 
 def _open_step_session(model: onnx.ModelProto, provider: str, precision: str):
+    """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error."""
+    if provider not in PROVIDERS:
+        raise TrainingError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
     try:
-        return open_session(model.SerializeToString(), provider)
+        session, used = open_session(model.SerializeToString(), provider, error=TrainingError, what="the step graph")
+        if provider == "cuda" and used != CUDA:
+            raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
+        return session, "cuda" if used == CUDA else "cpu"
     except TrainingError as error:
         if precision != "bfloat16":
             raise

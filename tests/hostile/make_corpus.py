@@ -387,7 +387,7 @@ def _disk_full(folder: Path, external: bool) -> Built:
 
     def api():
         import amp_rewrite
-        from amp_rewrite import model as model_io
+        from amp_rewrite import io as model_io
 
         result = amp_rewrite.rewrite(str(path))
         model_io.save(result.model, folder / "api_out.onnx", external_data=external)

@@ -14,13 +14,11 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import onnx
-from onnx import TensorProto
 
-from amp_rewrite import schemas, weights
-from amp_rewrite.oplists import OpLists
-
-FLOAT = TensorProto.FLOAT
-LOW_ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+from amp_rewrite.analysis import schemas
+from amp_rewrite.analysis.oplists import OpLists
+from amp_rewrite import onnx_facts
+from amp_rewrite.onnx_facts import FLOAT, LOW_ELEM
 
 
 @dataclass
@@ -60,8 +58,8 @@ class ColouringGraph:
     types: dict  # tensor name -> element type
     shapes: dict  # tensor name -> TensorShapeProto when known
     notes: list  # (node label, text) for ops that could not be classified
-    constants: weights.Scan  # float32 constants: out of the target range, or converted ahead
-    borrowed: dict = field(default_factory=dict)  # main-graph initializer -> the caller's tensor (model.working_copy)
+    borrowed: dict = field(default_factory=dict)  # main-graph initializer -> the caller's tensor (io.working_copy)
+    has_constant_nodes: bool = False  # some graph holds a Constant node (else the constant scan skips the nodes)
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
 
     def node(self, scope: int, index: int) -> onnx.NodeProto:
@@ -171,7 +169,6 @@ def build(
     types: dict,
     shapes: dict | None = None,
     keep_fp32_nodes=(),
-    clamp: bool = False,
     force_fp32=None,
     borrowed=None,
     scopes=None,
@@ -185,11 +182,10 @@ def build(
     """
     force_fp32 = dict(force_fp32 or {})
     target = op_lists.target
-    opsets = schemas.model_opsets(model)
+    opsets = onnx_facts.opsets(model)
     scopes = scopes if scopes is not None else read_scopes(model.graph)
     cg = ColouringGraph(target, scopes, [], nx.DiGraph(), [[None] * len(scope.io) for scope in scopes],
-                        [[None] * len(scope.io) for scope in scopes], {}, types, shapes or {}, [], weights.Scan(),
-                        dict(borrowed or {}))
+                        [[None] * len(scope.io) for scope in scopes], {}, types, shapes or {}, [], dict(borrowed or {}))
     cg.uses, cg.unsorted = _record_uses(scopes, cg.resolve)
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)
@@ -260,19 +256,14 @@ def build(
                 for i in group.outputs:
                     writes[n][i] = v
     cg.graph.add_nodes_from(range(len(cg.vertices)))
-    # converted ahead only when something can be low precision (see weights.py)
-    may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
-    cg.constants = weights.scan(scopes, cg.borrowed, target, clamp=clamp,
-                                convert_to=LOW_ELEM[target] if may_go_low else None,
-                                constant_nodes=any(op_type == "Constant" for _, op_type in op_info))
-    _block_out_of_range_readers(cg)
+    cg.has_constant_nodes = any(op_type == "Constant" for _, op_type in op_info)
     _add_edges(cg)
     return cg
 
 
 def _describe_op(node_domain: str, op_type: str, opsets: dict, local_functions: set, op_lists: OpLists):
     """(signature, list entry, skip reason): looked up once per op type, not once per node."""
-    domain = "" if node_domain in schemas.DEFAULT_DOMAINS else node_domain
+    domain = "" if node_domain in onnx_facts.DEFAULT_DOMAINS else node_domain
     if op_type == "Constant" and domain == "":
         return None, None, ""
     if (node_domain, op_type) in local_functions:
@@ -309,7 +300,7 @@ def first_type(names, types: dict) -> int | None:
 def _template(sig, entry, groups, target: str) -> list:
     """(group, reason it is blocked whatever the node, reason after the user's) for each group:
     what depends only on the op type and slot counts, worked out once per kind of node."""
-    target_string = schemas.TYPE_STRING[target]
+    target_string = onnx_facts.TYPE_STRING[target]
     template = []
     for group in groups:
         fixed = late = None
@@ -322,16 +313,6 @@ def _template(sig, entry, groups, target: str) -> list:
             late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
         template.append((group, fixed, late))
     return template
-
-
-def _block_out_of_range_readers(cg: ColouringGraph) -> None:
-    """Readers of a constant the target type cannot hold stay float32 (the report says which)."""
-    for key, value in cg.constants.out_of_range.items():
-        for s, n, slot in cg.uses.get(key, ()):
-            v = cg.input_vertex(s, n, slot)
-            if v is not None and cg.vertices[v].blocked is None:
-                cg.vertices[v].blocked = (f"constant {key[1]!r} holds {value:.4g}, outside the {cg.target} range "
-                                          f"(use clamp to allow)")
 
 
 def _add_edges(cg: ColouringGraph) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-from amp_rewrite.graph import ColouringGraph
+from amp_rewrite.analysis.graph import ColouringGraph
 
 LOW, FP32 = "low", "float32"
 

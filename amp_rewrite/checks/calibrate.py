@@ -19,9 +19,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from amp_rewrite import model as model_io
-from amp_rewrite import validate as val
-from amp_rewrite.weights import LIMITS
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.checks import validate as val
+from amp_rewrite.io import load
+from amp_rewrite.transform.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
 FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2,
@@ -127,10 +128,10 @@ def _measured_tensors(model: onnx.ModelProto, types: dict):
 def calibrate(model, samples=None, *, target: str = "float16", safety: float = DEFAULT_SAFETY,
               provider: str = "auto", progress=None, dims=None) -> CalibrationResult:
     """Run the float32 `model` on `samples` (synthesised if None) and measure every float tensor."""
-    model = model_io.load(model).model if not isinstance(model, onnx.ModelProto) else model
+    model = load(model).model if not isinstance(model, onnx.ModelProto) else model
     if samples is None:
         samples = val.synthesise(model, dims=dims)
-    types, _ = model_io.tensor_types(model)
+    types, _ = tensor_types(model)
     producers = _measured_tensors(model, types)
     consumers: dict = {}
     for node in model.graph.node:

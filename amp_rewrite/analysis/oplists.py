@@ -23,7 +23,8 @@ FILE_KEYS = {"target", "extends", *LISTS}
 TARGETS = ("float16", "bfloat16")
 DEFAULT_DOMAINS = ("", "ai.onnx")
 # Installed wheels carry the lists inside the package; a source checkout keeps them at the top.
-OP_LIST_DIRS = (Path(__file__).parent / "op_lists", Path(__file__).parent.parent / "op_lists")
+# Installed, the lists ship as amp_rewrite/op_lists; in a checkout they are op_lists/ at the top.
+OP_LIST_DIRS = (Path(__file__).parents[1] / "op_lists", Path(__file__).parents[2] / "op_lists")
 
 
 def op_key(domain: str, op_type: str) -> str:

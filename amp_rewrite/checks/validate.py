@@ -15,27 +15,19 @@ declared input types (`synthesise`, symbolic dims from `dims` or 1).
 from __future__ import annotations
 
 import re
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from amp_rewrite import model as model_io
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.checks.sessions import CPU, CUDA, open_session
 from amp_rewrite.errors import UsageError, ValidationError
+from amp_rewrite.io import load
 from amp_rewrite.progress import Progress
 
-PROVIDERS = ("auto", "cuda", "cpu")
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
 REFERENCE_NODE_LIMIT = 2000  # the reference evaluator is slow: automatic only for small models
-
-_cuda_loads: dict = {}
-
-
-# --- samples ---------------------------------------------------------------------------------------
 
 def feed_inputs(model: onnx.ModelProto) -> list:
     """Graph inputs that must be fed (inputs that are also initializers are optional)."""
@@ -108,51 +100,9 @@ def load_samples(path, model: onnx.ModelProto) -> list:
     return samples
 
 
-# --- sessions --------------------------------------------------------------------------------------
-
-def _quiet_ort():
-    import onnxruntime as ort
-
-    ort.set_default_logger_severity(3)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort, options
-
-
-def _session_source(model: onnx.ModelProto, tmp: list):
-    if model.ByteSize() < model_io.TWO_GB:
-        return model.SerializeToString()
-    folder = tempfile.TemporaryDirectory()
-    tmp.append(folder)
-    path = Path(folder.name) / "model.onnx"
-    onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data")
-    return str(path)
-
-
 def session(model: onnx.ModelProto, provider: str = "auto"):
-    """(session, provider actually used). CUDA only when it really loads; ORT's spew silenced."""
-    if provider not in PROVIDERS:
-        raise UsageError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
-    ort, options = _quiet_ort()
-    want_cuda = provider == "cuda" or (provider == "auto" and CUDA in ort.get_available_providers())
-    if want_cuda and _cuda_loads.get("ok") is False:
-        want_cuda = False
-    providers = [CUDA, CPU] if want_cuda else [CPU]
-    tmp: list = []
-    source = _session_source(model, tmp)
-    if want_cuda:
-        ort.set_default_logger_severity(4)  # a CUDA provider that fails to load logs an error: not ours
-    try:
-        sess = ort.InferenceSession(source, options, providers=providers)
-    except Exception as exc:
-        raise ValidationError(f"ONNX Runtime cannot load the model: {str(exc).strip().splitlines()[0]}") from None
-    finally:
-        ort.set_default_logger_severity(3)
-    used = sess.get_providers()[0]
-    if want_cuda:
-        _cuda_loads["ok"] = used == CUDA
-    sess._amp_tmp = tmp  # keep external data alive with the session
-    return sess, used
+    """(session, provider actually used): see `checks.sessions.open_session`."""
+    return open_session(model, provider)
 
 
 def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> list:
@@ -287,8 +237,8 @@ def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol:
     `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU for
     models up to REFERENCE_NODE_LIMIT nodes). `expected` reuses `reference_outputs(...)`.
     """
-    original = model_io.load(original).model if not isinstance(original, onnx.ModelProto) else original
-    rewritten = model_io.load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
+    original = load(original).model if not isinstance(original, onnx.ModelProto) else original
+    rewritten = load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
     if samples is None:
         samples = synthesise(original, dims=dims)
     names, ref, used = expected or reference_outputs(original, samples, provider, progress)
@@ -321,7 +271,7 @@ def expose(model: onnx.ModelProto, names) -> onnx.ModelProto:
     """A copy of `model` whose graph also outputs the main-graph tensors `names` (types inferred)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    types, _ = model_io.tensor_types(copy)
+    types, _ = tensor_types(copy)
     present = {o.name for o in copy.graph.output}
     for name in names:
         if name not in present and name in types:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from amp_rewrite import calibrate as cal_mod
-from amp_rewrite import model as model_io
-from amp_rewrite import validate as val
-from amp_rewrite.pipeline import RewriteResult, rewrite
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
+from amp_rewrite.checks import calibrate as cal_mod
+from amp_rewrite.checks import validate as val
+from amp_rewrite.io import load
 
 HUGE = 1e30
 
@@ -112,17 +113,17 @@ def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, 
 
 def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider: str = "auto",
         calibration=None, max_runs: int = 10, reference="auto", progress=None, dims=None,
-        **rewrite_kwargs) -> FallbackResult:
+        options: RewriteOptions | None = None, **rewrite_kwargs) -> FallbackResult:
     """Rewrite `model`, then pin a few nodes float32 until it validates within rtol/atol.
 
-    `calibration` (a CalibrationResult) is applied to every candidate; `rewrite_kwargs` go to
-    `rewrite`. At most `max_runs` validation runs, the final clean check included.
+    `calibration` (a CalibrationResult) is applied to every candidate; `options` (or
+    `rewrite_kwargs`, to build them) are the rewrite's. At most `max_runs` validation runs, the final clean check included.
     """
-    loaded = _shared(model_io.load(model))
+    loaded = _shared(load(model))
     model = loaded.model
     if samples is None:
         samples = val.synthesise(model, dims=dims)
-    types, _ = model_io.tensor_types(model)
+    types, _ = tensor_types(model)
     measured = cal_mod._measured_tensors(model, types)
     st = _structure(model, measured)
     names = [o.name for o in model.graph.output]
@@ -133,7 +134,8 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
                                label="fallback: original")
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
-    base_force = dict(rewrite_kwargs.pop("force_fp32", None) or {})
+    options = options or RewriteOptions.of(**rewrite_kwargs)
+    base_force = dict(options.force_fp32)
 
     pinned: dict = {}
     history: list = []
@@ -141,7 +143,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     k = 1
     result = validation = None
     while runs < max_runs:
-        result = rewrite(loaded, calibration=calibration, force_fp32={**base_force, **pinned}, **rewrite_kwargs)
+        result = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pinned}))
         if runs == max_runs - 1:  # one run left: it is the final check
             break
         outputs, tensors = _evaluate(result.model, samples, names, measured_names, provider, reference, progress)
@@ -229,30 +231,32 @@ class CheckedResult:
 def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1, validate: bool = False,
           calibrate: bool = False, tolerance: bool = False, provider: str = "auto", rtol: float = 1e-2,
           atol: float = 1e-3, reference="auto", safety: float = cal_mod.DEFAULT_SAFETY, progress=None,
-          max_runs: int = 10, keep_original: bool = True, **rewrite_kwargs) -> CheckedResult:
+          max_runs: int = 10, keep_original: bool = True, options: RewriteOptions | None = None,
+          **rewrite_kwargs) -> CheckedResult:
     """calibrate (optional) -> rewrite -> validate (optional) -> fallback (when `tolerance`).
 
     A model the caller loaded from a file is rewritten in place (no second copy) only when no
     check needs the original and `keep_original` is False.
     """
-    loaded = model_io.load(model)
+    loaded = load(model)
     if keep_original or validate or calibrate or tolerance:
         loaded = _shared(loaded)
     model = loaded.model
     if samples is None and (validate or calibrate or tolerance):
         samples = (val.load_samples(inputs, model) if inputs is not None
                    else val.synthesise(model, dims=dims, count=samples_count))
-    target = rewrite_kwargs.get("target", "float16")
+    options = options or RewriteOptions.of(**rewrite_kwargs)
+    target = options.target
     calibration = None
     if calibrate:
         calibration = cal_mod.calibrate(model, samples, target=target, safety=safety, provider=provider,
                                         progress=progress)
     if tolerance:
         fb = fit(loaded, samples, rtol=rtol, atol=atol, provider=provider, calibration=calibration,
-                 max_runs=max_runs, reference=reference, progress=progress, **rewrite_kwargs)
+                 max_runs=max_runs, reference=reference, progress=progress, options=options)
         out = CheckedResult(fb.result, calibration, fb.validation, fb)
     else:
-        result = rewrite(loaded, calibration=calibration, **rewrite_kwargs)
+        result = rewrite(loaded, options.replace(calibration=calibration))
         validation = None
         if validate:
             validation = val.validate(model, result.model, samples, provider=provider, rtol=rtol, atol=atol,

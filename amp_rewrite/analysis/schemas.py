@@ -16,12 +16,7 @@ from functools import lru_cache
 
 import onnx.defs
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
-TYPE_STRING = {
-    "float16": "tensor(float16)",
-    "bfloat16": "tensor(bfloat16)",
-    "float32": "tensor(float)",
-}
+from amp_rewrite.onnx_facts import DEFAULT_DOMAINS
 
 
 @dataclass(frozen=True)
@@ -152,14 +147,6 @@ def type_groups(sig: Signature, n_inputs: int, n_outputs: int) -> tuple[TypeGrou
             outputs.setdefault(formal.type_param, []).append(i)
     params = list(dict.fromkeys([*inputs, *outputs]))
     return tuple(TypeGroup(p, tuple(inputs.get(p, ())), tuple(outputs.get(p, ()))) for p in params)
-
-
-def model_opsets(model) -> dict[str, int]:
-    """Domain -> opset version imported by the model (default domain under '')."""
-    opsets = {}
-    for entry in model.opset_import:
-        opsets["" if entry.domain in DEFAULT_DOMAINS else entry.domain] = entry.version
-    return opsets
 
 
 # --- probing a type choice with the schema's own inference --------------------------------------------

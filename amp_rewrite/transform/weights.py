@@ -1,4 +1,5 @@
-"""Float32 constants: one read of their values for the range check and for the conversion.
+"""The constant scan stage: one read of the float32 constants' values for the range check and
+for the conversion.
 
 Reading a weight's values copies them out of the protobuf (upb gives no view of its bytes):
 about 600 MB at 100k nodes. The colouring needs every value checked against the target's range
@@ -18,14 +19,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from amp_rewrite import schemas, tensordata
+from amp_rewrite.analysis.graph import ColouringGraph
+from amp_rewrite.io import tensordata
+from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, LOW_ELEM, np_dtype
 
-FLOAT = TensorProto.FLOAT
 LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
 CHUNK_BYTES = 1 << 20  # float32 values read, checked and converted at once
 ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats a session call (~6 µs)
 CAST_OPSET = 13  # the first default-domain opset whose Cast takes bfloat16
-_DTYPE = {elem: helper.tensor_dtype_to_np_dtype(elem) for elem in (FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)}
 
 
 @dataclass
@@ -42,12 +43,12 @@ class Scan:
 
 def value_holder(borrowed: dict, scope: int, tensor: onnx.TensorProto) -> onnx.TensorProto:
     """The tensor holding `tensor`'s values: the caller's for a borrowed main-graph initializer
-    (the working copy holds it without bytes, see model.working_copy), else `tensor` itself."""
+    (the working copy holds it without bytes, see io.working_copy), else `tensor` itself."""
     return borrowed.get(tensor.name, tensor) if scope == 0 else tensor
 
 
 def is_constant(node: onnx.NodeProto) -> bool:
-    return node.op_type == "Constant" and node.domain in schemas.DEFAULT_DOMAINS
+    return node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS
 
 
 def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
@@ -116,7 +117,7 @@ def cast_values(array: np.ndarray, elem: int) -> np.ndarray:
         cast = _ort_float16_cast()
         if cast is not None:
             return cast(array)
-    return array.astype(_DTYPE[elem])
+    return array.astype(np_dtype(elem))
 
 
 def convert(array: np.ndarray, elem: int, limit: float, clamp: bool) -> tuple[np.ndarray, int]:
@@ -172,3 +173,19 @@ def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, 
     for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
         if key not in result.out_of_range:
             result.converted[key] = (low[start:end].tobytes(), int(over[start:end].sum()) if over is not None else 0)
+
+
+def scan_constants(cg: ColouringGraph, clamp: bool) -> Scan:
+    """The stage: scan the colouring graph's constants and keep the readers of any constant the
+    target cannot hold float32 (the report says which). Converted ahead only when something can
+    be low precision."""
+    may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
+    found = scan(cg.scopes, cg.borrowed, cg.target, clamp=clamp, convert_to=LOW_ELEM[cg.target] if may_go_low else None,
+                 constant_nodes=cg.has_constant_nodes)
+    for key, value in found.out_of_range.items():
+        for s, n, slot in cg.uses.get(key, ()):
+            v = cg.input_vertex(s, n, slot)
+            if v is not None and cg.vertices[v].blocked is None:
+                cg.vertices[v].blocked = (f"constant {key[1]!r} holds {value:.4g}, outside the {cg.target} range "
+                                          f"(use clamp to allow)")
+    return found

@@ -13,11 +13,11 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto
 
-from amp_rewrite import schemas
-from amp_rewrite.graph import first_type, group_names, read_scopes
-
-TYPE_OF_STRING = {f"tensor({name.lower()})": value for name, value in TensorProto.DataType.items() if value}
-
+from amp_rewrite.analysis import schemas
+from amp_rewrite.analysis.graph import first_type, group_names, read_scopes
+from amp_rewrite.io.skeleton import inference_skeleton
+from amp_rewrite import onnx_facts
+from amp_rewrite.onnx_facts import TYPE_OF_STRING, all_graphs
 
 def _attribute_type(node: onnx.NodeProto) -> int | None:
     for attr in node.attribute:
@@ -43,8 +43,8 @@ def _single_choice(sig: schemas.Signature, type_param: str) -> int | None:
 
 def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
     """Fill `types` (name -> element type) in node order; True when every node output is typed.
-    `scopes`: `graph.read_scopes(model.graph)` when the caller has it already."""
-    opsets = schemas.model_opsets(model)
+    `scopes`: `analysis.graph.read_scopes(model.graph)` when the caller has it already."""
+    opsets = onnx_facts.opsets(model)
     templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups, or None without a schema
     complete = True
     for scope in scopes if scopes is not None else read_scopes(model.graph):  # parents first
@@ -71,8 +71,48 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
 def _template(node_domain: str, op_type: str, n_inputs: int, n_outputs: int, opsets: dict):
     """[(type group, the type its parameter allows when it allows one)] of a kind of node, or None
     when no schema is known: worked out once per op type and slot counts, not once per node."""
-    domain = "" if node_domain in schemas.DEFAULT_DOMAINS else node_domain
+    domain = "" if node_domain in onnx_facts.DEFAULT_DOMAINS else node_domain
     sig = schemas.signature(domain, op_type, opsets[domain]) if domain in opsets else None
     if sig is None:
         return None
     return [(group, _single_choice(sig, group.type_param)) for group in schemas.type_groups(sig, n_inputs, n_outputs)]
+def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict, graphs=None) -> None:
+    """Declared types and shapes of `graph` and its subgraphs (`graphs`, when the caller has them)."""
+    for g in graphs if graphs is not None else all_graphs(graph):
+        for value in (*g.input, *g.output, *g.value_info):
+            if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+                types.setdefault(value.name, value.type.tensor_type.elem_type)
+                if value.type.tensor_type.HasField("shape"):
+                    shapes.setdefault(value.name, value.type.tensor_type.shape)
+        for tensor in g.initializer:
+            types.setdefault(tensor.name, tensor.data_type)
+
+
+# Above this many nodes, shape inference (20-40 µs a node) runs only when the schemas alone
+# leave a type unknown: shapes then come from the model's own value_info (FLOPs "where known").
+SHAPE_INFERENCE_NODE_LIMIT = 20_000
+
+
+def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None, scopes=None):
+    """Element type and shape (when known) of every named tensor: (types, shapes).
+
+    Types come from the declarations and the schemas (`elemtypes.propagate`); ONNX shape
+    inference, on a skeleton so models of any size work, adds shapes and any type the schemas
+    could not give. `shape_inference=None` runs it for models up to SHAPE_INFERENCE_NODE_LIMIT
+    nodes, and beyond only when a type is missing. `scopes`: `analysis.graph.read_scopes(model.graph)`
+    when the caller has it already.
+    """
+    types: dict[str, int] = {}
+    shapes: dict[str, object] = {}
+    _collect_value_infos(model.graph, types, shapes, [scope.graph for scope in scopes] if scopes else None)
+    complete = propagate(model, types, scopes)
+    if shape_inference is None:
+        shape_inference = not complete or len(model.graph.node) <= SHAPE_INFERENCE_NODE_LIMIT
+    if not shape_inference:
+        return types, shapes
+    try:
+        inferred = onnx.shape_inference.infer_shapes(inference_skeleton(model), strict_mode=False)
+    except Exception:
+        return types, shapes
+    _collect_value_infos(inferred.graph, types, shapes)
+    return types, shapes

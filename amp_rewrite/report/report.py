@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from amp_rewrite import model as model_io
-from amp_rewrite.graph import ColouringGraph
-from amp_rewrite.paint import LOW, Plan
+from amp_rewrite.analysis.graph import ColouringGraph
+from amp_rewrite.analysis.paint import LOW, Plan
+from amp_rewrite.onnx_facts import ELEMENT_SIZE, FLOAT_TYPES
 
 MAX_CHAIN = 32
 _HEAVY = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul", "FusedGemm", "FusedConv"}
@@ -98,8 +98,8 @@ def weight_bytes(graphs) -> int:
         tensors = list(graph.initializer)
         tensors += [a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
         for t in tensors:
-            if t.data_type in model_io.FLOAT_TYPES:
-                total += model_io.ELEMENT_SIZE[t.data_type] * math.prod(t.dims)
+            if t.data_type in FLOAT_TYPES:
+                total += ELEMENT_SIZE[t.data_type] * math.prod(t.dims)
     return total
 
 

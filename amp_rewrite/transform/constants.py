@@ -1,0 +1,95 @@
+"""Constants are free: initializers and Constant nodes are converted in place when only
+low-precision groups read them, duplicated when both kinds do (no runtime Cast on weights).
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from amp_rewrite.io import tensordata
+from amp_rewrite.onnx_facts import ELEMENT_SIZE, FLOAT, TAG
+from amp_rewrite.transform import weights
+from amp_rewrite.transform.state import Materialisation, needed_types, set_input
+
+
+def place_constant(m: Materialisation, s, name, d, uses) -> None:
+    needs = needed_types(m, uses)
+    kinds = set(needs)
+    if m.low not in kinds:
+        return
+    main_output = next((need for u, need in zip(uses, needs) if u[0] == 0 and u[1] < 0), None)
+    primary = main_output if main_output is not None else (FLOAT if FLOAT in kinds else m.low)
+    other = m.low if primary == FLOAT else FLOAT
+    other_name = m.names.new(f"{name}_{TAG[other]}") if other in kinds else None
+    if primary == m.low:
+        m.low_names.add((s, name))
+        if other_name:  # copy the float32 values before converting them in place
+            convert_constant(m, s, name, d, other_name, in_place=False, elem=FLOAT)
+        convert_constant(m, s, name, d, name, in_place=True)
+    else:
+        convert_constant(m, s, name, d, other_name, in_place=False)
+        m.low_names.add((s, other_name))
+    if other_name:
+        for use, need in zip(uses, needs):
+            if need == other:
+                set_input(m, use, other_name)
+
+
+def converted_bytes(m: Materialisation, key, source: onnx.TensorProto, elem: int) -> bytes:
+    """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now."""
+    ahead = m.constants.take(key) if elem == m.low else None
+    if ahead is None:
+        array, clamped = weights.convert(tensordata.float_values(source), elem, weights.LIMITS[m.cg.target],
+                                         m.clamp)
+        ahead = array.tobytes(), clamped
+    m.result.clamped_values += ahead[1]
+    return ahead[0]
+
+
+def size_change(data: bytes, elem: int, in_place: bool) -> int:
+    """Weight bytes added by `data` (`elem` values): in place, less the float32 values it replaces."""
+    return len(data) - (4 * (len(data) // ELEMENT_SIZE[elem]) if in_place else 0)
+
+
+def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool, elem: int | None = None) -> None:
+    """Write `name` converted to `elem` (default: the target) under `new_name`."""
+    elem = elem or m.low
+    scope = m.cg.scopes[s]
+    if d[0] == "initializer":
+        tensor = initializers(m, s)[name]
+        data = converted_bytes(m, (s, name), weights.value_holder(m.cg.borrowed, s, tensor), elem)
+        m.result.weight_bytes_delta += size_change(data, elem, in_place)
+        if in_place:  # swap the data, keep everything else (doc string, metadata)
+            tensor.ClearField("float_data")
+            tensor.data_type = elem
+            tensor.raw_data = data
+            tensor.data_location = TensorProto.DEFAULT  # it may have been left on disk
+            del tensor.external_data[:]
+            if s == 0:
+                m.replaced.add(name)
+            m.result.converted_constants += 1
+        else:
+            scope.graph.initializer.add(name=new_name, data_type=elem, dims=tensor.dims, raw_data=data)
+            m.result.duplicated_constants += 1
+        return
+    node = m.cg.node(s, d[1])
+    tensor = weights.constant_tensor(node)
+    data = converted_bytes(m, (s, name), tensor, elem)
+    m.result.weight_bytes_delta += size_change(data, elem, in_place)
+    converted = onnx.TensorProto(data_type=elem, dims=tensor.dims, raw_data=data)
+    if in_place:
+        del node.attribute[:]
+        node.attribute.append(helper.make_attribute("value", converted))
+        m.result.converted_constants += 1
+    else:
+        copy = helper.make_node("Constant", [], [new_name], name=m.names.new(f"amp/{new_name}"), value=converted)
+        m.after.setdefault((s, d[1]), []).append(copy)
+        m.result.duplicated_constants += 1
+
+
+def initializers(m: Materialisation, s: int) -> dict:
+    """Name -> initializer of graph `s`, read once per graph."""
+    if s not in m.initializers_by_scope:
+        m.initializers_by_scope[s] = {t.name: t for t in m.cg.scopes[s].graph.initializer}
+    return m.initializers_by_scope[s]

@@ -1,0 +1,60 @@
+"""Materialise a precision plan: retype tensors, convert constants, insert the casts.
+
+Rules, all decided per tensor in one pass over its uses:
+- a tensor made by a node has the type of its producing group; a use that needs the other type
+  reads a Cast, one per (tensor, type, graph it is used in), placed right after the producer or at
+  the top of the using graph;
+- a use of a tensor that an existing Cast made, needing the type the Cast read, reads the Cast's
+  input instead: no Cast chains;
+- initializers and Constant nodes are free: converted in place when only low-precision groups
+  read them, duplicated when both kinds do (no runtime Cast on weights);
+- main-graph inputs and outputs keep their names; with keep_io_types they keep float32 too: an
+  output made in low precision is renamed at its producer and a Cast writes the original name.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from amp_rewrite.analysis.graph import ColouringGraph
+from amp_rewrite.analysis.paint import Plan
+from amp_rewrite.io import restore_borrowed
+from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT
+from amp_rewrite.transform.casts import place_casts
+from amp_rewrite.transform.constants import place_constant
+from amp_rewrite.transform.retype import retarget_attribute_typed_outputs, retype_io_and_value_info
+from amp_rewrite.transform.splice import emit_nodes
+from amp_rewrite.transform.state import Materialisation, Materialised, source_elem
+from amp_rewrite.transform.weights import CAST_OPSET, Scan
+
+__all__ = ["Materialised", "materialise"]
+
+
+def _run(m: Materialisation) -> Materialised:
+    cg = m.cg
+    for (s, name), uses in cg.uses.items():
+        if cg.types.get(name) != FLOAT:
+            continue
+        d = cg.scopes[s].defs[name]
+        src = source_elem(m, s, name, d)
+        if src is None:
+            place_constant(m, s, name, d, uses)
+        else:
+            place_casts(m, s, name, d, src, uses)
+    retarget_attribute_typed_outputs(m)
+    retype_io_and_value_info(m)
+    emit_nodes(m)
+    restore_borrowed(m.cg.scopes[0].graph, m.cg.borrowed, m.replaced)
+    m.constants.converted.clear()  # what stays float32 was converted for nothing: free it
+    return m.result
+
+
+def materialise(model: onnx.ModelProto, cg: ColouringGraph, plan: Plan, constants: Scan, *,
+                keep_io_types: bool = True, clamp: bool = False) -> Materialised:
+    """Apply `plan` to `model` (the proto `cg` was built from) in place; `constants` is the scan."""
+    result = _run(Materialisation.start(model, cg, plan, constants, keep_io_types, clamp))
+    if (result.casts or result.duplicated_constants) and not any(o.domain in DEFAULT_DOMAINS for o in model.opset_import):
+        # e.g. a model of ai.onnx.ml ops only: our Cast/Constant nodes need the default domain
+        model.opset_import.append(helper.make_opsetid("", CAST_OPSET))
+    return result

@@ -1,0 +1,189 @@
+"""The rewrite pipeline, as a list of stages over one `Work` record.
+
+    load -> working copy -> inline functions -> scopes -> element types -> colouring graph
+         -> constant scan -> paint -> FLOPs -> materialise -> sort -> check -> report
+
+Each stage is a small function that reads what earlier stages left in `Work` and adds its own
+result; the module of each stage is named beside it in STAGES. ARCHITECTURE.md has the picture.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from dataclasses import dataclass, field
+
+import onnx
+
+from amp_rewrite.analysis import graph, paint
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.api import RewriteOptions, RewriteResult
+from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
+from amp_rewrite.onnx_facts import sort_graphs
+from amp_rewrite.report import report as report_mod
+from amp_rewrite.transform import materialise as materialise_mod, weights
+
+
+@dataclass
+class Work:
+    """What the stages hand on to each other."""
+
+    loaded: LoadedModel
+    options: RewriteOptions
+    lists: object  # analysis.oplists.OpLists
+    started: float
+    model: onnx.ModelProto = None  # the proto being rewritten in place
+    borrowed: dict = field(default_factory=dict)
+    nested: bool = True
+    weights_before: int | None = None
+    bytes_before: int = 0
+    scopes: list = None
+    types: dict = None
+    shapes: dict = None
+    cg: graph.ColouringGraph = None
+    constants: weights.Scan = None
+    plan: paint.Plan = None
+    flops: dict = None
+    materialised: materialise_mod.Materialised = None
+    result: RewriteResult = None
+
+
+def take_working_copy(w: Work) -> None:
+    """A model read from a file here is nobody else's: rewritten in place. The caller's model is
+    copied, its big weights borrowed (read, never changed)."""
+    if w.loaded.owned:
+        w.model, w.borrowed = w.loaded.model, {}
+    else:
+        w.model, w.borrowed = working_copy(w.loaded.model)
+    w.bytes_before = byte_size(w.loaded.model, w.loaded.data_bytes)
+    w.nested, w.weights_before = w.loaded.nested, w.loaded.float_bytes
+
+
+def inline_local_functions(w: Work) -> None:
+    """Model-local functions (dynamo exporter) are inlined, then coloured as any graph."""
+    if w.model.functions:
+        w.model, w.nested, w.weights_before = inline_functions(w.model), True, None  # bodies may bring subgraphs
+
+
+def read_scopes(w: Work) -> None:
+    w.scopes = graph.read_scopes(w.model.graph, w.nested)
+
+
+def infer_types(w: Work) -> None:
+    w.types, w.shapes = tensor_types(w.model, scopes=w.scopes)
+
+
+def build_colouring_graph(w: Work) -> None:
+    w.cg = graph.build(w.model, w.lists, types=w.types, shapes=w.shapes, keep_fp32_nodes=w.options.keep_fp32_nodes,
+                       force_fp32=w.options.deny_roots(), borrowed=w.borrowed, scopes=w.scopes)
+
+
+def scan_constants(w: Work) -> None:
+    w.constants = weights.scan_constants(w.cg, w.options.clamp)
+
+
+def colour(w: Work) -> None:
+    w.plan = paint.colour(w.cg, keep_io_types=w.options.keep_io_types)
+
+
+def estimate_flops(w: Work) -> None:
+    """Before materialising, which moves nodes."""
+    w.flops = report_mod.flops_by_node(w.cg)
+    if w.weights_before is None:
+        w.weights_before = report_mod.weight_bytes(scope.graph for scope in w.cg.scopes)
+
+
+def materialise(w: Work) -> None:
+    w.materialised = materialise_mod.materialise(w.model, w.cg, w.plan, w.constants,
+                                                 keep_io_types=w.options.keep_io_types, clamp=w.options.clamp)
+
+
+def sort(w: Work) -> None:
+    """Casts go right after their producers, so a sorted input stays sorted: only an unsorted one is sorted."""
+    if w.cg.unsorted:
+        sort_graphs(w.model)
+
+
+def check(w: Work) -> None:
+    if w.options.check:
+        _check(w.model, w.loaded.data_bytes + w.materialised.weight_bytes_delta, skeleton=w.loaded.lazy)
+
+
+def report(w: Work) -> None:
+    delta = w.materialised.weight_bytes_delta
+    rep = report_mod.build(w.cg, w.plan, w.materialised, bytes_before=w.bytes_before,
+                           bytes_after=byte_size(w.model, w.loaded.data_bytes + delta),
+                           seconds=time.perf_counter() - w.started, weights_before=w.weights_before,
+                           weights_after=w.weights_before + delta, node_flops=w.flops)
+    changed = bool(w.materialised.casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values())
+    w.result = RewriteResult(w.model, rep, changed)
+
+
+STAGES = (
+    take_working_copy,  # io.working_copy
+    inline_local_functions,  # onnx.inliner
+    read_scopes,  # analysis.graph
+    infer_types,  # analysis.elemtypes (+ onnx shape inference)
+    build_colouring_graph,  # analysis.graph
+    scan_constants,  # rewrite.weights
+    colour,  # analysis.paint
+    estimate_flops,  # report.report
+    materialise,  # rewrite.materialise
+    sort,  # onnx_facts
+    check,  # onnx.checker
+    report,  # report.report
+)
+
+
+def _gc_paused(function):
+    """The passes allocate millions of small containers and free them as they go; the cyclic
+    collector would rescan them all every few thousand allocations (~15% of a big rewrite)."""
+
+    @functools.wraps(function)
+    def paused(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
+def run(model, options: RewriteOptions) -> RewriteResult:
+    """Rewrite `model` (a path, ModelProto or LoadedModel) as `options` say; see `api.rewrite`."""
+    started = time.perf_counter()
+    lists = options.lists()
+    # onnx.checker runs once, on the result (`check`); the input gets it only when anything fails,
+    # to tell a bad input (one ModelError line) from a bug of ours, or up front when nothing is checked
+    loaded = load(model, checker=not options.check)
+    w = Work(loaded, options, lists, started)
+    try:
+        for stage in STAGES:
+            stage(w)
+    except Exception:
+        loaded.validate_in_full()
+        raise
+    return w.result
+
+
+def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its model-local functions inlined (onnx.inliner), so every op is coloured."""
+    import onnx.inliner
+
+    inlined = onnx.inliner.inline_local_functions(model)
+    del inlined.functions[:]
+    return inlined
+
+
+def _check(model: onnx.ModelProto, data_bytes: int | None = None, *, skeleton: bool = False) -> None:
+    """Refuse to hand back an invalid model: that would be a bug of ours, said plainly."""
+    try:  # a big model is checked as a data-free skeleton: the checker serialises what it gets
+        onnx.checker.check_model(checker_target(model, data_bytes, skeleton=skeleton))
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
+        raise RuntimeError(f"amp-rewrite produced an invalid model ({first}); please report this") from exc

@@ -1,0 +1,30 @@
+"""Retyping: Casts (and other attribute-typed outputs) painted low get the target in their `to`
+attribute; main-graph I/O (without keep_io_types) and value_info follow their tensors' new types.
+"""
+
+from __future__ import annotations
+
+from amp_rewrite.onnx_facts import FLOAT
+from amp_rewrite.transform.state import Materialisation
+
+
+def retarget_attribute_typed_outputs(m: Materialisation) -> None:
+    for v, vertex in enumerate(m.cg.vertices):
+        if vertex.group.output_only and v in m.low_vertices:
+            node = m.cg.node(vertex.scope, vertex.node)
+            for attr in node.attribute:
+                if attr.name in ("to", "dtype"):
+                    attr.i = m.low
+
+
+def retype_io_and_value_info(m: Materialisation) -> None:
+    main = m.cg.scopes[0].graph
+    if not m.keep_io:
+        for value in (*main.input, *main.output):
+            if value.type.tensor_type.elem_type == FLOAT:
+                value.type.tensor_type.elem_type = m.low
+    for s, scope in enumerate(m.cg.scopes):
+        for value in scope.graph.value_info:
+            found = m.cg.resolve(s, value.name)
+            if found is not None and (found[0], value.name) in m.low_names:
+                value.type.tensor_type.elem_type = m.low

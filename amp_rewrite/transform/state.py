@@ -1,0 +1,104 @@
+"""The materialiser's shared state: what each tensor is and what each use needs.
+
+`Materialisation` is built once per rewrite; the jobs (casts.py, constants.py, retype.py,
+splice.py) read and extend it, and materialise.py runs them in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+from amp_rewrite.analysis.graph import ColouringGraph
+from amp_rewrite.analysis.paint import LOW, Plan
+from amp_rewrite.naming import UniqueNames
+from amp_rewrite.onnx_facts import ELEM, FLOAT
+from amp_rewrite.transform.weights import Scan, is_constant
+
+
+@dataclass
+class Materialised:
+    """What materialising did, for the report."""
+
+    casts: list = field(default_factory=list)  # (scope, cast node name, tensor, to)
+    converted_constants: int = 0
+    duplicated_constants: int = 0
+    clamped_values: int = 0
+    weight_bytes_delta: int = 0  # float weight bytes after minus before
+
+
+@dataclass
+class Materialisation:
+    model: onnx.ModelProto
+    cg: ColouringGraph
+    constants: Scan  # the constant scan: converted bytes to take, once each
+    keep_io: bool
+    clamp: bool
+    low: int  # the target element type
+    io_elem: int  # what main-graph inputs and outputs hold
+    low_vertices: set  # vertices painted low precision (read per use)
+    reads: list
+    writes: list
+    main_outputs: set
+    names: UniqueNames
+    result: Materialised = field(default_factory=Materialised)
+    casts: dict = field(default_factory=dict)  # (def scope, name, elem, use scope) -> cast output name
+    after: dict = field(default_factory=dict)  # (scope, node index) -> nodes to emit right after it
+    top: dict = field(default_factory=dict)  # scope -> nodes to emit first
+    renamed: dict = field(default_factory=dict)  # (def scope, name) -> new producer output name
+    low_names: set = field(default_factory=set)  # (scope, name) whose final type is low precision
+    initializers_by_scope: dict = field(default_factory=dict)
+    replaced: set = field(default_factory=set)  # borrowed main-graph initializers given converted bytes in place
+
+    @classmethod
+    def start(cls, model, cg: ColouringGraph, plan: Plan, constants: Scan, keep_io_types: bool, clamp: bool):
+        low = ELEM[cg.target]
+        return cls(model, cg, constants, keep_io_types, clamp, low, FLOAT if keep_io_types else low,
+                   {v for v, colour in plan.colour.items() if colour == LOW}, cg.reads, cg.writes,
+                   {(0, value.name) for value in cg.scopes[0].graph.output}, UniqueNames(_names_in_use(cg)))
+
+
+def _names_in_use(cg: ColouringGraph) -> set:
+    """Every tensor and node name of every graph, from what read_scopes read (defs, node names)."""
+    taken = set()
+    for scope in cg.scopes:
+        taken.update(scope.defs)
+        taken.update([v.name for v in scope.graph.output])
+        taken.update(scope.names)
+    return taken
+
+
+def source_elem(m: Materialisation, s: int, name: str, d) -> int | None:
+    """Element type a defined float32 tensor will have, or None for free constants."""
+    kind, n, slot = d
+    if kind == "initializer":
+        return None
+    if kind == "input":
+        return m.io_elem if s == 0 else FLOAT
+    row = m.writes[s][n]
+    vertex = row[slot] if row else None
+    if vertex is not None:  # a vertex: not a Constant, which is a source (and the common case)
+        return m.low if vertex in m.low_vertices else FLOAT
+    return None if is_constant(m.cg.node(s, n)) else FLOAT
+
+
+def needed_types(m: Materialisation, uses) -> list[int]:
+    """The element type each use reads: one call per tensor, not one per use (500k at 100k nodes)."""
+    reads, low_vertices, low = m.reads, m.low_vertices, m.low
+    out = []
+    for s, n, slot in uses:
+        if n < 0:  # a graph output
+            out.append(m.io_elem if s == 0 else FLOAT)
+        else:
+            row = reads[s][n]  # cg.input_vertex, inlined
+            out.append(low if row and row[slot] in low_vertices else FLOAT)
+    return out
+
+
+def set_input(m: Materialisation, use, new_name) -> None:
+    s, n, slot = use
+    if n < 0:
+        m.cg.scopes[s].graph.output[slot].name = new_name
+    else:
+        m.cg.node(s, n).input[slot] = new_name
