@@ -50,9 +50,9 @@ def test_summary_figures():
     assert s["weight_bytes_before"] == (16 * 32 + 32 * 8) * 4 and s["weight_bytes_after"] == (16 * 32 + 32 * 8) * 2
     assert s["casts_inserted"] >= 2
     from amp_rewrite import io as model_io
-    from amp_rewrite.report import report
+    from amp_rewrite.report import flops
 
-    assert model_io.load(model).float_bytes == report.weight_bytes([model.graph])  # counted while validating
+    assert model_io.load(model).float_bytes == flops.weight_bytes([model.graph])  # counted while validating
     feeds = random_feeds(model)
     assert_close(run_reference(rewrite(model).model, feeds), run_ort(model, feeds))
 

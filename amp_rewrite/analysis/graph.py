@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import networkx as nx
 import onnx
@@ -21,6 +22,32 @@ from amp_rewrite import onnx_facts
 from amp_rewrite.onnx_facts import FLOAT, LOW_ELEM
 
 
+class Def(NamedTuple):
+    """Where a tensor is defined in its graph."""
+
+    kind: str  # "input" | "initializer" | "node"
+    node: int  # the node's index, -1 for inputs and initializers
+    slot: int  # the output slot, -1 for inputs and initializers
+
+
+class Use(NamedTuple):
+    """One reading of a tensor: an input slot of a node, or a graph output (node -1)."""
+
+    scope: int
+    node: int
+    slot: int
+
+
+class Found(NamedTuple):
+    """A tensor visible from a scope: the scope that defines it and the definition."""
+
+    scope: int
+    definition: Def
+
+
+_INPUT, _INITIALIZER = Def("input", -1, -1), Def("initializer", -1, -1)
+
+
 @dataclass
 class Scope:
     """One graph: the main graph (index 0) or a subgraph held by a node of its parent scope."""
@@ -28,7 +55,7 @@ class Scope:
     graph: onnx.GraphProto
     parent: int | None
     owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
-    defs: dict = field(default_factory=dict)  # tensor name -> ("input"|"initializer"|"node", node, slot)
+    defs: dict = field(default_factory=dict)  # tensor name -> Def
     io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (half list()'s time), read once
     names: list = field(default_factory=list)  # per node: its name, read once
 
@@ -54,7 +81,7 @@ class ColouringGraph:
     graph: nx.DiGraph
     reads: list  # [scope][node] -> the vertex of each input slot (or None); None for a node without vertices
     writes: list  # [scope][node] -> the vertex of each output slot, likewise
-    uses: dict  # (def scope, name) -> [(scope, node, slot)]; graph outputs use node -1
+    uses: dict  # (def scope, name) -> [Use]; graph outputs use node -1
     types: dict  # tensor name -> element type
     shapes: dict  # tensor name -> TensorShapeProto when known
     notes: list  # (node label, text) for ops that could not be classified
@@ -70,13 +97,13 @@ class ColouringGraph:
         row = self.reads[scope][node] if node >= 0 else None
         return row[slot] if row else None
 
-    def resolve(self, scope: int, name: str):
-        """(defining scope, def) for a tensor visible from `scope`, or None if undefined."""
+    def resolve(self, scope: int, name: str) -> Found | None:
+        """Where a tensor visible from `scope` is defined, or None if undefined."""
         s = scope
         while s is not None:
             found = self.scopes[s].defs.get(name)
             if found is not None:
-                return s, found
+                return Found(s, found)
             s = self.scopes[s].parent
         return None
 
@@ -108,16 +135,16 @@ def read_scopes(graph: onnx.GraphProto, nested: bool = True) -> list[Scope]:
 def _record_defs(scope: Scope) -> None:
     defs = scope.defs
     for tensor in scope.graph.initializer:
-        defs[tensor.name] = ("initializer", -1, -1)
+        defs[tensor.name] = _INITIALIZER
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
-        defs[value.name] = ("input", -1, -1)
+        defs[value.name] = _INPUT
     rows = [(tuple(node.input), tuple(node.output), node.name) for node in scope.graph.node]  # one visit a node
     scope.io = [row[:2] for row in rows]
     scope.names = [row[2] for row in rows]
     for n, (_, outputs) in enumerate(scope.io):
         for slot, name in enumerate(outputs):
             if name:
-                defs[name] = ("node", n, slot)
+                defs[name] = Def("node", n, slot)
 
 
 def _label(node: onnx.NodeProto, s: int, n: int) -> str:
@@ -137,22 +164,22 @@ def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
                 found = defs.get(name)
                 if found is not None:  # the common case: defined in the same graph
                     key = (s, name)
-                    if found[1] >= n:
+                    if found.node >= n:
                         unsorted = True
                 else:
                     found = cg_resolve(s, name)
                     if found is None:
                         continue
-                    key = (found[0], name)
+                    key = (found.scope, name)
                 readers = uses.get(key)  # not setdefault: no empty list made per use
                 if readers is None:
-                    uses[key] = [(s, n, slot)]
+                    uses[key] = [Use(s, n, slot)]
                 else:
-                    readers.append((s, n, slot))
+                    readers.append(Use(s, n, slot))
         for slot, value in enumerate(scope.graph.output):
             found = cg_resolve(s, value.name)
             if found is not None:
-                uses.setdefault((found[0], value.name), []).append((s, -1, slot))
+                uses.setdefault((found.scope, value.name), []).append(Use(s, -1, slot))
     return uses, unsorted
 
 

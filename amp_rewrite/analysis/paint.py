@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -26,12 +27,34 @@ from amp_rewrite.analysis.graph import ColouringGraph
 LOW, FP32 = "low", "float32"
 
 
-class Reason(NamedTuple):
-    """Why a vertex got its colour: the step, and the neighbour it came through (if any).
-    A NamedTuple: one is made for every vertex, at two thirds of a frozen dataclass's cost."""
+class Step(Enum):
+    """The pass (or fixed fact) that decided a vertex's colour; the report and the HTML picture
+    match on these, never on the wording."""
 
-    step: str
+    ALLOW_LIST = "allow list"
+    DENY_LIST = "deny list"
+    MEASURED = "measured deny root"  # calibration or a user's force_fp32: `detail` says why
+    DOWNSTREAM_OF_DENY = "downstream of deny"
+    BETWEEN_ALLOW = "between allow ops"
+    INFER_AFTER_ALLOW = "infer fed by allow (bfloat16)"
+    CLEAR_NEXT_TO_LOW = "clear next to low precision"
+    ALL_CONSUMERS_LOW = "all consumers low precision"
+    BLOCKED = "blocked"  # may never be low precision (no list, schema, user pin, range): `detail`
+    NOT_PAINTED = "not painted"  # no pass reached it: `detail` says which rule left it float32
+
+
+class Reason(NamedTuple):
+    """Why a vertex got its colour: the step, the neighbour it came through (if any), and for
+    steps that carry one, the particular reason. A NamedTuple: one is made for every vertex."""
+
+    step: Step
     via: int | None = None
+    detail: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The reason in words: the detail where the step has one, else the step's name."""
+        return self.detail or self.step.value
 
 
 @dataclass(frozen=True)
@@ -81,7 +104,7 @@ class _Masks:
 
 
 def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
-    return {v: Reason("allow list") for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]}
+    return {v: Reason(Step.ALLOW_LIST) for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]}
 
 
 def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
@@ -90,8 +113,12 @@ def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
     upstream = reach([m.pred], roots, [name == "clear" for name in m.lists])
     deny_roots = [v for v in roots if m.lists[v] == "deny"]
     parent = reach([m.succ], deny_roots, m.inside(upstream, allow))
-    return {v: Reason(cg.vertices[v].forced or "deny list") if p is None else Reason("downstream of deny", p)
+    return {v: _deny_root(cg.vertices[v]) if p is None else Reason(Step.DOWNSTREAM_OF_DENY, p)
             for v, p in parent.items()}
+
+
+def _deny_root(vertex) -> Reason:
+    return Reason(Step.MEASURED, None, vertex.forced) if vertex.forced else Reason(Step.DENY_LIST)
 
 
 def paint_between_allow(cg: ColouringGraph, m: _Masks, allow: dict, deny: dict) -> dict:
@@ -99,7 +126,7 @@ def paint_between_allow(cg: ColouringGraph, m: _Masks, allow: dict, deny: dict) 
     passable = m.passable(("infer", "clear"), deny)
     downstream = reach([m.succ], list(allow), passable)
     back = reach([m.pred], list(allow), m.inside(downstream, allow))
-    return {v: Reason("between allow ops", downstream[v]) for v, p in back.items() if p is not None}
+    return {v: Reason(Step.BETWEEN_ALLOW, downstream[v]) for v, p in back.items() if p is not None}
 
 
 def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
@@ -111,14 +138,14 @@ def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict
         preds = list(m.pred[v])
         source = next((p for p in preds if p in low or p in painted), None)
         if source is not None and not any(p in deny for p in preds):
-            painted[v] = Reason("infer fed by allow (bfloat16)", source)
+            painted[v] = Reason(Step.INFER_AFTER_ALLOW, source)
     return painted
 
 
 def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
     passable = m.passable(("clear",), deny)
     parent = reach([m.succ, m.pred], list(low), passable)
-    return {v: Reason("clear next to low precision", p) for v, p in parent.items() if p is not None}
+    return {v: Reason(Step.CLEAR_NEXT_TO_LOW, p) for v, p in parent.items() if p is not None}
 
 
 def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: set) -> dict:
@@ -135,7 +162,7 @@ def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: 
             continue
         consumers = list(g.succ[v])
         if consumers and all(c in low for c in consumers) and _only_vertex_uses(cg, vertex, node):
-            painted[v] = Reason("all consumers low precision", consumers[0])
+            painted[v] = Reason(Step.ALL_CONSUMERS_LOW, consumers[0])
     return painted
 
 
@@ -178,16 +205,18 @@ def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:
     colours = {v: (LOW if v in low else FP32) for v in range(len(cg.vertices))}
     for v, vertex in enumerate(cg.vertices):
         if v not in reasons:
-            reasons[v] = Reason(vertex.blocked or _unpainted_reason(vertex))
+            reasons[v] = _unpainted(vertex)
     return Plan(MappingProxyType(colours), MappingProxyType(reasons))
 
 
-def _unpainted_reason(vertex) -> str:
+def _unpainted(vertex) -> Reason:
+    if vertex.blocked:
+        return Reason(Step.BLOCKED, None, vertex.blocked)
     if vertex.op_list == "deny":
-        return "deny list"
+        return Reason(Step.DENY_LIST)
     if vertex.group.output_only:
-        return ("output typed by an attribute: changed only when every reader is low precision "
-                "and it is not a graph output")
+        return Reason(Step.NOT_PAINTED, None, "output typed by an attribute: changed only when every reader is "
+                                              "low precision and it is not a graph output")
     if vertex.op_list in ("infer", "clear"):
-        return f"{vertex.op_list} op not between low-precision ops"
-    return "not painted"
+        return Reason(Step.NOT_PAINTED, None, f"{vertex.op_list} op not between low-precision ops")
+    return Reason(Step.NOT_PAINTED)

@@ -16,6 +16,8 @@ from collections import Counter, defaultdict
 import networkx as nx
 import onnx
 
+from amp_rewrite.analysis.paint import Step
+
 MAX_NODES = 120
 MAX_REGIONS = 48
 COLOURS = {"low": "#26a269", "float32": "#e66100", "mixed": "#9141ac", "other": "#b8b8b8"}
@@ -196,7 +198,7 @@ def _picture(report, model: onnx.ModelProto) -> str:
         n = info.get(i)
         if not n or n["precision"] != "float32":
             return False
-        return n["because"].split(": ", 1)[-1].startswith(("calibrated", "accuracy fallback"))
+        return n.get("step") == Step.MEASURED.value  # a deny root by calibration or the fallback
 
     if len(nodes) <= MAX_NODES:
         box_w, box_h = 128, 34

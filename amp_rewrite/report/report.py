@@ -1,154 +1,21 @@
 """What the rewrite decided and why: per node, per type group, and in summary figures.
 
-Every vertex carries a Reason (step + the neighbour it came through); following `via` links gives
-the chain a user reads, e.g. "Add 'a1' float32: downstream of deny through Reshape 'r1' from
-Softmax 'sm' (deny list)".
+The sentences come from `sentences.py`, the FLOPs and weight bytes from `flops.py`; this module
+assembles them into the `Report` that `--report` writes and the HTML picture draws.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
-import onnx
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import LOW, Plan
-from amp_rewrite.onnx_facts import ELEMENT_SIZE, FLOAT_TYPES
+from amp_rewrite.analysis.paint import LOW, Plan, Step
 
-MAX_CHAIN = 32
-_HEAVY = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul", "FusedGemm", "FusedConv"}
-
-
-def _label(cg: ColouringGraph, v: int) -> str:
-    vertex = cg.vertices[v]
-    return f"{vertex.op_type} '{vertex.name}'" if vertex.name else f"{vertex.op_type} (unnamed, scope {vertex.scope} #{vertex.node})"
-
-
-def chain(cg: ColouringGraph, plan: Plan, v: int) -> list[str]:
-    """The reason of `v`, then of the vertex it came through, and so on to the root."""
-    steps = []
-    seen = set()
-    while v is not None and v not in seen and len(steps) < MAX_CHAIN:
-        seen.add(v)
-        reason = plan.reason[v]
-        steps.append(f"{_label(cg, v)}: {reason.step}")
-        v = reason.via
-    return steps
-
-
-def explain(cg: ColouringGraph, plan: Plan, v: int) -> str:
-    vertex = cg.vertices[v]
-    colour = cg.target if plan.colour[v] == LOW else "float32"
-    parts = chain(cg, plan, v)
-    head = f"{_label(cg, v)} [{vertex.group.type_param.split('@')[0]}] {colour}: {plan.reason[v].step}"
-    if len(parts) > 1:
-        head += " <- " + " <- ".join(parts[1:])
-    return head
-
-
-def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
-    """One sentence a user can follow, e.g. "Add 'a' kept float32: infer op downstream of deny op
-    ReduceMean 'ln/ReduceMean' through Reshape 'r1'"."""
-    vertex = cg.vertices[v]
-    low = plan.colour[v] == LOW
-    verb = f"in {cg.target}" if low else "kept float32"
-    path = [v]
-    seen = {v}
-    while plan.reason[path[-1]].via is not None and len(path) < MAX_CHAIN:
-        nxt = plan.reason[path[-1]].via
-        if nxt in seen:
-            break
-        seen.add(nxt)
-        path.append(nxt)
-    step = plan.reason[v].step
-    kind = f"{vertex.op_list} op" if vertex.op_list else "op"
-    through = ""
-    if len(path) > 2:
-        through = " through " + ", ".join(_label(cg, w) for w in path[1:-1])
-    root = _label(cg, path[-1])
-    root_step = plan.reason[path[-1]].step
-    if step == "deny list":
-        text = f"deny list ({vertex.list_reason})" if vertex.list_reason else "deny list"
-    elif step == "allow list":
-        text = f"allow list ({vertex.list_reason})" if vertex.list_reason else "allow list"
-    elif step == "downstream of deny":
-        why = "" if root_step == "deny list" else f" ({root_step})"
-        text = f"{kind} downstream of deny op {root}{through}{why}"
-    elif step == "between allow ops":
-        text = f"{kind} between allow ops, reached from {root}{through}"
-    elif step == "clear next to low precision":
-        text = f"clear op next to low-precision {root}{through}"
-    elif step == "infer fed by allow (bfloat16)":
-        text = f"infer op fed by low-precision {root}{through}"
-    elif step == "all consumers low precision":
-        text = f"every consumer is low precision (e.g. {root})"
-    else:
-        text = step
-    return f"{_label(cg, v)} {verb}: {text}"
-
-
-def weight_bytes(graphs) -> int:
-    """Bytes of float weights (initializers and Constant tensors) in `graphs`, from their shapes."""
-    total = 0
-    for graph in graphs:
-        tensors = list(graph.initializer)
-        tensors += [a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
-        for t in tensors:
-            if t.data_type in FLOAT_TYPES:
-                total += ELEMENT_SIZE[t.data_type] * math.prod(t.dims)
-    return total
-
-
-def _dims(shapes: dict, name: str):
-    shape = shapes.get(name)
-    if shape is None:
-        return None
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in shape.dim]
-    return None if any(d is None or d <= 0 for d in dims) else dims
-
-
-def estimate_flops(node: onnx.NodeProto, shapes: dict) -> int | None:
-    """Multiply-adds x 2 of a MatMul / Gemm / Conv / ConvTranspose from known shapes, else None."""
-    op = node.op_type
-    if op in ("MatMul", "FusedMatMul", "Gemm", "FusedGemm"):
-        a = _dims(shapes, node.input[0]) if node.input else None
-        y = _dims(shapes, node.output[0]) if node.output else None
-        b = _dims(shapes, node.input[1]) if len(node.input) > 1 else None
-        if y is None and op in ("MatMul", "FusedMatMul") and a and b and len(a) >= 2 and len(b) >= 2:
-            y = a[:-1] + [b[-1]]  # batch dims of b broadcast against a's: a lower bound
-        if a is None or y is None or not a:
-            return None
-        k = a[-1]
-        if op in ("Gemm", "FusedGemm") and any(at.name == "transA" and at.i for at in node.attribute):
-            k = a[0]
-        return 2 * int(np.prod(y)) * k
-    if op in ("Conv", "FusedConv", "ConvTranspose"):
-        x = _dims(shapes, node.input[0]) if node.input else None
-        w = _dims(shapes, node.input[1]) if len(node.input) > 1 else None
-        y = _dims(shapes, node.output[0]) if node.output else None
-        if x is None or w is None or y is None:
-            return None
-        if op == "ConvTranspose":  # each input element meets Cout/g x kernel weights
-            return 2 * int(np.prod(x)) * int(np.prod(w[1:]))
-        return 2 * int(np.prod(y)) * int(np.prod(w[1:]))
-    return None
-
-
-def flops_by_node(cg: ColouringGraph) -> dict:
-    """(scope, node index) -> FLOPs of compute-heavy nodes; call before materialising moves nodes."""
-    out = {}
-    for vertex in cg.vertices:
-        key = (vertex.scope, vertex.node)
-        if vertex.op_type in _HEAVY and key not in out:
-            inputs = cg.scopes[vertex.scope].io[vertex.node][0]
-            # without the first input's shape every estimate is None: then the node is not read
-            known = inputs and inputs[0] in cg.shapes
-            out[key] = estimate_flops(cg.node(*key), cg.shapes) if known else None
-    return out
+from amp_rewrite.report.flops import HEAVY
+from amp_rewrite.report.sentences import explain, sentence
 
 
 @dataclass
@@ -251,10 +118,11 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> di
     return {
         "name": first.name, "op_type": first.op_type, "scope": key[0], "index": key[1], "list": first.op_list,
         "precision": precision, "flops": flops,
-        "because": sentence(cg, plan, vs[0]),
+        "because": sentence(cg, plan, vs[0]), "step": plan.reason[vs[0]].step.value,
         "groups": {cg.vertices[v].group.type_param.split("@")[0]: {
             "precision": cg.target if plan.colour[v] == LOW else "float32",
-            "reason": explain(cg, plan, v), "because": sentence(cg, plan, v)} for v in vs},
+            "reason": explain(cg, plan, v), "because": sentence(cg, plan, v),
+            "step": plan.reason[v].step.value} for v in vs},
     }
 
 
@@ -289,7 +157,7 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
             precision_counts[precision] += 1
             if precision != "float32":
                 low_by_list[first.op_list or "none"] += 1
-            if first.op_list == "allow" or (first.forced and first.op_type in _HEAVY):
+            if first.op_list == "allow" or (first.forced and first.op_type in HEAVY):
                 allow_ops += 1
                 allow_low += precision != "float32"
                 flops = flops_of[key] = (node_flops or {}).get(key)
@@ -299,7 +167,7 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
                     flops_low += flops if precision != "float32" else 0
         deny_roots = sum(1 for vs in by_node.values() if cg.vertices[vs[0]].op_list == "deny")
         deny_blocked = len({(cg.vertices[v].scope, cg.vertices[v].node) for v, r in plan.reason.items()
-                            if r.step == "downstream of deny"})
+                            if r.step is Step.DOWNSTREAM_OF_DENY})
         summary = {
             "groups": len(cg.vertices),
             "groups_low": sum(1 for c in plan.colour.values() if c == LOW),

@@ -19,16 +19,16 @@ def place_casts(m: Materialisation, s, name, d, src, uses) -> None:
     if needs.count(src) == len(needs):  # the common case: every reader takes the producer's type
         return
     rename_for_output = (s, name) in m.main_outputs and any(
-        u[0] == 0 and u[1] < 0 and need != src for u, need in zip(uses, needs))
-    if rename_for_output and d[0] == "node":
+        u.scope == 0 and u.node < 0 and need != src for u, need in zip(uses, needs))
+    if rename_for_output and d.kind == "node":
         # Main-graph output needs the other type: producer writes a new name, a Cast the old.
         new = m.names.new(f"{name}_{TAG[src]}")
         m.renamed[(s, name)] = new
-        m.cg.node(s, d[1]).output[d[2]] = new
+        m.cg.node(s, d.node).output[d.slot] = new
         if src == m.low:
             m.low_names.discard((s, name))
             m.low_names.add((s, new))
-        out_elem = next(need for u, need in zip(uses, needs) if u[0] == 0 and u[1] < 0)
+        out_elem = next(need for u, need in zip(uses, needs) if u.scope == 0 and u.node < 0)
         add_cast(m, s, d, new, name, out_elem, after=True)
         for use, need in zip(uses, needs):
             if need == src:
@@ -36,7 +36,7 @@ def place_casts(m: Materialisation, s, name, d, src, uses) -> None:
         return
     for use, need in zip(uses, needs):
         if need != src:
-            set_input(m, use, cast_of(m, s, name, d, need, use[0]))
+            set_input(m, use, cast_of(m, s, name, d, need, use.scope))
 
 
 def cast_of(m: Materialisation, s, name, d, elem, use_scope) -> str:
@@ -59,19 +59,19 @@ def cast_of(m: Materialisation, s, name, d, elem, use_scope) -> str:
 
 def cast_input_of_type(m: Materialisation, s, d, elem) -> str | None:
     """If `d` is made by a Cast whose own input already has type `elem`, that input."""
-    if d[0] != "node":
+    if d.kind != "node":
         return None
-    node = m.cg.node(s, d[1])
+    node = m.cg.node(s, d.node)
     if node.op_type != "Cast" or not node.input or not node.input[0]:
         return None
     source = node.input[0]
     found = m.cg.resolve(s, source)
-    if found is None or (found[0], source) in m.renamed:
+    if found is None or (found.scope, source) in m.renamed:
         return None
     if m.cg.types.get(source) == elem and m.cg.types.get(source) != FLOAT:
         return source  # e.g. Cast(fp16 -> fp32) feeding a now-float16 consumer
     if m.cg.types.get(source) == FLOAT:
-        if source_elem(m, found[0], source, found[1]) == elem:
+        if source_elem(m, found.scope, source, found.definition) == elem:
             return source
     return None
 
@@ -79,9 +79,9 @@ def cast_input_of_type(m: Materialisation, s, d, elem) -> str | None:
 def cast_origin(m: Materialisation, s, d) -> str | None:
     """The input of the existing Cast that made `d`, when that input is not a float32 tensor we
     retype (an int, bool or double): casting it directly avoids a Cast of a Cast."""
-    if d[0] != "node":
+    if d.kind != "node":
         return None
-    node = m.cg.node(s, d[1])
+    node = m.cg.node(s, d.node)
     if node.op_type != "Cast" or not node.input or not node.input[0]:
         return None
     source_type = m.cg.types.get(node.input[0])
@@ -93,8 +93,8 @@ def add_cast(m: Materialisation, scope, d, source, out, elem, *, after: bool) ->
     # helper.make_node's bytes, without its checks: a third of the time, 20k times at 100k nodes
     cast = onnx.NodeProto(op_type="Cast", input=[source], output=[out], name=name,
                           attribute=[onnx.AttributeProto(name="to", type=onnx.AttributeProto.INT, i=elem)])
-    if after and d is not None and d[0] == "node":
-        m.after.setdefault((scope, d[1]), []).append(cast)
+    if after and d is not None and d.kind == "node":
+        m.after.setdefault((scope, d.node), []).append(cast)
     else:
         m.top.setdefault(scope, []).append(cast)
     m.result.casts.append((scope, name, source, elem))

@@ -18,7 +18,7 @@ def place_constant(m: Materialisation, s, name, d, uses) -> None:
     kinds = set(needs)
     if m.low not in kinds:
         return
-    main_output = next((need for u, need in zip(uses, needs) if u[0] == 0 and u[1] < 0), None)
+    main_output = next((need for u, need in zip(uses, needs) if u.scope == 0 and u.node < 0), None)
     primary = main_output if main_output is not None else (FLOAT if FLOAT in kinds else m.low)
     other = m.low if primary == FLOAT else FLOAT
     other_name = m.names.new(f"{name}_{TAG[other]}") if other in kinds else None
@@ -56,7 +56,7 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
     """Write `name` converted to `elem` (default: the target) under `new_name`."""
     elem = elem or m.low
     scope = m.cg.scopes[s]
-    if d[0] == "initializer":
+    if d.kind == "initializer":
         tensor = initializers(m, s)[name]
         data = converted_bytes(m, (s, name), weights.value_holder(m.cg.borrowed, s, tensor), elem)
         m.result.weight_bytes_delta += size_change(data, elem, in_place)
@@ -73,7 +73,7 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
             scope.graph.initializer.add(name=new_name, data_type=elem, dims=tensor.dims, raw_data=data)
             m.result.duplicated_constants += 1
         return
-    node = m.cg.node(s, d[1])
+    node = m.cg.node(s, d.node)
     tensor = weights.constant_tensor(node)
     data = converted_bytes(m, (s, name), tensor, elem)
     m.result.weight_bytes_delta += size_change(data, elem, in_place)
@@ -84,7 +84,7 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
         m.result.converted_constants += 1
     else:
         copy = helper.make_node("Constant", [], [new_name], name=m.names.new(f"amp/{new_name}"), value=converted)
-        m.after.setdefault((s, d[1]), []).append(copy)
+        m.after.setdefault((s, d.node), []).append(copy)
         m.result.duplicated_constants += 1
 
 

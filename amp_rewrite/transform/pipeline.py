@@ -21,7 +21,7 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.onnx_facts import sort_graphs
-from amp_rewrite.report import report as report_mod
+from amp_rewrite.report import flops, report as report_mod
 from amp_rewrite.transform import materialise as materialise_mod, weights
 
 
@@ -89,9 +89,9 @@ def colour(w: Work) -> None:
 
 def estimate_flops(w: Work) -> None:
     """Before materialising, which moves nodes."""
-    w.flops = report_mod.flops_by_node(w.cg)
+    w.flops = flops.flops_by_node(w.cg)
     if w.weights_before is None:
-        w.weights_before = report_mod.weight_bytes(scope.graph for scope in w.cg.scopes)
+        w.weights_before = flops.weight_bytes(scope.graph for scope in w.cg.scopes)
 
 
 def materialise(w: Work) -> None:
@@ -128,7 +128,7 @@ STAGES = (
     build_colouring_graph,  # analysis.graph
     scan_constants,  # rewrite.weights
     colour,  # analysis.paint
-    estimate_flops,  # report.report
+    estimate_flops,  # report.flops
     materialise,  # rewrite.materialise
     sort,  # onnx_facts
     check,  # onnx.checker

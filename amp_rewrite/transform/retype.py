@@ -26,5 +26,5 @@ def retype_io_and_value_info(m: Materialisation) -> None:
     for s, scope in enumerate(m.cg.scopes):
         for value in scope.graph.value_info:
             found = m.cg.resolve(s, value.name)
-            if found is not None and (found[0], value.name) in m.low_names:
+            if found is not None and (found.scope, value.name) in m.low_names:
                 value.type.tensor_type.elem_type = m.low
