@@ -1,7 +1,7 @@
 """Element types of every tensor from the schemas alone, in one pass over the nodes.
 
-Shape inference costs about 20-40 µs a node (serialising, inferring shapes we do not need,
-reading every value_info back); the colouring needs only element types, and the schemas' type
+Shape inference is slow on big graphs (it serialises, infers shapes we do not need and reads
+every value_info back; docs/benchmarks.md has the figure); the colouring needs only element types, and the schemas' type
 groups give them: tensors in one group share a type, a fixed or single-choice parameter names
 its type, and a `to`/`dtype` attribute or a Constant's value sets an output-only one. When that
 leaves a node output unknown (a control-flow output, an op without a schema), the caller falls
@@ -88,7 +88,7 @@ def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict, grap
             types.setdefault(tensor.name, tensor.data_type)
 
 
-# Above this many nodes, shape inference (20-40 µs a node) runs only when the schemas alone
+# Above this many nodes, shape inference runs only when the schemas alone
 # leave a type unknown: shapes then come from the model's own value_info (FLOPs "where known").
 SHAPE_INFERENCE_NODE_LIMIT = 20_000
 

@@ -76,7 +76,7 @@ def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, w
         size = ELEMENT_SIZE.get(data_type)
         if data_type in FLOAT_TYPES:
             floats += count * size  # what it holds, once the checks below pass
-        external = tensor.data_location == TensorProto.EXTERNAL  # tensordata.is_external, inlined: 58k calls
+        external = tensor.data_location == TensorProto.EXTERNAL  # tensordata.is_external, inlined: once per tensor
         if external and in_memory:
             raise ModelError("model refers to external data but came in memory: pass its path instead")
         if external and size is not None:  # left on disk by lazy_weights

@@ -56,7 +56,7 @@ def inference_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _tensor_type(elem_type: int, dims) -> onnx.TypeProto:
-    """onnx's make_tensor_type_proto without its per-call checks (58k weights at 100k nodes)."""
+    """onnx's make_tensor_type_proto without its per-call checks: this runs once per weight."""
     proto = onnx.TypeProto()
     proto.tensor_type.elem_type = elem_type
     shape = proto.tensor_type.shape

@@ -24,7 +24,7 @@ class Report:
 
     target: str
     make_summary: object  # builds the summary figures on first use
-    make_nodes: object = list  # builds the per-node entries on first use (100k sentences cost seconds)
+    make_nodes: object = list  # builds the per-node entries on first use: a caller that wants only the model never pays for sentences
     notes: list = field(default_factory=list)
     sections: dict = field(default_factory=dict)  # "calibration", "validation", "fallback" when run
     _summary: dict | None = field(default=None, repr=False)

@@ -90,7 +90,7 @@ def cast_origin(m: Materialisation, s, d) -> str | None:
 
 def add_cast(m: Materialisation, scope, d, source, out, elem, *, after: bool) -> None:
     name = m.names.new(f"amp/Cast_{out}")
-    # helper.make_node's bytes, without its checks: a third of the time, 20k times at 100k nodes
+    # helper.make_node's bytes without its per-call checks: this runs once per cast (docs/benchmarks.md)
     cast = onnx.NodeProto(op_type="Cast", input=[source], output=[out], name=name,
                           attribute=[onnx.AttributeProto(name="to", type=onnx.AttributeProto.INT, i=elem)])
     if after and d is not None and d.kind == "node":

@@ -84,7 +84,7 @@ def source_elem(m: Materialisation, s: int, name: str, d) -> int | None:
 
 
 def needed_types(m: Materialisation, uses) -> list[int]:
-    """The element type each use reads: one call per tensor, not one per use (500k at 100k nodes)."""
+    """The element type each use reads: one call per tensor, not one per use (uses outnumber tensors)."""
     reads, low_vertices, low = m.reads, m.low_vertices, m.low
     out = []
     for s, n, slot in uses:

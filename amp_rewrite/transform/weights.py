@@ -2,7 +2,7 @@
 for the conversion.
 
 Reading a weight's values copies them out of the protobuf (upb gives no view of its bytes):
-about 600 MB at 100k nodes. The colouring needs every value checked against the target's range
+hundreds of megabytes on a big model. The colouring needs every value checked against the target's range
 before it starts, and the materialiser needs most of the same values converted after it ends.
 So one pass does both, about a megabyte at a time: one min/max over the chunk (tensor by tensor
 only inside a chunk over the limit) and one conversion of the whole chunk. The materialiser
@@ -25,7 +25,7 @@ from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, LOW_ELEM, np_dtype
 
 LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
 CHUNK_BYTES = 1 << 20  # float32 values read, checked and converted at once
-ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats a session call (~6 µs)
+ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats the cost of a session call
 CAST_OPSET = 13  # the first default-domain opset whose Cast takes bfloat16
 
 
@@ -80,7 +80,7 @@ def largest_finite(array: np.ndarray) -> float:
     """The largest finite |value| (inf and nan are representable: only finite values overflow)."""
     if not array.size:
         return 0.0
-    low, high = float(array.min()), float(array.max())  # no |x| temporary: a third of the time
+    low, high = float(array.min()), float(array.max())  # min and max: no |x| temporary array
     if math.isfinite(low) and math.isfinite(high):
         return max(high, -low)
     finite = array[np.isfinite(array)]
@@ -91,7 +91,8 @@ def largest_finite(array: np.ndarray) -> float:
 def _ort_float16_cast():
     """float32 array -> float16 array by a one-node ONNX Runtime session, or None if none can be made.
 
-    Its Cast kernel converts with the CPU's F16C instructions, 2-4x faster than numpy's astype and
+    Its Cast kernel converts with the CPU's F16C instructions, faster than numpy's astype
+    (docs/benchmarks.md) and
     bit for bit the same (round to nearest even; only NaN payloads may differ), which matters with
     hundreds of megabytes of weights. bfloat16 stays with numpy: ONNX Runtime's Python API cannot
     hand a bfloat16 array back."""
