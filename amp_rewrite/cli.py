@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from amp_rewrite.analysis.oplists import TARGETS
-from amp_rewrite.api import RewriteOptions
+from amp_rewrite.options import RewriteOptions
 from amp_rewrite.checks import fallback, validate
 from amp_rewrite.errors import AmpRewriteError, UsageError
 from amp_rewrite.io import atomic_write_bytes, check_output_path, load, save

@@ -18,11 +18,20 @@ import onnx
 
 from amp_rewrite.analysis import graph, paint
 from amp_rewrite.analysis.elemtypes import tensor_types
-from amp_rewrite.api import RewriteOptions, RewriteResult
+from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.onnx_facts import sort_graphs
 from amp_rewrite.report import flops, report as report_mod
 from amp_rewrite.transform import materialise as materialise_mod, weights
+
+
+@dataclass
+class RewriteResult:
+    """What `rewrite()` returns."""
+
+    model: onnx.ModelProto  # checker-valid, IR version and opsets kept
+    report: report_mod.Report  # every decision and why
+    changed: bool
 
 
 @dataclass

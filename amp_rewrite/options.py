@@ -1,0 +1,81 @@
+"""`RewriteOptions`: everything a rewrite is asked to do, built once (frozen) by the CLI or the API
+and read by the stages that need it; a new option is one field here and one read in its stage,
+never a keyword threaded through every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from amp_rewrite.analysis.oplists import TARGETS, OpLists, load_op_lists
+from amp_rewrite.errors import UsageError
+
+
+def _as_tuple(value) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        return (value,)
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """Everything a rewrite is asked to do. Build with `RewriteOptions.of(...)`, which checks the
+    values and accepts onnxconverter-common's names (`op_block_list`, `node_block_list`)."""
+
+    target: str = "float16"
+    keep_io_types: bool = True
+    op_lists: tuple = ()  # YAML files of user overrides
+    allow: tuple = ()  # op types moved into each list
+    deny: tuple = ()
+    infer: tuple = ()
+    clear: tuple = ()
+    keep_fp32_nodes: tuple = ()  # node names or full-match regexes pinned float32
+    clamp: bool = False  # clamp out-of-range constants instead of keeping their readers float32
+    check: bool = True  # onnx.checker on the result
+    force_fp32: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> reason: deny roots
+    calibration: object = None  # a checks.calibrate.CalibrationResult: measured deny roots
+
+    @classmethod
+    def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise UsageError(f"unknown rewrite option(s): {', '.join(sorted(unknown))}")
+        for name in ("op_lists", "allow", "deny", "infer", "clear", "keep_fp32_nodes"):
+            if name in fields:
+                fields[name] = _as_tuple(fields[name])
+        fields["deny"] = fields.get("deny", ()) + _as_tuple(op_block_list)
+        fields["keep_fp32_nodes"] = fields.get("keep_fp32_nodes", ()) + _as_tuple(node_block_list)
+        fields["force_fp32"] = MappingProxyType(dict(fields.get("force_fp32") or {}))
+        options = cls(**fields)
+        options.check_values()
+        return options
+
+    def replace(self, **changes) -> "RewriteOptions":
+        return RewriteOptions.of(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
+
+    def check_values(self) -> None:
+        if self.target not in TARGETS:
+            raise UsageError(f"unknown target {self.target!r}: choose one of {', '.join(TARGETS)}")
+        for pattern in self.keep_fp32_nodes:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise UsageError(f"keep_fp32_nodes: {pattern!r} is not a valid regular expression ({exc})") from None
+
+    def lists(self) -> OpLists:
+        """The op lists for `target` with the user's files and moves applied."""
+        return load_op_lists(self.target, user_files=list(self.op_lists), allow=list(self.allow),
+                             deny=list(self.deny), infer=list(self.infer), clear=list(self.clear))
+
+    def deny_roots(self) -> dict:
+        """Node name -> reason for every node that must start float32 (user pins and calibration)."""
+        forced = dict(self.force_fp32)
+        if self.calibration is not None:
+            forced = {**self.calibration.force_fp32(self.target), **forced}
+        return forced

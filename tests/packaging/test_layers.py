@@ -1,0 +1,86 @@
+"""The package's layers: every import goes down (or stays within its own stage), and the
+module-level imports form no cycle. Read from the source with `ast`, so it needs no import.
+
+    errors, naming, progress < onnx_facts < io < analysis < options, report < transform < api
+    < toggles < checks < autodiff < training < cli < __main__, the package's __init__
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parents[2] / "amp_rewrite"
+RANK = {
+    "errors": 0, "naming": 0, "progress": 0, "op_lists": 0, "onnx_facts": 1,
+    "io": 2, "analysis": 3, "options": 4, "report": 4, "transform": 5,
+    "api": 6, "toggles": 7, "checks": 8, "autodiff": 9, "training": 10,
+    "cli": 11, "__init__": 12, "__main__": 12,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def stage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path):
+    """(imported amp_rewrite module, at module level?) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "amp_rewrite":
+                continue
+            for alias in node.names:  # `from amp_rewrite.x import y`: y may be a module
+                candidate = f"{base}.{alias.name}"
+                yield (candidate if (PACKAGE.parent / candidate.replace(".", "/")).with_suffix(".py").exists()
+                       or (PACKAGE.parent / candidate.replace(".", "/")).is_dir() else base), id(node) in top_level
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "amp_rewrite":
+                    yield alias.name, id(node) in top_level
+
+
+def test_imports_only_go_down():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        for imported, _ in imports(path):
+            a, b = stage(importer), stage(imported)
+            if imported == "amp_rewrite" and a != "__init__":
+                wrong.append(f"{importer} imports the package root")
+            elif a != b and RANK[b] >= RANK[a] and b != "__init__":
+                wrong.append(f"{importer} ({a}) imports {imported} ({b})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_io_and_analysis_know_nothing_above_them():
+    for path in sorted((PACKAGE / "io").rglob("*.py")) + sorted((PACKAGE / "analysis").rglob("*.py")):
+        for imported, _ in imports(path):
+            assert stage(imported) in ("onnx_facts", "errors", "naming", "io", "analysis"), (path.name, imported)
+
+
+def test_no_import_cycles():
+    graph = nx.DiGraph()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for imported, top in imports(path):
+            if top:
+                graph.add_edge(module_name(path), imported)
+    # a package's __init__ importing its own modules is how packages work, not a cycle of ours
+    cycles = [c for c in nx.simple_cycles(graph) if not all(m.startswith(c[0].rsplit(".", 1)[0]) for m in c)
+              or len(c) > 2]
+    assert not cycles, cycles[:5]
