@@ -22,6 +22,7 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
+from amp_rewrite.checks.sessions import open_session
 from amp_rewrite.io import load
 
 HUGE = 1e30
@@ -88,7 +89,7 @@ def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, 
               progress) -> tuple[dict, dict]:
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
     exposed = val.expose(candidate, measured)
-    sess, used = val.session(exposed, provider)
+    sess, used = open_session(exposed, provider)
     available = [o.name for o in sess.get_outputs()]
     inter = [m for m in measured if m in available and m not in names]
     got = val.run_samples(sess, samples, outputs=names + inter, progress=progress, label="fallback: validate")
@@ -128,7 +129,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     st = _structure(model, measured)
     names = [o.name for o in model.graph.output]
     measured_names = [t for t in measured if t not in names] + [t for t in names if t in measured]
-    ref_sess, ref_used = val.session(val.expose(model, measured_names), provider)
+    ref_sess, ref_used = open_session(val.expose(model, measured_names), provider)
     ref_available = [o.name for o in ref_sess.get_outputs()]
     ref_rows = val.run_samples(ref_sess, samples, outputs=ref_available, progress=progress,
                                label="fallback: original")

@@ -100,11 +100,6 @@ def load_samples(path, model: onnx.ModelProto) -> list:
     return samples
 
 
-def session(model: onnx.ModelProto, provider: str = "auto"):
-    """(session, provider actually used): see `checks.sessions.open_session`."""
-    return open_session(model, provider)
-
-
 def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> list:
     """One session run per sample: [[array per output] per sample]."""
     results = []
@@ -225,7 +220,7 @@ def use_reference(model: onnx.ModelProto, provider_used: str, reference) -> bool
 
 def reference_outputs(original: onnx.ModelProto, samples, provider: str = "auto", progress=None):
     """(float32 outputs per sample, provider used): the original run once on ORT."""
-    sess, used = session(original, provider)
+    sess, used = open_session(original, provider)
     names = [o.name for o in sess.get_outputs()]
     return names, run_samples(sess, samples, progress=progress, label="validate: original"), used
 
@@ -245,7 +240,7 @@ def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol:
     result = ValidationResult(rtol, atol, used, len(samples))
     if provider == "cuda" and used != CUDA:
         result.notes.append("CUDA provider did not load; validated on CPU")
-    sess, used_new = session(rewritten, provider)
+    sess, used_new = open_session(rewritten, provider)
     got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
     result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)
     if use_reference(rewritten, used_new, reference):

@@ -12,6 +12,7 @@ import math
 import re
 from typing import NamedTuple
 
+import networkx as nx
 import onnx
 from onnx import TensorProto
 
@@ -152,7 +153,8 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str =
                             f"{node.name or node.op_type!r})")
             producer[name] = i
     visible = outer | set(defined) | set(producer)
-    edges: list[set[int]] = [set() for _ in graph.node]
+    deps = nx.DiGraph()
+    deps.add_nodes_from(range(len(graph.node)))
     for i, node in enumerate(graph.node):
         reads = [name for name in node.input if name]
         for attr in node.attribute:
@@ -163,26 +165,16 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str =
             if name not in visible:
                 _fail(path, f"{label}: node {node.name or node.op_type!r} reads {name!r}, which nothing defines")
             if name in producer:
-                edges[producer[name]].add(i)
+                deps.add_edge(producer[name], i)
     for value in graph.output:
         if value.name not in visible:
             _fail(path, f"{label}: graph output {value.name!r} is not produced by any node")
-    indegree = [0] * len(graph.node)
-    for targets in edges:
-        for j in targets:
-            indegree[j] += 1
-    ready = [i for i, d in enumerate(indegree) if d == 0]
-    done = 0
-    while ready:
-        i = ready.pop()
-        done += 1
-        for j in edges[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                ready.append(j)
-    if done != len(graph.node):
-        stuck = next(graph.node[i] for i, d in enumerate(indegree) if d > 0)
-        _fail(path, f"{label}: the graph has a cycle (through node {stuck.name or stuck.op_type!r})")
+    try:
+        cycle = nx.find_cycle(deps)
+    except nx.NetworkXNoCycle:
+        return
+    stuck = graph.node[cycle[0][0]]
+    _fail(path, f"{label}: the graph has a cycle (through node {stuck.name or stuck.op_type!r})")
 
 
 def _passes_checker(model: onnx.ModelProto) -> bool:
