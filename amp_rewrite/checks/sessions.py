@@ -58,9 +58,10 @@ def _session_source(model, keep_alive: list):
 
 
 def open_session(model, provider: str = "auto", *, options=None, error=ValidationError,
-                 what: str = "the model"):
+                 what: str = "the model", device_id: int = 0):
     """(session, provider used: CUDA or CPU). `model`: a ModelProto or its bytes. CUDA only when
-    it really loads, with ORT's load-failure spew silenced; a model ORT refuses is `error`."""
+    it really loads (on device `device_id`), with ORT's load-failure spew silenced; a model ORT
+    refuses is `error`."""
     if provider not in PROVIDERS:
         raise UsageError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
     ort = _ort()
@@ -72,7 +73,7 @@ def open_session(model, provider: str = "auto", *, options=None, error=Validatio
     ort.set_default_logger_severity(_FATAL_ONLY if want_cuda else _QUIET)
     try:
         sess = ort.InferenceSession(source, options or session_options(),
-                                    providers=[CUDA, CPU] if want_cuda else [CPU])
+                                    providers=[(CUDA, {"device_id": str(device_id)}), CPU] if want_cuda else [CPU])
     except Exception as exc:  # ORT raises its own untyped errors for invalid graphs
         raise error(f"ONNX Runtime refused {what}: {str(exc).strip().splitlines()[0]}") from None
     finally:

@@ -26,6 +26,8 @@ from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm,
 LR_INPUT = "opt/lr"
 STEP_STATE = "opt/step"
 SKIPPED_OUTPUT = "amp/skipped"
+INVERSE_SCALE = "amp/inverse_scale"
+UNSCALED_PREFIX = "amp/unscaled/"  # + weight name: the unscaled gradient (data-parallel split point)
 # The loss, its backward (autodiff names it grad/<forward node>/...), the seed, loss scaling,
 # finite check and optimizer stay float32: the loss is scaled and gradients unscaled in float32.
 FLOAT32_REGIONS = (r"loss/.*", r"grad/loss/.*", r"grad/seed.*", r"amp/.*", r"opt/.*")
@@ -105,8 +107,8 @@ def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, g
     """Unscale, finite check, optional clipping, gated update, scale update; returns (state inputs, next_state)."""
     e.reserve([SCALE_STATE, GOOD_STEPS_STATE, STEP_STATE, LR_INPUT])
     e.reserve(slot_name(w, s) for w in grads for s in optimizer.slots)
-    inverse_scale = e.op("Reciprocal", [SCALE_STATE], "inverse_scale")
-    unscaled = [e.op("Mul", [g, inverse_scale], f"unscaled/{w}") for w, g in grads.items()]
+    inverse_scale = e.op("Reciprocal", [SCALE_STATE], out=INVERSE_SCALE)
+    unscaled = [e.op("Mul", [g, inverse_scale], out=UNSCALED_PREFIX + w) for w, g in grads.items()]
     all_finite = _emit_all_finite(e, [loss_name, *unscaled])
 
     o = e.scoped("opt/")

@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 import onnxruntime as ort
 
 from amp_rewrite.api import rewrite
-from amp_rewrite.checks.sessions import CUDA, open_session
+from amp_rewrite.checks.sessions import CUDA, open_session, session_options
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
@@ -52,12 +52,23 @@ class Trainer:
     FixedLossScale. `on_nonfinite`: "skip" the update, or "retry" the batch at half the scale until
     finite or the scale is 1. `trainable`: weight names (default: every float initializer the loss
     depends on). `gradient_builder`: a function with `amp_rewrite.autodiff.build_gradient_graph`'s
-    signature (the default).
+    signature (the default). `distributed="mpi"`: data-parallel over MPI ranks, see
+    `amp_rewrite.training.distributed.DistributedTrainer` (its extra options are accepted here too).
     """
+
+    def __new__(cls, *args, distributed: str | None = None, **kwargs):
+        if distributed is None or cls is not Trainer:
+            return super().__new__(cls)
+        if distributed != "mpi":
+            raise TrainingError(f"distributed must be None or 'mpi', got {distributed!r}")
+        from amp_rewrite.training.distributed import DistributedTrainer
+
+        return super().__new__(DistributedTrainer)
 
     def __init__(self, model, loss: str = "cross_entropy", optimizer: Optimizer | None = None,
                  loss_scale="dynamic", precision: str = "float16", provider: str = "auto",
-                 on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None):
+                 on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
+                 distributed: str | None = None):
         self._model = _load_model(model)
         self.optimizer = _check_optimizer(optimizer)
         self.loss_scale_policy = resolve_loss_scale(loss_scale)
@@ -67,7 +78,11 @@ class Trainer:
             raise TrainingError("on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)")
         step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, trainable, gradient_builder)
         self.step_graph: StepGraph = apply_precision(step, self.precision)
-        self._session, self.device = _open_step_session(self.step_graph.model, provider, precision)
+        self._start(provider)
+
+    def _start(self, provider: str) -> None:
+        """Open the step session and put the state on its device (a data-parallel trainer opens two)."""
+        self._session, self.device = _open_step_session(self.step_graph.model, provider, self.precision)
         self._feed_types = _input_dtypes(self.step_graph.model)
         self._host_arrays: list[np.ndarray] = []
         self._buffers = [self._device_state(self.step_graph.initial_state), self._device_state(self.step_graph.initial_state)]
@@ -269,12 +284,15 @@ def _check_optimizer(optimizer) -> Optimizer:
     return optimizer
 
 
-def _open_step_session(model: onnx.ModelProto, provider: str, precision: str):
-    """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error."""
+def _open_step_session(model: onnx.ModelProto, provider: str, precision: str, device_id: int = 0, threads: int = 0):
+    """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error.
+    `device_id`: the CUDA device; `threads`: CPU intra-op threads (0: ONNX Runtime's default)."""
     if provider not in PROVIDERS:
         raise TrainingError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
     try:
-        session, used = open_session(model.SerializeToString(), provider, error=TrainingError, what="the step graph")
+        options = session_options(intra_op_num_threads=threads)
+        session, used = open_session(model.SerializeToString(), provider, options=options, device_id=device_id,
+                                     error=TrainingError, what="the step graph")
         if provider == "cuda" and used != CUDA:
             raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
         return session, "cuda" if used == CUDA else "cpu"

@@ -1,0 +1,309 @@
+"""Data-parallel mixed-precision training over MPI (mpi4py), launched as `mpiexec -n N python train.py`.
+
+TensorFlow's MirroredStrategy with a LossScaleOptimizer is the model, with Horovod's fused
+buffers: every rank runs forward and backward on its share of the batch (a mean loss pre-scaled
+by 1/N, so the sum over ranks is the gradient of the global mean), the unscaled gradients land in
+a few flat float32 buckets, each bucket is summed across ranks in one `Allreduce` together with the
+local loss and non-finite flag, and then every rank applies the same gated update with the global
+flag. So a non-finite gradient on one rank skips the step everywhere and the loss scales stay
+equal. The one step graph is cut in two for this (`split_step.py`); the single-process Trainer
+keeps its one-graph step.
+
+Start: weights, optimizer slots and loss-scale state are broadcast from rank 0, after every rank
+has checked that it built the same step graph. `save`/`export` write on rank 0 only, `load` reads
+on rank 0 and broadcasts, `fit` draws its progress line on rank 0 only. An uncaught exception on
+any rank prints one line naming the rank and aborts the whole job, so no rank waits forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from amp_rewrite.errors import AmpRewriteError, TrainingError
+from amp_rewrite.training.split_step import split_step_graph
+from amp_rewrite.training.step_graph import LR_INPUT, SKIPPED_OUTPUT
+from amp_rewrite.training.trainer import StepResult, Trainer, _input_dtypes, _open_step_session
+
+DEFAULT_BUCKET_MB = 25.0  # torch DDP's default bucket size
+MEAN_LOSSES = ("cross_entropy", "mse")
+REDUCTIONS = ("mean", "sum")
+_TAIL = 2  # loss and non-finite count, reduced with the last bucket
+
+
+def mpi():
+    """mpi4py's MPI module (importing it initialises MPI), or one line saying how to get it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise TrainingError(f"distributed='mpi' needs mpi4py and an MPI ({error}): pip install 'amp-rewrite[mpi]'") from None
+    return MPI
+
+
+def install_abort_hook(comm=None) -> None:
+    """Make an uncaught exception on this rank end the whole job: one line naming the rank, then
+    `Abort`, since the other ranks would otherwise wait in their next collective forever. Called by
+    the DistributedTrainer; call it first thing in a script to cover the code before it too."""
+    comm = comm or mpi().COMM_WORLD
+    if getattr(sys.excepthook, "amp_rewrite_abort", False):
+        return
+    previous = sys.excepthook
+
+    def abort(kind, error, traceback):
+        if not issubclass(kind, AmpRewriteError):
+            previous(kind, error, traceback)  # an unexpected error keeps its traceback
+        sys.stderr.write(f"amp-rewrite: rank {comm.Get_rank()} of {comm.Get_size()} failed: "
+                         f"{kind.__name__}: {error}; aborting all ranks\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    abort.amp_rewrite_abort = True
+    sys.excepthook = abort
+
+
+def shard(data, rank: int | None = None, size: int | None = None):
+    """This rank's share of `data`. A dict of arrays (one batch, or a whole dataset) is cut along
+    its first axis into `size` equal contiguous blocks; a sequence (of batches) is dealt
+    round-robin. A remainder that cannot go to every rank is dropped: a rank with one step more
+    than the others would wait for them forever."""
+    if rank is None or size is None:
+        world = mpi().COMM_WORLD
+        rank, size = world.Get_rank() if rank is None else rank, world.Get_size() if size is None else size
+    if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
+        raise TrainingError(f"shard needs 0 <= rank < size, got rank {rank!r} of size {size!r}")
+    if isinstance(data, dict):
+        lengths = {len(v) for v in data.values()}
+        if len(lengths) != 1:
+            raise TrainingError(f"shard: the arrays' first dimensions differ ({sorted(lengths)})")
+        per_rank = lengths.pop() // size
+        return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in data.items()}
+    items = list(data)
+    return items[rank:len(items) // size * size:size]
+
+
+def plan_buckets(sizes: dict[str, int], bucket_elements: int) -> list[list[str]]:
+    """Consecutive gradients grouped into buckets of at most `bucket_elements` (a bigger gradient
+    gets a bucket of its own): one Allreduce call per bucket."""
+    buckets: list[list[str]] = [[]]
+    filled = 0
+    for name, size in sizes.items():
+        if buckets[-1] and filled + size > bucket_elements:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(name)
+        filled += size
+    return buckets
+
+
+class GradientBuckets:
+    """Flat float32 buffers the gradient session writes into and the apply session reads from;
+    `views[grad]` is the gradient's slice, `tail` the (loss, non-finite count) pair in the last."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], bucket_bytes: int):
+        sizes = {name: int(np.prod(shape, dtype=np.int64)) for name, shape in shapes.items()}
+        groups = plan_buckets(sizes, max(1, bucket_bytes // 4))
+        self.flat: list[np.ndarray] = []
+        self.views: dict[str, np.ndarray] = {}
+        for i, group in enumerate(groups):
+            flat = np.zeros(sum(sizes[n] for n in group) + (_TAIL if i == len(groups) - 1 else 0), np.float32)
+            offset = 0
+            for name in group:
+                self.views[name] = flat[offset:offset + sizes[name]].reshape(shapes[name])
+                offset += sizes[name]
+            self.flat.append(flat)
+        self.tail = self.flat[-1][-_TAIL:]
+
+
+class DistributedTrainer(Trainer):
+    """`Trainer(..., distributed="mpi")`: one rank of a data-parallel job (see the module doc).
+
+    Each rank feeds its own share of every batch (`shard`). `loss_reduction`: "mean" (the
+    built-in losses; the default for a named loss output) or "sum" (a loss summed over samples,
+    whose rank sums add up to the global sum). `bucket_mb`: Allreduce bucket size. `device_id`:
+    CUDA device (default: the rank's index on its node); on CPU the node's cores are split between
+    its ranks. `comm`: an mpi4py communicator (default COMM_WORLD). `timings` adds up the seconds
+    spent in the gradient session, the Allreduce and the apply session.
+    """
+
+    def __init__(self, model, loss: str = "cross_entropy", optimizer=None, *args, distributed: str = "mpi",
+                 loss_reduction: str | None = None, bucket_mb: float = DEFAULT_BUCKET_MB, device_id: int | None = None,
+                 comm=None, **options):
+        if distributed != "mpi":
+            raise TrainingError(f"distributed must be None or 'mpi', got {distributed!r}")
+        self.loss_reduction = _check_reduction(loss, loss_reduction)
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise TrainingError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self._mpi = mpi()
+        self.comm = comm or self._mpi.COMM_WORLD
+        install_abort_hook(self.comm)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        local = self.comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+        self._device_id = local_rank if device_id is None else int(device_id)
+        self._threads = max(1, len(os.sched_getaffinity(0)) // local_size) if hasattr(os, "sched_getaffinity") else 0
+        self.timings = {"gradient": 0.0, "allreduce": 0.0, "apply": 0.0}
+        super().__init__(model, loss, optimizer, *args, **options)
+
+    # --- start ----------------------------------------------------------------------------------
+
+    def _start(self, provider: str) -> None:
+        self._share = 1.0 / self.size if self.loss_reduction == "mean" else 1.0
+        self._split = split_step_graph(self.step_graph, self._share)
+        self._check_same_step_graph()
+        options = {"device_id": self._device_id, "threads": self._threads}
+        self._grad_session, self.device = _open_step_session(self._split.gradient, provider, self.precision, **options)
+        self._apply_session, _ = _open_step_session(self._split.apply, provider, self.precision, **options)
+        self._feed_types = _input_dtypes(self._split.gradient)
+        self._host_arrays: list[np.ndarray] = []
+        initial = self.step_graph.initial_state
+        self._buffers = [self._device_state(initial), self._device_state(initial)]
+        self._current = 0
+        self._loss = np.zeros((), np.float32)
+        self._skipped = np.zeros((), np.bool_)
+        self._global_skipped = np.zeros((), np.bool_)
+        self._lr = self._device_value(np.array(self.optimizer.lr, np.float32))
+        shapes = {self._split.grads[w]: initial[w].shape for w in self.step_graph.weights}
+        self._buckets = GradientBuckets(shapes, self.bucket_bytes)
+        self._host = {name: ort.OrtValue.ortvalue_from_numpy(view) for name, view in self._buckets.views.items()}
+        self._host[self.step_graph.loss_output] = ort.OrtValue.ortvalue_from_numpy(self._loss)
+        self._host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(self._skipped)
+        self._global_skipped_value = ort.OrtValue.ortvalue_from_numpy(self._global_skipped)
+        self._grad_bindings = [self._gradient_binding(0), self._gradient_binding(1)]
+        self._apply_bindings = [self._apply_binding(0, 1), self._apply_binding(1, 0)]
+        self._broadcast_state()
+
+    def _check_same_step_graph(self) -> None:
+        """Every rank must run the same step, or the Allreduce sizes differ and the job hangs."""
+        digest = hashlib.sha256()
+        for part in (self._split.gradient, self._split.apply):
+            digest.update(part.SerializeToString(deterministic=True))
+        config = {"bucket_bytes": self.bucket_bytes, "reduction": self.loss_reduction}
+        digest.update(json.dumps(config, sort_keys=True).encode())
+        mine = np.frombuffer(digest.digest(), np.uint8)
+        everyone = np.empty((self.size, mine.size), np.uint8)
+        self.comm.Allgather(mine, everyone)
+        differing = [r for r in range(self.size) if not np.array_equal(everyone[r], everyone[0])]
+        if differing:
+            raise TrainingError(f"rank {differing[0]} built a different step graph than rank 0 (model, loss, optimizer, "
+                                "precision or trainer options differ): every rank must run the same training script")
+
+    def _broadcast_state(self) -> None:
+        """Weights, optimizer slots, step count, loss-scale state and learning rate from rank 0."""
+        state = self.state()
+        for name in sorted(state):
+            self.comm.Bcast(state[name], root=0)
+        lr = np.array(self.lr, np.float32)
+        self.comm.Bcast(lr, root=0)
+        self.load_state(state)
+        self.lr = float(lr)
+
+    # --- stepping -------------------------------------------------------------------------------
+
+    def _run(self, feeds: dict, retries: int) -> StepResult:
+        binding = self._grad_bindings[self._current]
+        for name in self.step_graph.batch_inputs:
+            if name not in feeds:
+                raise TrainingError(f"missing feed {name!r} (the step needs: {', '.join(self.step_graph.batch_inputs)})")
+            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name], dtype=self._feed_types[name]))
+        started = time.perf_counter()
+        self._grad_session.run_with_iobinding(binding)
+        computed = time.perf_counter()
+        tail = self._buckets.tail
+        tail[0] = self._loss * np.float32(self._share)
+        tail[1] = 1.0 if self._skipped else 0.0
+        for flat in self._buckets.flat:
+            self.comm.Allreduce(self._mpi.IN_PLACE, flat, op=self._mpi.SUM)
+        reduced = time.perf_counter()
+        self._global_skipped[...] = tail[1] > 0
+        self._apply_session.run_with_iobinding(self._apply_bindings[self._current])
+        self._current = 1 - self._current
+        applied = time.perf_counter()
+        for key, seconds in (("gradient", computed - started), ("allreduce", reduced - computed), ("apply", applied - reduced)):
+            self.timings[key] += seconds
+        return StepResult(float(tail[0]), self.loss_scale, bool(self._global_skipped), retries)
+
+    def fit(self, batches, epochs: int = 1, progress: bool | None = None) -> list[float]:
+        """`Trainer.fit` on this rank's batches (as many on every rank); progress on rank 0 only."""
+        return super().fit(batches, epochs, progress if self.rank == 0 else False)
+
+    # --- checkpoint and export ------------------------------------------------------------------
+
+    def save(self, path) -> None:
+        """Rank 0 writes the checkpoint (atomically); every rank returns once it is written."""
+        self._on_rank_zero(lambda: Trainer.save(self, path))
+
+    def export(self, path, precision: str = "float32") -> None:
+        """Rank 0 writes the trained inference model; every rank returns once it is written."""
+        self._on_rank_zero(lambda: Trainer.export(self, path, precision))
+
+    def load(self, path) -> None:
+        """Rank 0 reads and checks the checkpoint, then every rank gets its state (no shared disk needed)."""
+        self._on_rank_zero(lambda: Trainer.load(self, path))
+        self._broadcast_state()
+
+    def _on_rank_zero(self, action) -> None:
+        """Run `action` on rank 0; a failure there is raised on every rank, so none waits alone."""
+        error = None
+        if self.rank == 0:
+            try:
+                action()
+            except Exception as failure:  # re-raised below on every rank
+                error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, AmpRewriteError) else str(failure)
+        error = self.comm.bcast(error, root=0)
+        if error is not None:
+            raise TrainingError(error if self.rank == 0 else f"on rank 0: {error}") from None
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _device_value(self, array: np.ndarray) -> ort.OrtValue:
+        host = np.array(array, copy=True)
+        self._host_arrays.append(host)
+        return ort.OrtValue.ortvalue_from_numpy(host, self.device, self._device_id if self.device == "cuda" else 0)
+
+    def _gradient_binding(self, read: int) -> ort.IOBinding:
+        """Reads the weights and loss scale of state set `read`; gradients land in the buckets."""
+        binding = self._grad_session.io_binding()
+        for value in self._split.gradient.graph.input:
+            if value.name in self.step_graph.next_state:
+                binding.bind_ortvalue_input(value.name, self._buffers[read][value.name])
+            elif value.name == LR_INPUT:
+                binding.bind_ortvalue_input(value.name, self._lr)
+        for value in self._split.gradient.graph.output:
+            binding.bind_ortvalue_output(value.name, self._host[value.name])
+        return binding
+
+    def _apply_binding(self, read: int, write: int) -> ort.IOBinding:
+        """Reads state set `read`, the reduced gradients and the global flag; writes set `write`."""
+        binding = self._apply_session.io_binding()
+        for value in self._split.apply.graph.input:
+            name = value.name
+            if name in self.step_graph.next_state:
+                binding.bind_ortvalue_input(name, self._buffers[read][name])
+            elif name == LR_INPUT:
+                binding.bind_ortvalue_input(name, self._lr)
+            elif name == SKIPPED_OUTPUT:
+                binding.bind_ortvalue_input(name, self._global_skipped_value)
+            else:
+                binding.bind_ortvalue_input(name, self._host[name])
+        for name, out in self.step_graph.next_state.items():
+            binding.bind_ortvalue_output(out, self._buffers[write][name])
+        return binding
+
+
+def _check_reduction(loss: str, reduction: str | None) -> str:
+    """How the loss combines over samples: built-in losses are means; a named loss says."""
+    if reduction is None:
+        return "mean"
+    if reduction not in REDUCTIONS:
+        raise TrainingError(f"loss_reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if loss in MEAN_LOSSES and reduction != "mean":
+        raise TrainingError(f"the built-in loss {loss!r} is a mean over samples: loss_reduction must be 'mean'")
+    return reduction

@@ -1,0 +1,119 @@
+"""Split one step graph into a gradient graph and an apply graph, for data-parallel training.
+
+Data parallelism needs a cut between backward and update: every rank computes its gradients,
+the gradients are summed across ranks, then every rank applies the same update. The cut is at
+the unscaled gradients and the finite flag, which the one-graph step already names
+(`amp/unscaled/<weight>`, `amp/skipped`). The gradient graph is everything those depend on; the
+apply graph is everything the next state depends on, reading the (reduced) gradients and the
+(global) skip flag as inputs. Each node goes to exactly one side, so the pair computes what the
+one graph computes, bit for bit when nothing is reduced in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from amp_rewrite.training.loss_scale import SCALE_STATE
+from amp_rewrite.training.step_graph import INVERSE_SCALE, SKIPPED_OUTPUT, UNSCALED_PREFIX, StepGraph
+
+REPLICA_SHARE = "amp/replica_share"
+REPLICA_SEED = "amp/replica_seed"
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStep:
+    """The two halves of a step. `grads`: weight -> its unscaled gradient (an output of
+    `gradient`, an input of `apply`)."""
+
+    gradient: onnx.ModelProto
+    apply: onnx.ModelProto
+    grads: dict[str, str]
+
+
+def split_step_graph(step: StepGraph, loss_share: float = 1.0) -> SplitStep:
+    """Cut `step` at its unscaled gradients and skip flag. `loss_share` multiplies the backward
+    seed (the loss scale), i.e. the loss is pre-scaled by it before backward: 1/N for a mean loss
+    over N ranks, so that the sum of the ranks' gradients is the gradient of the global mean."""
+    graph = step.model.graph
+    grads = {w: UNSCALED_PREFIX + w for w in step.weights}
+    producers = _producers(graph)
+    missing = [g for g in [*grads.values(), SKIPPED_OUTPUT] if g not in producers]
+    if missing:
+        raise RuntimeError(f"step graph has no tensor {missing[0]!r} to split at")  # our own bug, not the user's
+    gradient_nodes = _ancestors(graph, producers, [step.loss_output, *grads.values(), SKIPPED_OUTPUT], stop=set())
+    apply_nodes = _ancestors(graph, producers, list(step.next_state.values()), stop={*grads.values(), SKIPPED_OUTPUT})
+    if gradient_nodes & apply_nodes:
+        shared = graph.node[min(gradient_nodes & apply_nodes)].name
+        raise RuntimeError(f"step graph node {shared!r} is needed on both sides of the split")
+
+    weight_shapes = {w: step.initial_state[w].shape for w in step.weights}
+    grad_infos = [helper.make_tensor_value_info(grads[w], TensorProto.FLOAT, list(weight_shapes[w])) for w in step.weights]
+    skipped_info = helper.make_tensor_value_info(SKIPPED_OUTPUT, TensorProto.BOOL, [])
+    loss_info = next(o for o in graph.output if o.name == step.loss_output)
+    gradient = _part(step.model, gradient_nodes, extra_inputs=[], outputs=[loss_info, *grad_infos, skipped_info])
+    if loss_share != 1.0:
+        _prescale_seed(gradient.graph, loss_share)
+    next_infos = [o for o in graph.output if o.name in set(step.next_state.values())]
+    apply = _part(step.model, apply_nodes, extra_inputs=[*grad_infos, skipped_info], outputs=next_infos)
+    for part in (gradient, apply):
+        onnx.checker.check_model(part)
+    return SplitStep(gradient, apply, grads)
+
+
+def _producers(graph: onnx.GraphProto) -> dict[str, int]:
+    return {out: i for i, n in enumerate(graph.node) for out in n.output if out}
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """Tensors a node reads, including those its subgraph bodies read from outer scopes."""
+    names = [i for i in node.input if i]
+    for attribute in node.attribute:
+        for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+            for inner in body.node:
+                names.extend(_reads(inner))
+    return names
+
+
+def _ancestors(graph: onnx.GraphProto, producers: dict[str, int], targets: list[str], stop: set[str]) -> set[int]:
+    """Indices of the nodes `targets` depend on, not looking past the tensors in `stop`."""
+    seen: set[int] = set()
+    pending = [t for t in targets if t not in stop]
+    while pending:
+        index = producers.get(pending.pop())
+        if index is None or index in seen:
+            continue
+        seen.add(index)
+        pending.extend(name for name in _reads(graph.node[index]) if name not in stop)
+    return seen
+
+
+def _part(model: onnx.ModelProto, nodes: set[int], extra_inputs: list, outputs: list) -> onnx.ModelProto:
+    """A model of the chosen nodes (in their order), the graph inputs and initializers they read."""
+    graph = model.graph
+    chosen = [graph.node[i] for i in sorted(nodes)]
+    read = {name for n in chosen for name in _reads(n)}
+    read |= {o.name for o in outputs}  # an output may be an input passed through
+    part = helper.make_graph(
+        chosen, graph.name,
+        [i for i in graph.input if i.name in read] + extra_inputs,
+        outputs,
+        [t for t in graph.initializer if t.name in read],
+        value_info=[v for v in graph.value_info if v.name in read],
+    )
+    result = helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version)
+    for function in model.functions:
+        result.functions.append(function)
+    return result
+
+
+def _prescale_seed(graph: onnx.GraphProto, share: float) -> None:
+    """Seed backward with scale * share; unscaling still divides by the scale alone."""
+    for node in graph.node:
+        if INVERSE_SCALE not in node.output:
+            node.input[:] = [REPLICA_SEED if name == SCALE_STATE else name for name in node.input]
+    graph.initializer.append(numpy_helper.from_array(np.array(share, np.float32), REPLICA_SHARE))
+    graph.node.insert(0, helper.make_node("Mul", [SCALE_STATE, REPLICA_SHARE], [REPLICA_SEED], name="amp/Mul:replica_seed"))
