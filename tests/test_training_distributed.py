@@ -174,6 +174,7 @@ def test_checkpoint_written_by_rank_zero_resumes_every_rank(nonfinite_run):
 def test_a_killed_rank_ends_the_job_within_seconds_and_the_checkpoint_is_intact(tmp_path):
     status, output, seconds = launch(2, "kill", tmp_path, timeout=60)
     assert status != 0 and "rank 1 fails now" in output
+    assert "Killed (signal 9)" in output  # mpiexec's line naming what ended the job
     assert seconds < 30, output
     single = Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=SGD(0.1), precision="float32", provider="cpu")
     single.load(tmp_path / "ckpt.npz")
@@ -191,3 +192,13 @@ def test_ranks_that_built_different_step_graphs_fail_with_one_line(tmp_path):
     assert status != 0 and "built" not in output.splitlines()
     assert "rank 1 built a different step graph than rank 0" in output
     assert "Traceback" not in output
+
+
+def test_bench_distributed_quick_prints_its_table():
+    _mpiexec()
+    bench = WORKER.parent.parent / "tools" / "bench_distributed.py"
+    done = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 64 ")]
+    assert [row.split("|")[3].strip() for row in rows] == ["one process (one-graph step)", "1 rank x 16", "2 ranks x 8"]
+    assert all(float(row.split("|")[6]) > 0 for row in rows)  # samples/s

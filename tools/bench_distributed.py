@@ -1,0 +1,129 @@
+"""Data-parallel training throughput: 1 and 2 MPI ranks on the same global batch, against the
+single-process Trainer (its one-graph step), with the share of step time spent in the Allreduce.
+
+    python tools/bench_distributed.py                    # CPU, float32, MLP widths 512 and 2048
+    python tools/bench_distributed.py --provider cuda    # one GPU per rank (device = local rank)
+    python tools/bench_distributed.py --quick            # smoke run
+
+Needs the [mpi] extra (mpi4py + mpich's mpiexec). Each rank trains on global_batch / ranks
+samples per step; samples/s = global batch / median step time on rank 0. Scaling efficiency =
+samples/s with N ranks / (N x samples/s of the single-process Trainer). On CPU the node's cores
+are split between the ranks (a 2-core VM gives each of 2 ranks one core), so the CPU figure says
+how well the split step + Allreduce use the same cores, not what more machines would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import make_feeds, mlp  # noqa: E402
+
+from amp_rewrite.training import SGD, Trainer  # noqa: E402
+
+
+def timed_steps(trainer, feeds, warmup, repeat, barrier=None):
+    """Median step time (s) and the per-step seconds spent in each phase after warm-up."""
+    for i in range(warmup):
+        trainer.step(feeds[i % len(feeds)])
+    if barrier:
+        barrier()
+    phases = getattr(trainer, "timings", {})
+    for key in phases:
+        phases[key] = 0.0
+    times = []
+    for i in range(repeat):
+        start = time.perf_counter()
+        trainer.step(feeds[i % len(feeds)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), {k: v / repeat for k, v in phases.items()}, sum(times) / repeat
+
+
+def make_trainer(args, **options):
+    model, _, _ = mlp(width=args.width)
+    return Trainer(model, optimizer=SGD(0.01, momentum=0.9), precision=args.precision, provider=args.provider,
+                   **options)
+
+
+def worker(args) -> int:
+    """One rank: print (on rank 0) a JSON line with the median step time and phase times."""
+    from amp_rewrite.training.distributed import shard
+
+    trainer = make_trainer(args, distributed="mpi", bucket_mb=args.bucket_mb)
+    feeds = [shard(f) for f in make_feeds((784,), args.global_batch)]
+    median, phases, mean = timed_steps(trainer, feeds, args.warmup, args.repeat, trainer.comm.Barrier)
+    if trainer.rank == 0:
+        print(json.dumps({"median": median, "mean": mean, "phases": phases, "device": trainer.device,
+                          "buckets": len(trainer._buckets.flat)}), flush=True)
+    return 0
+
+
+def launch(args, ranks):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
+    if mpiexec is None:
+        raise SystemExit("no mpiexec: pip install -e '.[mpi]'")
+    command = [mpiexec, "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", *_forwarded(args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"{ranks} ranks failed:\n{done.stdout}{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _forwarded(args):
+    return ["--width", str(args.width), "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
+            "--repeat", str(args.repeat), "--precision", args.precision, "--provider", args.provider,
+            "--bucket-mb", str(args.bucket_mb)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "auto"])
+    parser.add_argument("--precision", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--widths", default="512,2048")
+    parser.add_argument("--width", type=int, default=512, help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--global-batch", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke run)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.widths, args.global_batch, args.warmup, args.repeat = "64", 16, 1, 3
+    print(f"MLP 784-w-w-10, SGD(momentum), {args.precision}, {args.provider}, global batch {args.global_batch}, "
+          f"median of {args.repeat} steps after {args.warmup} warm-up, buckets of {args.bucket_mb:g} MB")
+    print("| width | params | runner | device | step ms | samples/s | Allreduce share | scaling efficiency |")
+    print("|---|---|---|---|---|---|---|---|")
+    for width in [int(w) for w in args.widths.split(",")]:
+        args.width = width
+        single = make_trainer(args)
+        median, _, _ = timed_steps(single, make_feeds((784,), args.global_batch), args.warmup, args.repeat)
+        base = args.global_batch / median
+        params = sum(v.size for v in single.weights().values())
+        print(f"| {width} | {params / 1e6:.2f}M | one process (one-graph step) | {single.device} | {1e3 * median:.2f} "
+              f"| {base:.0f} | - | 1.00 |")
+        del single
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            result = launch(args, ranks)
+            rate = args.global_batch / result["median"]
+            share = result["phases"]["allreduce"] / result["mean"]
+            print(f"| {width} | {params / 1e6:.2f}M | {ranks} rank{'s' if ranks > 1 else ''} x {args.global_batch // ranks} "
+                  f"| {result['device']} | {1e3 * result['median']:.2f} | {rate:.0f} | {100 * share:.1f} % | {rate / (ranks * base):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
