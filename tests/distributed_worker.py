@@ -117,10 +117,19 @@ def mismatch(out, rank):
     print("built", flush=True)
 
 
+def uneven(out, rank):
+    """Rank 1 gets a batch fewer than rank 0."""
+    trainer = Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=SGD(0.1), precision="float32", provider="cpu",
+                      distributed="mpi")
+    batches = [shard(b) for b in global_batches("mean", count=4)]
+    trainer.fit(batches[:3] if rank == 1 else batches, progress=False)
+    print("trained", flush=True)
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    {"equivalence": equivalence, "nonfinite": nonfinite_and_checkpoint, "mismatch": mismatch,
+    {"equivalence": equivalence, "nonfinite": nonfinite_and_checkpoint, "mismatch": mismatch, "uneven": uneven,
      "kill": lambda o, r: fault(o, r, "kill"), "raise": lambda o, r: fault(o, r, "raise")}[scenario](out, rank)

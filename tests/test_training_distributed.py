@@ -194,6 +194,12 @@ def test_ranks_that_built_different_step_graphs_fail_with_one_line(tmp_path):
     assert "Traceback" not in output
 
 
+def test_fit_over_different_numbers_of_batches_fails_on_every_rank_instead_of_hanging(tmp_path):
+    status, output, _ = launch(2, "uneven", tmp_path, timeout=60)
+    assert status != 0 and "trained" not in output.splitlines()
+    assert "ranks got different numbers of batches (4, 3)" in output
+
+
 def test_bench_distributed_quick_prints_its_table():
     _mpiexec()
     bench = WORKER.parent.parent / "tools" / "bench_distributed.py"

@@ -7,7 +7,8 @@ single-process Trainer (its one-graph step), with the share of step time spent i
 
 Needs the [mpi] extra (mpi4py + mpich's mpiexec). Each rank trains on global_batch / ranks
 samples per step; samples/s = global batch / median step time on rank 0. Scaling efficiency =
-samples/s with N ranks / (N x samples/s of the single-process Trainer). On CPU the node's cores
+samples/s with N ranks / (N x samples/s of the single-process Trainer), which the 1-rank run times
+round-robin with its own step (so list 1 first in --ranks). On CPU the node's cores
 are split between the ranks (a 2-core VM gives each of 2 ranks one core), so the CPU figure says
 how well the split step + Allreduce use the same cores, not what more machines would give.
 """
@@ -31,21 +32,26 @@ from bench_train import make_feeds, mlp  # noqa: E402
 from amp_rewrite.training import SGD, Trainer  # noqa: E402
 
 
-def timed_steps(trainer, feeds, warmup, repeat, barrier=None):
-    """Median step time (s) and the per-step seconds spent in each phase after warm-up."""
+def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
+    """Per trainer: median step time (s), mean step time, and the mean seconds per step spent in
+    each phase after warm-up. Several trainers are timed round-robin, so load drift hits all alike."""
     for i in range(warmup):
-        trainer.step(feeds[i % len(feeds)])
+        for trainer in trainers.values():
+            trainer.step(feeds[i % len(feeds)])
     if barrier:
         barrier()
-    phases = getattr(trainer, "timings", {})
-    for key in phases:
-        phases[key] = 0.0
-    times = []
+    for trainer in trainers.values():
+        for key in getattr(trainer, "timings", {}):
+            trainer.timings[key] = 0.0
+    times = {name: [] for name in trainers}
     for i in range(repeat):
-        start = time.perf_counter()
-        trainer.step(feeds[i % len(feeds)])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), {k: v / repeat for k, v in phases.items()}, sum(times) / repeat
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.step(feeds[i % len(feeds)])
+            times[name].append(time.perf_counter() - start)
+    return {name: {"median": statistics.median(t), "mean": sum(t) / repeat,
+                   "phases": {k: v / repeat for k, v in getattr(trainers[name], "timings", {}).items()}}
+            for name, t in times.items()}
 
 
 def make_trainer(args, **options):
@@ -55,15 +61,20 @@ def make_trainer(args, **options):
 
 
 def worker(args) -> int:
-    """One rank: print (on rank 0) a JSON line with the median step time and phase times."""
+    """One rank: print (on rank 0) a JSON line with step times; a lone rank also times the
+    single-process Trainer, round-robin with itself."""
     from amp_rewrite.training.distributed import shard
 
-    trainer = make_trainer(args, distributed="mpi", bucket_mb=args.bucket_mb)
+    trainers = {"mpi": make_trainer(args, distributed="mpi", bucket_mb=args.bucket_mb)}
+    comm = trainers["mpi"].comm
+    if comm.Get_size() == 1:
+        trainers["single"] = make_trainer(args)
     feeds = [shard(f) for f in make_feeds((784,), args.global_batch)]
-    median, phases, mean = timed_steps(trainer, feeds, args.warmup, args.repeat, trainer.comm.Barrier)
-    if trainer.rank == 0:
-        print(json.dumps({"median": median, "mean": mean, "phases": phases, "device": trainer.device,
-                          "buckets": len(trainer._buckets.flat)}), flush=True)
+    results = timed_steps(trainers, feeds, args.warmup, args.repeat, comm.Barrier)
+    if comm.Get_rank() == 0:
+        results["device"] = trainers["mpi"].device
+        results["params"] = int(sum(v.size for v in trainers["mpi"].weights().values()))
+        print(json.dumps(results), flush=True)
     return 0
 
 
@@ -109,19 +120,19 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for width in [int(w) for w in args.widths.split(",")]:
         args.width = width
-        single = make_trainer(args)
-        median, _, _ = timed_steps(single, make_feeds((784,), args.global_batch), args.warmup, args.repeat)
-        base = args.global_batch / median
-        params = sum(v.size for v in single.weights().values())
-        print(f"| {width} | {params / 1e6:.2f}M | one process (one-graph step) | {single.device} | {1e3 * median:.2f} "
-              f"| {base:.0f} | - | 1.00 |")
-        del single
+        base = None
         for ranks in [int(r) for r in args.ranks.split(",")]:
             result = launch(args, ranks)
-            rate = args.global_batch / result["median"]
-            share = result["phases"]["allreduce"] / result["mean"]
-            print(f"| {width} | {params / 1e6:.2f}M | {ranks} rank{'s' if ranks > 1 else ''} x {args.global_batch // ranks} "
-                  f"| {result['device']} | {1e3 * result['median']:.2f} | {rate:.0f} | {100 * share:.1f} % | {rate / (ranks * base):.2f} |")
+            params = f"{result['params'] / 1e6:.2f}M"
+            if "single" in result:
+                base = args.global_batch / result["single"]["median"]
+                print(f"| {width} | {params} | one process (one-graph step) | {result['device']} "
+                      f"| {1e3 * result['single']['median']:.2f} | {base:.0f} | - | 1.00 |")
+            mpi, rate = result["mpi"], args.global_batch / result["mpi"]["median"]
+            share = mpi["phases"]["allreduce"] / mpi["mean"]
+            efficiency = f"{rate / (ranks * base):.2f}" if base else "n/a"
+            print(f"| {width} | {params} | {ranks} rank{'s' if ranks > 1 else ''} x {args.global_batch // ranks} "
+                  f"| {result['device']} | {1e3 * mpi['median']:.2f} | {rate:.0f} | {100 * share:.1f} % | {efficiency} |")
     return 0
 
 

@@ -232,6 +232,11 @@ class DistributedTrainer(Trainer):
 
     def fit(self, batches, epochs: int = 1, progress: bool | None = None) -> list[float]:
         """`Trainer.fit` on this rank's batches (as many on every rank); progress on rank 0 only."""
+        if not callable(batches) and hasattr(batches, "__len__"):
+            counts = self.comm.allgather(len(batches))
+            if len(set(counts)) > 1:
+                raise TrainingError(f"ranks got different numbers of batches ({', '.join(map(str, counts))}): "
+                                    "each would wait for the others' last steps forever; deal them with shard()")
         return super().fit(batches, epochs, progress if self.rank == 0 else False)
 
     # --- checkpoint and export ------------------------------------------------------------------
