@@ -69,6 +69,8 @@ class Trainer:
                  loss_scale="dynamic", precision: str = "float16", provider: str = "auto",
                  on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
                  distributed: str | None = None):
+        if distributed is not None:  # Trainer(..., distributed="mpi") makes a DistributedTrainer in __new__
+            raise TrainingError(f"{type(self).__name__} trains in one process: use Trainer(..., distributed='mpi')")
         self._model = _load_model(model)
         self.optimizer = _check_optimizer(optimizer)
         self.loss_scale_policy = resolve_loss_scale(loss_scale)
