@@ -10,7 +10,7 @@ GlobalAveragePool, Flatten, Gemm): the case where the whole graph goes float16.
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +18,17 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tools"))
 
-import synthetic  # noqa: E402  (tools/ is not a package)
+
+def _load_synthetic():
+    """tools/synthetic.py, loaded from its file (tools/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("synthetic", HERE.parent / "tools" / "synthetic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+synthetic = _load_synthetic()
 
 OPSET = 17
 IR_VERSION = 8

@@ -4,9 +4,22 @@ Models are built at IR version 8 because ONNX Runtime refuses the IR version onn
 default. Every rewrite test runs both models: `run_ort` (what users run) and `run_reference`
 (onnx.reference keeps every tensor in its declared type, so it shows float16 overflow that ONNX
 Runtime's CPU provider hides by computing in float32).
+
+Random values come from a generator made in the test (or builder) that uses them
+(`np.random.default_rng(seed)`), never from one shared by a module: under `pytest -n 2` the
+tests a worker runs, and their order, change from run to run.
+
+`tools/` and `examples/` are folders of scripts, not packages, and never on sys.path: a test that
+needs one loads it from its file with `load_tool("synthetic")` / `load_script("examples/x.py")`.
+Tools never import from tests/.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +29,42 @@ from onnx.reference import ReferenceEvaluator
 
 IR_VERSION = 8
 FLOAT = TensorProto.FLOAT
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: tools/ and examples/ live there
+
+
+def load_script(path: str, needs=()):
+    """The script at `path` (relative to the checkout) as a module, loaded once per process from
+    its file and registered under its file's stem. `needs`: the paths of the sibling scripts it
+    imports (`import synthetic`), loaded first so that import finds them; run as a script, Python
+    puts the script's own folder on sys.path, so tools import siblings plainly."""
+    for sibling in needs:
+        load_script(sibling)
+    file = ROOT / path
+    name = file.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == file:
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickle look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def run_script(path: str, *args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    """`python <path> <args>` from the checkout's root, output captured. The script imports the
+    installed amp_rewrite, as the tests do (CI installs the wheel)."""
+    return subprocess.run([sys.executable, str(ROOT / path), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def load_tool(name: str, needs=()):
+    """tools/<name>.py as a module; `needs`: the names of the sibling tools it imports (see load_script)."""
+    return load_script(f"tools/{name}.py", [f"tools/{n}.py" for n in needs])
 
 
 def tensor(name, shape, elem_type=FLOAT):
@@ -38,6 +87,22 @@ def make_model(nodes, inputs, outputs, initializers=(), opset=17, ir_version=IR_
     model = helper.make_model(graph, opset_imports=opsets, ir_version=ir_version)
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def weights(rng, *shape, scale=0.3):
+    """float32 weights of `shape` from the caller's generator."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def mlp(seed=0):
+    """MatMul -> Add -> Relu -> MatMul -> Softmax over [N, 8]: allow, infer, clear, allow, deny."""
+    rng = np.random.default_rng(seed)
+    return make_model(
+        [node("MatMul", ["x", "W1"], ["h"], "mm1"), node("Add", ["h", "b1"], ["h2"], "add1"),
+         node("Relu", ["h2"], ["r"], "relu"), node("MatMul", ["r", "W2"], ["y"], "mm2"),
+         node("Softmax", ["y"], ["p"], "sm", axis=-1)],
+        [tensor("x", ["N", 8])], [tensor("p", ["N", 4])],
+        [init("W1", weights(rng, 8, 16)), init("b1", weights(rng, 16)), init("W2", weights(rng, 16, 4))])
 
 
 def session(model):
@@ -80,3 +145,35 @@ def assert_close(actual, expected, rtol=1e-2, atol=1e-2):
         e = np.asarray(e)
         assert a.shape == e.shape, (a.shape, e.shape)
         np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol)
+
+
+def check_both(original, rewritten, feeds=None, rtol=2e-2, atol=2e-2):
+    """Checker (full), then ORT and the reference evaluator against the float32 original: the
+    check every rewrite test makes of its result."""
+    onnx.checker.check_model(rewritten, full_check=True)
+    feeds = feeds or random_feeds(original)
+    expected = run_ort(original, feeds)
+    assert_close(run_ort(rewritten, feeds), expected, rtol, atol)
+    assert_close(run_reference(rewritten, feeds), expected, rtol, atol)
+    return expected
+
+
+def big_weights_model():
+    """Weights above the skeleton limit (1024 values), so an in-memory rewrite borrows them: one
+    converted in place (with a doc string and metadata), one read in both precisions, one only
+    in float32, and a big int64 tensor that is never converted."""
+    rng = np.random.default_rng(0)
+    w_shared = init("W_shared", weights(rng, 64, 64))
+    w_doc = init("W_doc", weights(rng, 64, 64))
+    w_doc.doc_string = "kept through the conversion"
+    w_doc.metadata_props.add(key="origin", value="test")
+    return make_model(
+        [node("MatMul", ["x", "W_doc"], ["h"], "mm1"), node("MatMul", ["h", "W_shared"], ["y"], "mm2"),
+         node("ReduceSum", ["W_shared"], ["s"], "sum_shared", keepdims=0),
+         node("ReduceMean", ["W_f32"], ["m"], "mean_f32", keepdims=0),
+         node("Gather", ["W_shared", "idx"], ["g"], "gather", axis=0),
+         node("ReduceSum", ["g"], ["gs"], "sum_gathered", keepdims=0)],
+        [tensor("x", ["N", 64])],
+        [tensor("y", ["N", 64]), tensor("s", []), tensor("m", []), tensor("gs", [])],
+        [w_doc, w_shared, init("W_f32", weights(rng, 48, 48)),
+         init("idx", np.arange(2000, dtype=np.int64) % 64)])

@@ -5,7 +5,7 @@
     python tools/autodiff_coverage.py --check    # exit 1 when the file is stale
 
 Per op: the inputs that carry a gradient, the rule's formula (its docstring), the standard ops its
-backward emits (found by building the gradient of each test case in tests/autodiff_cases.py), the
+backward emits (found by building the gradient of each case in tools/autodiff_cases.py), the
 number of finite-difference cases, and whether ONNX Runtime's own gradient registry has the op.
 A second table gives each emitted backward op's float16 AMP list, so the rewrite can colour
 forward and backward together.
@@ -21,13 +21,11 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from amp_rewrite.autodiff import build_gradient_graph, covered_ops
+from amp_rewrite.autodiff.registry import REGISTRY
+from autodiff_cases import CASES  # a sibling in tools/ (also read by tests/autodiff/test_rules.py)
 
-from amp_rewrite.autodiff import build_gradient_graph, covered_ops  # noqa: E402
-from amp_rewrite.autodiff.registry import REGISTRY  # noqa: E402
-from autodiff_cases import CASES  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "autodiff_ops.md"
 
@@ -95,7 +93,7 @@ def render() -> str:
         "",
         f"{len(covered_ops())} op types have a gradient rule (ONNX Runtime's registry: about 80, half of them on",
         "training-only kernels). Every rule emits standard ONNX ops only. *Cases*: finite-difference cases in",
-        "`tests/autodiff_cases.py` (each run at opsets 17 and 18 unless the op needs another, float64 against",
+        "`tools/autodiff_cases.py` (each run at opsets 17 and 18 unless the op needs another, float64 against",
         "central differences, then float32 in ONNX Runtime CPU). *ORT*: whether ONNX Runtime's gradient",
         "registry has the op.",
         "",

@@ -10,6 +10,9 @@ output checks are not timed.
     python tools/bench_rewrite.py                 # 1k, 10k, 27k, 100k nodes + exported models
     python tools/bench_rewrite.py --quick         # 1k only, one run each: a smoke test
     python tools/bench_rewrite.py --sizes 1k,3k --repeat 5 --markdown
+    PYTHONPATH=/tmp/old-checkout python tools/bench_rewrite.py --sizes 100k   # time another checkout
+
+amp_rewrite is the installed one (an editable install times the checkout it points to).
 """
 
 from __future__ import annotations
@@ -28,13 +31,9 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-TOOLS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TOOLS_DIR.parent
-# Time the amp_rewrite of this checkout, not whatever an (editable) install resolves to.
-sys.path[:0] = [str(REPO_ROOT), str(TOOLS_DIR)]
-
-import exported  # noqa: E402  (tools/ is not a package)
-import synthetic  # noqa: E402
+# Siblings in tools/: Python puts a script's own folder first on sys.path.
+import exported
+import synthetic
 
 AMP = "amp-rewrite"
 OCC = "onnxconverter-common"

@@ -37,10 +37,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 TARGETS = ("float16", "bfloat16")
 MODES = ("default", "force")
 MAX_IR = 10  # ONNX Runtime 1.31 refuses newer IR versions; the cases need nothing newer

@@ -1,4 +1,4 @@
-"""Fuzz the rewrite: many random valid graphs (tests/test_fuzz.py's strategy), report what breaks.
+"""Fuzz the rewrite: many random valid graphs (tools/strategies.py's onnx_graphs), report what breaks.
 
     python tools/fuzz.py [--examples 10000] [--seed 0] [--max-ops 16]
 
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hypothesis import HealthCheck, given, seed as hyp_seed, settings
+from hypothesis import strategies as st
 
-from hypothesis import HealthCheck, given, seed as hyp_seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import test_fuzz  # noqa: E402
+import strategies  # a sibling in tools/: Python puts a script's own folder first on sys.path
 
 
 def _describe(model) -> str:
@@ -41,14 +37,14 @@ def main(argv=None) -> int:
 
     @hyp_seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(test_fuzz.onnx_graphs(max_ops=args.max_ops), st.booleans())
+    @given(strategies.onnx_graphs(max_ops=args.max_ops), st.booleans())
     def run(model, keep_io_types):
         count[0] += 1
         if count[0] % 500 == 0:
             print(f"{count[0]} examples, {sum(failures.values())} failures, {time.perf_counter() - started:.0f} s",
                   flush=True)
         try:
-            test_fuzz.check_rewrite(model, keep_io_types)
+            strategies.check_rewrite(model, keep_io_types)
         except Exception as exc:  # noqa: BLE001 - every failure is a finding
             message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
             failures[message] += 1
@@ -62,9 +58,9 @@ def main(argv=None) -> int:
         print(f"\n[{n}x] {message}\n  keep_io_types={keep}: {_describe(model)}")
     if failures and args.shrink:
         @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(test_fuzz.onnx_graphs(max_ops=args.max_ops), st.booleans())
+        @given(strategies.onnx_graphs(max_ops=args.max_ops), st.booleans())
         def shrink(model, keep_io_types):
-            test_fuzz.check_rewrite(model, keep_io_types)
+            strategies.check_rewrite(model, keep_io_types)
         try:
             shrink()
         except Exception as exc:  # noqa: BLE001

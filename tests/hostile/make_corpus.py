@@ -3,7 +3,7 @@
 Each case writes its (small) files into a folder and says how the CLI and the API are called,
 which exit code / exception class it must end in, and a piece of the one error line. The corpus
 is generated, not committed: `python tests/hostile/make_corpus.py OUTDIR` writes every case into
-OUTDIR/<case>/ and prints the table; tests/test_hostile.py generates each case into tmp_path.
+OUTDIR/<case>/ and prints the table; tests/hostile/test_hostile.py generates each case into tmp_path.
 
 Exit codes (amp_rewrite/errors.py): 2 usage, 3 model, 4 op list, 5 output.
 """

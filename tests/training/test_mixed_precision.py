@@ -10,7 +10,7 @@ from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 
 from amp_rewrite.training import Adam, Trainer
-from test_training_models import classification_batches, softmax_regression, softmax_regression_gradient
+from training_models import classification_batches, softmax_regression, softmax_regression_gradient
 
 
 def make_trainer(precision="float16", **kwargs):

@@ -11,7 +11,7 @@ import pytest
 from onnx import numpy_helper
 
 from amp_rewrite.training import SGD, Adam, AdamW, Trainer
-from test_training_models import classification_batches, mlp, softmax_regression, softmax_regression_gradient
+from training_models import classification_batches, mlp, softmax_regression, softmax_regression_gradient
 
 torch = pytest.importorskip("torch")
 

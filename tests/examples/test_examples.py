@@ -1,17 +1,13 @@
-"""The shipped example models and scripts, and the benchmark's smoke run, work from a checkout.
+"""The shipped example models and scripts work.
 
-Scripts run in subprocesses with the checkout first on PYTHONPATH, as a user running them from a
-clone would import this amp_rewrite and not an older install.
+Scripts run in subprocesses (helpers.run_script) and import the installed amp_rewrite, as the
+tests do: CI installs the wheel, a developer an editable checkout.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -19,16 +15,11 @@ import pytest
 from onnx import TensorProto
 
 import amp_rewrite
-from helpers import assert_close, run_ort, run_reference
+from helpers import ROOT, assert_close, load_script, load_tool, run_ort, run_reference, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(ROOT / "tools"))
-
-import synthetic  # noqa: E402  (tools/ is not a package)
-
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-HAS_OCC = importlib.util.find_spec("onnxconverter_common") is not None
+synthetic = load_tool("synthetic")
 
 
 def _feeds(name: str, model: onnx.ModelProto) -> dict:
@@ -37,15 +28,9 @@ def _feeds(name: str, model: onnx.ModelProto) -> dict:
     return {"image": np.random.default_rng(1).standard_normal((2, 3, 16, 16)).astype(np.float32)}
 
 
-def _run_script(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.fixture(scope="module", params=["tiny_transformer.onnx", "tiny_cnn.onnx"])
-def example(request):
-    return request.param, onnx.load(str(EXAMPLES / request.param))
+@pytest.fixture(params=["tiny_transformer.onnx", "tiny_cnn.onnx"])
+def example(request, example_models):
+    return request.param, example_models[request.param.removesuffix(".onnx")]
 
 
 def test_example_is_small_valid_opset17_ir8(example):
@@ -57,9 +42,7 @@ def test_example_is_small_valid_opset17_ir8(example):
 
 def test_example_matches_its_generator(example):
     """The committed file is what make_examples.py writes, so regenerating it changes nothing."""
-    sys.path.insert(0, str(EXAMPLES))
-    import make_examples
-
+    make_examples = load_script("examples/make_examples.py")
     name, model = example
     assert make_examples.EXAMPLES[name]().SerializeToString() == model.SerializeToString()
 
@@ -79,27 +62,9 @@ def test_example_rewrites_and_matches_float32(example):
     assert_close(run_reference(result.model, feeds), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_bench_quick_runs_and_reports_valid_outputs():
-    done = _run_script("tools/bench_rewrite.py", "--quick", "--markdown", timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = {cells[2]: cells for cells in _markdown_rows(done.stdout, "1k")}
-    ours = rows["amp-rewrite"]
-    assert float(ours[3]) > 0 and ours[7] == "232/232" and ours[8] == "valid"
-    if HAS_OCC:
-        anchor = rows["onnxconverter-common"]
-        assert float(anchor[3]) > 0 and anchor[8] == "valid"
-    else:
-        assert "not installed" in rows["onnxconverter-common"][3]
-
-
-def _markdown_rows(text: str, size: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in text.splitlines() if line.startswith(f"| {size} ")]
-
-
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is optional")
 def test_export_pipeline_example_runs_and_stays_close():
-    done = _run_script("examples/export_pipeline.py", timeout=120)
+    done = run_script("examples/export_pipeline.py", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     diff = re.search(r"float16 ONNX vs float32 ONNX: max abs diff (\S+)", done.stdout)
     assert diff and float(diff.group(1)) < 1e-2, done.stdout

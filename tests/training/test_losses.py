@@ -9,7 +9,7 @@ from onnx import numpy_helper
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import SGD, Trainer
 from helpers import init, make_model, node, tensor
-from test_training_models import classification_batches, mlp
+from training_models import classification_batches, mlp
 
 
 def linear_regression(features=3, outputs=2, with_loss_output=False):

@@ -1,7 +1,6 @@
-"""The report: reason sentences a user can follow, summary figures, explain, and the HTML page."""
+"""The report: every decision a reason chain a user can follow, the summary figures, --explain."""
 
 import json
-from html.parser import HTMLParser
 
 import numpy as np
 import onnx
@@ -55,66 +54,6 @@ def test_summary_figures():
     assert model_io.load(model).float_bytes == flops.weight_bytes([model.graph])  # counted while validating
     feeds = random_feeds(model)
     assert_close(run_reference(rewrite(model).model, feeds), run_ort(model, feeds))
-
-
-class _Page(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.tags, self.rects, self.text, self.urls = [], 0, [], []
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append(tag)
-        self.rects += tag == "rect"
-        self.urls += [v for k, v in attrs if k in ("src", "href") and v]
-
-    def handle_data(self, data):
-        self.text.append(data)
-
-
-def _parse(path):
-    page = _Page()
-    page.feed(path.read_text())
-    page.close()
-    return page
-
-
-def test_html_page_is_self_contained_and_draws_every_node(tmp_path, capsys):
-    path = tmp_path / "m.onnx"
-    onnx.save(deny_chain_model(), path)
-    html_path = tmp_path / "m.html"
-    assert main([str(path), "--html", str(html_path), "--validate", "--quiet"]) == 0
-    page = _parse(html_path)
-    assert "svg" in page.tags and "table" in page.tags and not page.urls
-    assert page.rects >= 5  # one box per node (+ legend swatches are <i>)
-    text = " ".join(page.text)
-    assert "Validation" in text and "PASSED" in text and "downstream of deny op ReduceMean" in text
-    written = onnx.load(tmp_path / "m.fp16.onnx")
-    feeds = random_feeds(written)
-    assert_close(run_reference(written, feeds), run_ort(deny_chain_model(), feeds))
-
-
-def test_html_collapses_large_graphs_into_regions(tmp_path):
-    rng = np.random.default_rng(1)
-    nodes, inits, x = [], [], "x"
-    for b in range(40):  # 40 blocks of MatMul -> Add -> Relu -> Mul: 160 nodes
-        inits += [init(f"W{b}", (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)),
-                  init(f"c{b}", np.float32(0.5))]
-        nodes += [node("MatMul", [x, f"W{b}"], [f"p{b}"], name=f"block{b}/mm"),
-                  node("Add", [f"p{b}", x], [f"q{b}"], name=f"block{b}/add"),
-                  node("Relu", [f"q{b}"], [f"r{b}"], name=f"block{b}/relu"),
-                  node("Mul", [f"r{b}", f"c{b}"], [f"o{b}"], name=f"block{b}/scale")]
-        x = f"o{b}"
-    model = make_model(nodes, [tensor("x", [2, 8])], [tensor(x, [2, 8])], inits)
-    path = tmp_path / "big.onnx"
-    onnx.save(model, path)
-    html_path = tmp_path / "big.html"
-    assert main([str(path), "--dry-run", "--quiet", "--html", str(html_path)]) == 0
-    page = _parse(html_path)
-    text = " ".join(page.text)
-    assert "160 nodes collapsed into 40 regions" in text and "block7" in text
-    assert page.rects < 160
-    feeds = random_feeds(model)
-    assert_close(run_ort(rewrite(model).model, feeds), run_ort(model, feeds), rtol=2e-2, atol=2e-2)
 
 
 def test_explain_prints_one_nodes_chain(tmp_path, capsys):

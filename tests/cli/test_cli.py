@@ -1,17 +1,14 @@
-"""The command line (one line per error, exit codes, never over the input) and the API toggles."""
+"""The command line: one line per error, exit codes, never over the input, usual file permissions."""
 
 import json
 import subprocess
 import sys
-import warnings
 
 import onnx
 import pytest
 
-import amp_rewrite
 from amp_rewrite.cli import main
-from helpers import assert_close, random_feeds, run_ort
-from test_rewrite_core import mlp
+from helpers import assert_close, mlp, random_feeds, run_ort
 
 
 @pytest.fixture()
@@ -82,32 +79,6 @@ def test_cli_rejects_non_model_files_without_traceback(tmp_path):
         assert done.returncode == 3, done.stderr
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
         assert not (tmp_path / name.replace(".onnx", ".fp16.onnx")).exists()
-
-
-def test_toggles_follow_tensorflow_semantics():
-    model = mlp()
-    assert not amp_rewrite.is_enabled()
-    assert amp_rewrite.maybe_rewrite(model) is model
-    amp_rewrite.enable(target="bfloat16")
-    try:
-        assert amp_rewrite.is_enabled()
-        out = amp_rewrite.maybe_rewrite(model)
-        assert any(t.data_type == onnx.TensorProto.BFLOAT16 for t in out.graph.initializer)
-    finally:
-        amp_rewrite.disable()
-    assert not amp_rewrite.is_enabled()
-    with pytest.warns(UserWarning, match="already disabled"):
-        amp_rewrite.disable()
-    with amp_rewrite.enabled():
-        out = amp_rewrite.maybe_rewrite(model)
-        assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in out.graph.initializer)
-    assert not amp_rewrite.is_enabled()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with amp_rewrite.enabled(False):
-            assert amp_rewrite.maybe_rewrite(model) is model
-    feeds = random_feeds(model)
-    assert_close(run_ort(out, feeds), run_ort(model, feeds))
 
 
 def test_written_files_get_the_usual_permissions_not_mkstemps(model_file):

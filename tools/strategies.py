@@ -1,29 +1,37 @@
-"""Fuzzing: random valid ONNX graphs from a pool of 50+ op types, checked end to end.
+"""Hypothesis strategies for random valid ONNX models, and the rewrite's end-to-end check.
+
+One module for the property tests (tests/transform/test_properties.py: `random_models`, DAGs of
+MatMul/unary/binary ops over [2, D] tensors), the fuzz tests (tests/transform/test_fuzz.py:
+`onnx_graphs`, graphs over a pool of 50+ op types) and the long fuzz run (tools/fuzz.py).
 
 `onnx_graphs()` draws a graph over several inputs (float32 with broadcasting shapes, float16,
 float64, int64, bool), ops from `POOL` (elementwise, reductions, shape ops, normalisations, MatMul
 with shared weights, Where, Split, Concat, Casts, optional If subgraphs), with fan-out and shared
 constants. `check_rewrite` asserts: checker-valid output, loads and runs in ONNX Runtime, numbers
 within float16 tolerance of the original, deny ops never low precision, non-float32 tensors keep
-their types, idempotent, byte-identical reruns. CI runs a bounded number of examples;
-`tools/fuzz.py` runs thousands.
+their types, idempotent, byte-identical reruns.
 
 Numerics are kept well-conditioned on purpose: magnitudes are tracked and bounded with Tanh,
 denominators and log/sqrt arguments are kept away from zero, comparisons only read graph inputs
 against 0 (float16 rounding never flips a sign), normalisations use a large epsilon.
+
+A tool, not a test module: it imports only the installed amp_rewrite, onnx, numpy and hypothesis
+(tests load it with `helpers.load_tool("strategies")`; tools/fuzz.py imports it as a sibling).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import amp_rewrite
 from amp_rewrite.analysis.oplists import load_op_lists
-from helpers import random_feeds, run_ort
+from amp_rewrite.checks.sessions import open_session
+from amp_rewrite.checks.validate import synthesise
 
 F32, F16, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
 DENY = set(load_op_lists("float16").ops("deny"))
@@ -492,11 +500,11 @@ def check_rewrite(model: onnx.ModelProto, keep_io_types: bool = True, seed: int 
     assert again.SerializeToString() == out.SerializeToString(), "not idempotent"
     assert amp_rewrite.rewrite(model, keep_io_types=keep_io_types).model.SerializeToString() == \
         out.SerializeToString(), "reruns differ"
-    feeds = random_feeds(model, seed=seed)
-    expected = run_ort(model, feeds)
+    feeds = synthesise(model, seed=seed)[0]
+    expected = _run(model, feeds)
     out_inputs = {v.name: v.type.tensor_type.elem_type for v in out.graph.input}
     out_feeds = {k: v.astype(helper.tensor_dtype_to_np_dtype(out_inputs[k])) for k, v in feeds.items()}
-    got = run_ort(out, out_feeds)
+    got = _run(out, out_feeds)
     for value, g_, w in zip(model.graph.output, got, expected):
         assert g_.shape == w.shape, f"{value.name}: shape {g_.shape} != {w.shape}"
         if w.dtype.kind in "biu":
@@ -509,11 +517,67 @@ def check_rewrite(model: onnx.ModelProto, keep_io_types: bool = True, seed: int 
             f"{value.name}: error {err:.3g} over tolerance {0.03 * scale:.3g}"
 
 
-def test_pool_is_big_enough():
-    assert len([op for op in POOL if op not in ("CastDouble", "OtherTypes")]) >= 40
+def _run(model, feeds):
+    return open_session(model, "cpu")[0].run(None, feeds)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(onnx_graphs(), st.booleans())
-def test_fuzz_rewrite(model, keep_io_types):
-    check_rewrite(model, keep_io_types)
+# --- random DAGs over [2, D] tensors (the property tests) ------------------------------------------
+
+D = 4
+UNARY = ["Relu", "Sigmoid", "Tanh", "Softmax", "Exp", "Neg", "Abs", "Identity", "Erf", "Sqrt", "Log"]
+BINARY = ["Add", "Mul", "Sub", "Max", "Min"]
+
+
+def _init(name, array):
+    return numpy_helper.from_array(np.asarray(array), name)
+
+
+def _node(op, inputs, outputs, name, **attrs):
+    return helper.make_node(op, inputs, outputs, name=name, **attrs)
+
+
+def _value(name, shape):
+    return helper.make_tensor_value_info(name, F32, shape)
+
+
+@st.composite
+def random_models(draw):
+    """A DAG over [2, D] float tensors: MatMuls with weights, unary and binary ops, shared constants."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    tensors, nodes, inits, used = ["x"], [], [_init("c", np.array(0.5, np.float32))], Counter()
+    for i in range(draw(st.integers(2, 14))):
+        kind = draw(st.sampled_from(["matmul", "unary", "binary", "const", "cast", "layernorm"]))
+        a = draw(st.sampled_from(tensors))
+        out = f"t{i}"
+        if kind == "matmul":
+            inits.append(_init(f"W{i}", (rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32)))
+            nodes.append(_node("MatMul", [a, f"W{i}"], [out], f"n{i}"))
+        elif kind == "unary":
+            op = draw(st.sampled_from(UNARY))
+            source = a
+            if op in ("Sqrt", "Log"):  # keep the domain positive
+                nodes.append(_node("Abs", [a], [f"abs{i}"], f"abs{i}"))
+                nodes.append(_node("Add", [f"abs{i}", "c"], [f"pos{i}"], f"pos{i}"))
+                source = f"pos{i}"
+            if op == "Exp":
+                nodes.append(_node("Tanh", [a], [f"tanh{i}"], f"tanh{i}"))
+                source = f"tanh{i}"
+            nodes.append(_node(op, [source], [out], f"n{i}"))
+        elif kind == "binary":
+            b = draw(st.sampled_from(tensors))
+            nodes.append(_node(draw(st.sampled_from(BINARY)), [a, b], [out], f"n{i}"))
+        elif kind == "const":
+            nodes.append(_node("Mul", [a, "c"], [out], f"n{i}"))
+        elif kind == "cast":
+            nodes.append(_node("Cast", [a], [out], f"n{i}", to=onnx.TensorProto.FLOAT))
+        else:
+            inits += [_init(f"s{i}", np.ones(D, np.float32)), _init(f"b{i}", np.zeros(D, np.float32))]
+            nodes.append(_node("LayerNormalization", [a, f"s{i}", f"b{i}"], [out], f"n{i}"))
+        for x in nodes[-1].input:
+            used[x] += 1
+        tensors.append(out)
+    outputs = [t for t in tensors[1:] if not used[t]] or [tensors[-1]]
+    model = helper.make_model(helper.make_graph(nodes, "dag", [_value("x", [2, D])], [_value(t, [2, D]) for t in outputs], inits),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model

@@ -14,14 +14,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from amp_rewrite import rewrite
-from helpers import assert_close, init, make_model, node, run_ort, tensor
+from helpers import assert_close, init, make_model, node, run_ort, tensor, weights
 
 FLOAT, F16, BF16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
-rng = np.random.default_rng(0)
-
-
-def _w(*shape, scale=0.3):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def _check(model, result, feeds, rtol=2e-2, atol=2e-2, full_check=True):
@@ -31,6 +26,7 @@ def _check(model, result, feeds, rtol=2e-2, atol=2e-2, full_check=True):
 
 def _cnn(opset):
     """Conv -> Relu -> MaxPool -> Flatten -> Gemm -> Softmax, valid at every opset from 7."""
+    rng = np.random.default_rng(0)
     return make_model(
         [node("Conv", ["x", "Wc", "bc"], ["c"], name="conv", pads=[1, 1, 1, 1], kernel_shape=[3, 3]),
          node("Relu", ["c"], ["r"], name="relu"),
@@ -39,19 +35,20 @@ def _cnn(opset):
          node("Gemm", ["f", "Wg", "bg"], ["g"], name="gemm", transB=1),
          node("Softmax", ["g"], ["y"], name="softmax")],
         [tensor("x", [1, 2, 4, 4])], [tensor("y", [1, 3])],
-        [init("Wc", _w(4, 2, 3, 3)), init("bc", _w(4)), init("Wg", _w(3, 16)), init("bg", _w(3))],
+        [init("Wc", weights(rng, 4, 2, 3, 3)), init("bc", weights(rng, 4)), init("Wg", weights(rng, 3, 16)), init("bg", weights(rng, 3))],
         opset=opset,
     )
 
 
 @pytest.mark.parametrize("opset", [7, 9, 11, 13, 17, 19, 21])
 def test_cnn_at_every_opset_float16(opset):
+    rng = np.random.default_rng(0)
     model = _cnn(opset)
     result = rewrite(model, target="float16")
     assert result.report.node("conv")["precision"] == "float16"
     assert result.report.node("gemm")["precision"] == "float16"
     assert result.report.node("softmax")["precision"] == "float32"
-    _check(model, result, {"x": _w(1, 2, 4, 4, scale=1.0)})
+    _check(model, result, {"x": weights(rng, 1, 2, 4, 4, scale=1.0)})
 
 
 @pytest.mark.parametrize("opset", [7, 11, 13, 21])
@@ -70,9 +67,10 @@ def test_cnn_bfloat16_follows_the_schema_at_each_opset(opset):
 
 def test_bitcast_stays_float32_when_bit_width_would_change():
     """Regression: BitCast's T1 admits float16 but its output keeps 32 bits: invalid model."""
+    rng = np.random.default_rng(0)
     model = helper.make_model(helper.make_graph(
         [node("MatMul", ["x", "W"], ["h"], name="mm"), node("BitCast", ["h"], ["y"], name="bits", to=TensorProto.INT32)],
-        "g", [tensor("x", [2, 2])], [tensor("y", [2, 2], TensorProto.INT32)], [init("W", _w(2, 2))]),
+        "g", [tensor("x", [2, 2])], [tensor("y", [2, 2], TensorProto.INT32)], [init("W", weights(rng, 2, 2))]),
         opset_imports=[helper.make_opsetid("", 26)], ir_version=10)
     result = rewrite(model, target="float16", allow=["BitCast"])
     reason = result.report.node("bits")["groups"]["T1"]["reason"]
@@ -83,6 +81,7 @@ def test_bitcast_stays_float32_when_bit_width_would_change():
 
 def test_function_body_that_refuses_the_type_stays_float32():
     """Regression: MeanVarianceNormalization-13 admits float16 but its body adds a float epsilon."""
+    rng = np.random.default_rng(0)
     graph = helper.make_graph([node("MeanVarianceNormalization", ["x"], ["y"], name="mvn")], "g",
                               [tensor("x", [1, 2, 3, 3])], [tensor("y", [1, 2, 3, 3])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
@@ -90,22 +89,24 @@ def test_function_body_that_refuses_the_type_stays_float32():
     assert result.report.node("mvn")["precision"] == "float32"
     assert "inference refuses float16" in result.report.node("mvn")["groups"]["T"]["reason"]
     # (the full checker trips on MVN-13's own body even in float32: an onnx bug, so ORT checks it)
-    _check(model, result, {"x": _w(1, 2, 3, 3, scale=1.0)}, full_check=False)
+    _check(model, result, {"x": weights(rng, 1, 2, 3, 3, scale=1.0)}, full_check=False)
 
 
 def test_attention23_groups_tied_by_its_body_are_coloured_together():
     """Regression: Attention-23 T1 (Q, K) and T2 (V) were coloured apart; its body multiplies them."""
+    rng = np.random.default_rng(0)
     model = make_model([node("Attention", ["q", "k", "v"], ["y"], name="att")],
                        [tensor("q", [1, 2, 3, 4]), tensor("k", [1, 2, 5, 4]), tensor("v", [1, 2, 5, 4])],
                        [tensor("y", [1, 2, 3, 4])], opset=23, ir_version=10)
     result = rewrite(model, target="float16")
     groups = result.report.node("att")["groups"]
     assert list(groups) == ["T1+T2"] and groups["T1+T2"]["precision"] == "float16"
-    feeds = {"q": _w(1, 2, 3, 4, scale=1), "k": _w(1, 2, 5, 4, scale=1), "v": _w(1, 2, 5, 4, scale=1)}
+    feeds = {"q": weights(rng, 1, 2, 3, 4, scale=1), "k": weights(rng, 1, 2, 5, 4, scale=1), "v": weights(rng, 1, 2, 5, 4, scale=1)}
     _check(model, result, feeds)
 
 
 def _microsoft_model():
+    rng = np.random.default_rng(0)
     hidden, heads = 8, 2
     nodes = [
         node("FusedMatMul", ["x", "W1"], ["h"], name="fmm", domain="com.microsoft", alpha=1.0),
@@ -114,14 +115,15 @@ def _microsoft_model():
         node("SkipLayerNormalization", ["a", "x", "gamma", "beta"], ["y"], name="sln", domain="com.microsoft",
              epsilon=1e-5),
     ]
-    inits = [init("W1", _w(hidden, hidden)), init("b1", _w(hidden)), init("Wqkv", _w(hidden, 3 * hidden)),
-             init("bqkv", _w(3 * hidden)), init("gamma", np.ones(hidden, np.float32)), init("beta", _w(hidden))]
+    inits = [init("W1", weights(rng, hidden, hidden)), init("b1", weights(rng, hidden)), init("Wqkv", weights(rng, hidden, 3 * hidden)),
+             init("bqkv", weights(rng, 3 * hidden)), init("gamma", np.ones(hidden, np.float32)), init("beta", weights(rng, hidden))]
     return make_model(nodes, [tensor("x", [1, 4, hidden])], [tensor("y", [1, 4, hidden])], inits,
                       extra_opsets=[("com.microsoft", 1)])
 
 
 @pytest.mark.parametrize("target", ["float16", "bfloat16"])
 def test_com_microsoft_transformer_ops(target):
+    rng = np.random.default_rng(0)
     model = _microsoft_model()
     result = rewrite(model, target=target)
     report = result.report
@@ -131,15 +133,16 @@ def test_com_microsoft_transformer_ops(target):
     expected = "deny" if target == "float16" else "infer"
     assert report.node("sln")["list"] == expected
     onnx.checker.check_model(result.model, full_check=True)
-    feeds = {"x": _w(1, 4, 8, scale=1.0)}
+    feeds = {"x": weights(rng, 1, 4, 8, scale=1.0)}
     if target == "float16":  # ORT CPU runs these in float16 or inserts casts where it has no kernel
         _check(model, result, feeds)
 
 
 def test_unknown_domain_stays_float32_with_a_note():
+    rng = np.random.default_rng(0)
     graph = helper.make_graph([node("MatMul", ["x", "W"], ["h"], name="mm"),
                                node("Frobnicate", ["h"], ["y"], name="mystery", domain="example.custom")],
-                              "g", [tensor("x", [2, 2])], [tensor("y", [2, 2])], [init("W", _w(2, 2))])
+                              "g", [tensor("x", [2, 2])], [tensor("y", [2, 2])], [init("W", weights(rng, 2, 2))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("example.custom", 1)],
                               ir_version=8)
     result = rewrite(model, target="float16")

@@ -14,15 +14,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from amp_rewrite import rewrite
-from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor
+from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
 
 FLOAT, F16, BOOL, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BOOL, TensorProto.INT64
-rng = np.random.default_rng(0)
-
-
-def _w(*shape):
-    return (rng.standard_normal(shape) * 0.3).astype(np.float32)
-
 
 def _ops(graph, op_type):
     return [n for n in graph.node if n.op_type == op_type]
@@ -45,6 +39,7 @@ def _cast_targets(graph):
 
 
 def test_loop_with_float_carried_state_and_matmul_inside():
+    rng = np.random.default_rng(0)
     body = helper.make_graph(
         [node("MatMul", ["h_in", "W"], ["mm"], name="body_mm"),
          node("Tanh", ["mm"], ["h_out"], name="body_tanh"),
@@ -59,7 +54,7 @@ def test_loop_with_float_carried_state_and_matmul_inside():
          node("Loop", ["trip", "", "h0"], ["h", "hs"], name="loop", body=body)],
         [tensor("x", [2, 4]), tensor("trip", [], INT64)],
         [tensor("h", [2, 4]), tensor("hs", [None, 2, 4])],
-        [init("W0", _w(4, 4)), init("W", _w(4, 4))],
+        [init("W0", weights(rng, 4, 4)), init("W", weights(rng, 4, 4))],
     )
     result = rewrite(model, target="float16")
     g = result.model.graph
@@ -72,13 +67,14 @@ def test_loop_with_float_carried_state_and_matmul_inside():
     # Its casts are inside the body, and W (captured from the outer scope) is read there as float16.
     assert _cast_targets(inner).get("h_in") == F16
     assert any(t.name.startswith("W") and t.data_type == F16 for t in g.initializer)
-    feeds = {"x": _w(2, 4), "trip": np.array(3, np.int64)}
+    feeds = {"x": weights(rng, 2, 4), "trip": np.array(3, np.int64)}
     _check_both(model, result, feeds)
 
 
 def test_scan_forced_allow_keeps_boundary_types():
     """Regression: with Add in allow, the Scan node's group became float16 while its body kept
     float32 inputs/outputs ("Inferred elem type differs ... (10) vs (1)")."""
+    rng = np.random.default_rng(0)
     body = helper.make_graph(
         [node("Add", ["s_in", "x_t"], ["s_out"], name="acc"), node("Identity", ["s_out"], ["y_t"], name="copy")],
         "body", [tensor("s_in", [2]), tensor("x_t", [2])], [tensor("s_out", [2]), tensor("y_t", [2])],
@@ -92,10 +88,11 @@ def test_scan_forced_allow_keeps_boundary_types():
     scan = result.report.node("scan")
     assert scan["precision"] == "float32"
     assert "boundary" in next(iter(scan["groups"].values()))["reason"]
-    _check_both(model, result, {"s0": _w(2), "xs": _w(3, 2)})
+    _check_both(model, result, {"s0": weights(rng, 2), "xs": weights(rng, 3, 2)})
 
 
 def test_if_branches_with_outer_scope_capture():
+    rng = np.random.default_rng(0)
     def branch(name, op):
         return helper.make_graph(
             [node("MatMul", ["x", "W"], [f"{name}_mm"], name=f"{name}_mm"),
@@ -107,7 +104,7 @@ def test_if_branches_with_outer_scope_capture():
          node("Greater", ["total", "zero"], ["c"], name="cond"),
          node("If", ["c"], ["y"], name="if", then_branch=branch("then", "Relu"), else_branch=branch("else", "Sigmoid"))],
         [tensor("x", [2, 4])], [tensor("y", [2, 3])],
-        [init("W", _w(4, 3)), init("zero", np.array(0.0, np.float32))],
+        [init("W", weights(rng, 4, 3)), init("zero", np.array(0.0, np.float32))],
     )
     from amp_rewrite import io as model_io
 
@@ -127,6 +124,7 @@ def test_if_branches_with_outer_scope_capture():
 
 
 def test_nested_if_in_loop():
+    rng = np.random.default_rng(0)
     inner_then = helper.make_graph([node("MatMul", ["h_in", "W"], ["t_out"], name="t_mm")], "t", [],
                                    [tensor("t_out", [2, 2])])
     inner_else = helper.make_graph([node("Neg", ["h_in"], ["e_out"], name="e_neg")], "e", [], [tensor("e_out", [2, 2])])
@@ -139,7 +137,7 @@ def test_nested_if_in_loop():
     model = make_model(
         [node("Loop", ["trip", "", "x"], ["y"], name="loop", body=body)],
         [tensor("x", [2, 2]), tensor("trip", [], INT64), tensor("flag", [], BOOL)], [tensor("y", [2, 2])],
-        [init("W", _w(2, 2))],
+        [init("W", weights(rng, 2, 2))],
     )
     result = rewrite(model, target="float16")
     assert result.report.node("t_mm")["precision"] == "float16"
@@ -148,27 +146,29 @@ def test_nested_if_in_loop():
     # h_in belongs to the Loop body and is cast in the then-branch that uses it, not in the body.
     assert _cast_targets(then_graph).get("h_in") == F16
     for flag in (True, False):
-        feeds = {"x": _w(2, 2), "trip": np.array(2, np.int64), "flag": np.array(flag)}
+        feeds = {"x": weights(rng, 2, 2), "trip": np.array(2, np.int64), "flag": np.array(flag)}
         _check_both(model, result, feeds)
 
 
 def test_sequence_ops_keep_their_tensor_types():
     """Regression: SplitToSequence / SequenceInsert tie their tensor input to the sequence's
     element type beyond the type parameters; making the tensor float16 gave an invalid model."""
+    rng = np.random.default_rng(0)
     model = make_model(
         [node("MatMul", ["x", "W"], ["h"], name="mm"),
          node("SplitToSequence", ["h"], ["seq"], name="split", axis=0),
          node("SequenceInsert", ["seq", "h"], ["seq2"], name="insert"),
          node("ConcatFromSequence", ["seq2"], ["y"], name="concat", axis=0)],
-        [tensor("x", [2, 3])], [tensor("y", [None, 3])], [init("W", _w(3, 3))], opset=17,
+        [tensor("x", [2, 3])], [tensor("y", [None, 3])], [init("W", weights(rng, 3, 3))], opset=17,
     )
     result = rewrite(model, target="float16", allow=["SplitToSequence", "SequenceInsert", "ConcatFromSequence"])
     assert result.report.node("mm")["precision"] == "float16"
     assert result.report.node("split")["precision"] == "float32"
-    _check_both(model, result, {"x": _w(2, 3)})
+    _check_both(model, result, {"x": weights(rng, 2, 3)})
 
 
 def test_model_local_function_is_inlined_and_coloured():
+    rng = np.random.default_rng(0)
     function = helper.make_function(
         "local", "Block", ["a", "w"], ["b"],
         [helper.make_node("MatMul", ["a", "w"], ["m"]), helper.make_node("Relu", ["m"], ["b"])],
@@ -177,7 +177,7 @@ def test_model_local_function_is_inlined_and_coloured():
     graph = helper.make_graph(
         [helper.make_node("Block", ["x", "W"], ["h"], domain="local", name="block1"),
          helper.make_node("Block", ["h", "W"], ["y"], domain="local", name="block2")],
-        "g", [tensor("x", [2, 4])], [tensor("y", [2, 4])], [init("W", _w(4, 4))],
+        "g", [tensor("x", [2, 4])], [tensor("y", [2, 4])], [init("W", weights(rng, 4, 4))],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("local", 1)],
                               functions=[function], ir_version=8)
@@ -188,6 +188,6 @@ def test_model_local_function_is_inlined_and_coloured():
     matmuls = _ops(g, "MatMul")
     assert len(matmuls) == 2
     assert result.report.summary["allow_ops_low"] == 2
-    _check_both(model, result, {"x": _w(2, 4)})
+    _check_both(model, result, {"x": weights(rng, 2, 4)})
     np.testing.assert_allclose(run_reference(result.model, {"x": np.ones((2, 4), np.float32)})[0],
                                run_ort(model, {"x": np.ones((2, 4), np.float32)})[0], rtol=2e-2, atol=2e-2)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
-pytest.importorskip("sklearn")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from helpers import load_script
 
-import train_digits  # noqa: E402
+pytest.importorskip("sklearn")
+train_digits = load_script("examples/train_digits.py")
 
 EPOCHS = 5
 

@@ -7,7 +7,7 @@ import pytest
 
 from amp_rewrite.training import SGD, Adam, DynamicLossScale, FixedLossScale, Trainer
 from amp_rewrite.errors import TrainingError
-from test_training_models import classification_batches, softmax_regression, softmax_regression_gradient
+from training_models import classification_batches, softmax_regression, softmax_regression_gradient
 
 
 def make_trainer(optimizer=None, **kwargs):

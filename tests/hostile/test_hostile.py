@@ -19,12 +19,11 @@ import amp_rewrite
 from amp_rewrite import errors
 from amp_rewrite import io as model_io
 from amp_rewrite.cli import main
+from helpers import ROOT, load_script
 
-sys.path.insert(0, str(Path(__file__).parent / "hostile"))
-import make_corpus  # noqa: E402
+make_corpus = load_script("tests/hostile/make_corpus.py")  # also a script: writes the corpus to a folder
 
 EXCEPTION = {2: errors.UsageError, 3: errors.ModelError, 4: errors.OpListError, 5: errors.OutputError}
-ROOT = Path(__file__).resolve().parent.parent
 CASES = {case.name: case for case in make_corpus.CASES}
 
 

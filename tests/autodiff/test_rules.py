@@ -16,8 +16,10 @@ from onnx.reference import ReferenceEvaluator
 
 from amp_rewrite.autodiff import build_gradient_graph
 from amp_rewrite.autodiff.gradcheck import max_gradient_error, numeric_gradients
-from autodiff_cases import CASES, OpCase
-from helpers import IR_VERSION, run_ort
+from helpers import IR_VERSION, load_tool, run_ort
+
+_cases = load_tool("autodiff_cases")  # tools/autodiff_cases.py: shared with tools/autodiff_coverage.py
+CASES, OpCase = _cases.CASES, _cases.OpCase
 
 PARAMS = [pytest.param(case, opset, id=f"{case.id}-op{opset}") for case in CASES for opset in case.opsets]
 

@@ -3,13 +3,10 @@ docs/autodiff_ops.md is what tools/autodiff_coverage.py generates today."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from amp_rewrite.autodiff import covered_ops
-from autodiff_cases import CASES
+from helpers import ROOT, load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
+CASES = load_tool("autodiff_cases").CASES
 REQUIRED = (
     "Conv BatchNormalization MaxPool AveragePool GlobalAveragePool Flatten Gemm MatMul Add Mul Sub Div Pow Sqrt "
     "Reciprocal Exp Log Erf Tanh Sigmoid Relu LeakyRelu Gelu Softmax LogSoftmax LayerNormalization ReduceMean "
@@ -26,7 +23,5 @@ def test_every_required_op_has_a_rule_and_a_case():
 
 
 def test_coverage_table_is_up_to_date():
-    spec = importlib.util.spec_from_file_location("autodiff_coverage", ROOT / "tools" / "autodiff_coverage.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("autodiff_coverage", needs=["autodiff_cases"])
     assert (ROOT / "docs" / "autodiff_ops.md").read_text() == tool.render(), "run python tools/autodiff_coverage.py --write"

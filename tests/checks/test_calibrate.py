@@ -1,7 +1,5 @@
-"""Validate, calibrate and the accuracy fallback, on models whose float16 rewrite goes wrong.
-
-Every verdict of amp_rewrite.validate is cross-checked with the helpers' own runs (ORT and
-onnx.reference, which keeps float16 tensors float16 as a GPU does).
+"""Calibration on a model whose naive float16 rewrite overflows: measured ranges make the
+overflowing nodes deny roots, and validate (cross-checked with ORT and onnx.reference) agrees.
 """
 
 import json
@@ -10,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from accuracy_models import cancellation, hazard_samples, hazards, naive_lists
+from accuracy_models import hazard_samples, hazards, naive_lists
 from amp_rewrite.checks import calibrate, validate
 from amp_rewrite.checks import fallback as accuracy
 from amp_rewrite.cli import main
@@ -75,23 +73,6 @@ def test_default_lists_miss_the_overflowing_matmul_calibration_catches_it(hazard
         assert_close(run_reference(checked.result.model, feeds), run_ort(model, feeds), rtol=RTOL, atol=ATOL)
 
 
-def test_fallback_meets_a_tolerance_the_plain_rewrite_misses():
-    model = cancellation()
-    samples = validate.synthesise(model, dims={"batch": 8}, count=2)
-    plain = rewrite(model)
-    before = validate.validate(model, plain.model, samples, rtol=1e-2, atol=1e-3, reference=True)
-    assert not before.passed and before.worst("max_abs") > 0.1
-    fb = accuracy.fit(model, samples, rtol=1e-2, atol=1e-3, calibration=calibrate.calibrate(model, samples))
-    assert fb.passed and fb.runs <= 10, fb.history
-    assert set(fb.pinned) == {"diff/Sub", "diff/u", "diff/v"}  # where the error enters, nothing else
-    assert fb.result.report.summary["nodes_low"] >= 3
-    assert fb.result.report.to_dict()["fallback"]["validation_runs"] == fb.runs
-    for feeds in samples:
-        expected = run_ort(model, feeds)
-        assert_close(run_reference(fb.result.model, feeds), expected, rtol=1e-2, atol=2e-3)
-        assert_close(run_ort(fb.result.model, feeds), expected, rtol=1e-2, atol=2e-3)
-
-
 def test_cli_validate_exits_6_over_tolerance_and_0_after_calibration(tmp_path, hazard, capsys):
     model, samples = hazard
     path = tmp_path / "hazards.onnx"
@@ -110,35 +91,3 @@ def test_cli_validate_exits_6_over_tolerance_and_0_after_calibration(tmp_path, h
     written = onnx.load(tmp_path / "b.onnx")
     for feeds in samples:
         assert_close(run_reference(written, feeds), run_ort(model, feeds), rtol=RTOL, atol=ATOL)
-
-
-def test_cli_tolerance_runs_the_fallback(tmp_path, capsys):
-    path = tmp_path / "c.onnx"
-    onnx.save(cancellation(), path)
-    report = tmp_path / "r.json"
-    args = [str(path), "--dim", "batch=8", "--samples", "2", "--atol", "1e-3", "--report", str(report)]
-    assert main(args + ["--validate", "--dry-run", "--quiet"]) == 6
-    assert main(args + ["--tolerance", "-o", str(tmp_path / "c16.onnx")]) == 0
-    data = json.loads(report.read_text())
-    assert data["fallback"]["passed"] and data["fallback"]["validation_runs"] <= 10
-    assert "fallback: passed after" in capsys.readouterr().out
-    feeds = validate.synthesise(cancellation(), dims={"batch": 8}, seed=5)[0]
-    assert_close(run_reference(onnx.load(tmp_path / "c16.onnx"), feeds), run_ort(cancellation(), feeds),
-                 rtol=1e-2, atol=3e-3)
-
-
-def test_samples_dims_provider_and_figures():
-    model = cancellation()
-    samples = validate.synthesise(model, dims=validate.parse_dims(["batch=5"]), count=3)
-    assert len(samples) == 3 and samples[0]["x"].shape == (5, 16)
-    with pytest.raises(Exception, match="NAME=SIZE"):
-        validate.parse_dims(["batch:5"])
-    result = validate.validate(model, model, samples, provider="cuda", reference=False)
-    assert result.provider == "CPUExecutionProvider" and result.passed  # CUDA does not load here
-    assert result.runs["ort:CPUExecutionProvider"][0]["max_abs"] == 0.0
-    assert any("CUDA" in n for n in result.notes)
-    ref = [np.array([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]], np.float32)]
-    got = [np.array([[1.0, 2.5, 2.0], [3.0, np.nan, 1.0]], np.float32)]
-    s = validate.compare(ref, got, rtol=1e-2, atol=1e-3)
-    assert s["max_abs"] == pytest.approx(1.0) and s["max_rel"] == pytest.approx(1 / 3)
-    assert s["nan"] == 1 and s["top1"] == 0.5 and not s["passed"]

@@ -11,7 +11,7 @@ import pytest
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import SGD, Adam, AdamW, Trainer
 from helpers import run_ort
-from test_training_models import classification_batches, mlp, softmax_regression, softmax_regression_gradient
+from training_models import classification_batches, mlp, softmax_regression, softmax_regression_gradient
 
 
 def make_trainer(optimizer=None, model=None, **kwargs):

@@ -1,0 +1,23 @@
+"""Fixtures shared across the test folders. Builders and runners are plain functions in
+helpers.py (importable at module level, e.g. in parametrize lists); what is here is state worth
+building once per session."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from helpers import ROOT, load_tool
+
+
+@pytest.fixture(scope="session")
+def synthetic():
+    """tools/synthetic.py: the benchmark's transformer stacks (`transformer_stack`, `sample_feeds`)."""
+    return load_tool("synthetic")
+
+
+@pytest.fixture(scope="session")
+def example_models():
+    """The models shipped in examples/, by file stem, loaded once. Never mutate them: the rewrite
+    copies its input (a test that edits a model builds its own)."""
+    return {path.stem: onnx.load(str(path)) for path in sorted((ROOT / "examples").glob("*.onnx"))}
