@@ -42,8 +42,10 @@ def load_script(path: str, needs=()):
     file = ROOT / path
     name = file.stem
     loaded = sys.modules.get(name)
-    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == file:
-        return loaded
+    if loaded is not None:
+        if Path(getattr(loaded, "__file__", None) or "").resolve() == file:
+            return loaded
+        raise RuntimeError(f"{path}: a module named {name!r} is imported already, from {loaded.__file__}")
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickle look the module up by name
