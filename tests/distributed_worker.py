@@ -1,6 +1,6 @@
 """One rank of the data-parallel tests: `mpiexec -n N python tests/distributed_worker.py SCENARIO OUT`.
 
-Every rank writes what it saw to OUT/<name>-rank<r>.npz; tests/test_training_distributed.py
+Every rank writes what it saw to OUT/<name>-rank<r>.npz; tests/training/test_distributed.py
 compares that with a single-process Trainer on the same global batches.
 """
 
@@ -16,7 +16,7 @@ from onnx import TensorProto
 from amp_rewrite.training import SGD, AdamW, Trainer
 from amp_rewrite.training.distributed import shard
 from helpers import init, make_model, node, tensor
-from test_training_models import mlp
+from training_models import mlp
 
 FEATURES, HIDDEN, CLASSES, GLOBAL_BATCH, STEPS = 6, 16, 4, 8, 4
 # name -> (optimizer factory, loss kind, bucket_mb); tiny buckets make several Allreduce calls.

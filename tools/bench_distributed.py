@@ -27,10 +27,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import make_feeds, mlp  # noqa: E402
+from bench_train import make_feeds, mlp  # a sibling in tools/: Python puts a script's folder on sys.path
 
-from amp_rewrite.training import SGD, Trainer  # noqa: E402
+from amp_rewrite.training import SGD, Trainer
 
 
 def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):

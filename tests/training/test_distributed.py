@@ -20,10 +20,10 @@ from amp_rewrite.training.distributed import GradientBuckets, plan_buckets, shar
 from amp_rewrite.training.split_step import split_step_graph
 from amp_rewrite.training.step_graph import LR_INPUT, apply_precision
 from distributed_worker import CLASSES, EQUIVALENCE, FEATURES, HIDDEN, global_batches, model_and_loss
-from helpers import session
-from test_training_models import classification_batches, mlp
+from helpers import ROOT, run_script, session
+from training_models import classification_batches, mlp
 
-WORKER = Path(__file__).with_name("distributed_worker.py")
+WORKER = ROOT / "tests" / "distributed_worker.py"  # a script (one rank), and the scenarios' shared facts
 
 
 # --- in process: no MPI needed ------------------------------------------------------------------
@@ -202,8 +202,7 @@ def test_fit_over_different_numbers_of_batches_fails_on_every_rank_instead_of_ha
 
 def test_bench_distributed_quick_prints_its_table():
     _mpiexec()
-    bench = WORKER.parent.parent / "tools" / "bench_distributed.py"
-    done = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=120)
+    done = run_script("tools/bench_distributed.py", "--quick", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 64 ")]
     assert [row.split("|")[3].strip() for row in rows] == ["one process (one-graph step)", "1 rank x 16", "2 ranks x 8"]
