@@ -12,7 +12,8 @@ __all__ = ["RewriteOptions", "RewriteResult", "rewrite"]
 
 def rewrite(model, options: RewriteOptions | None = None, *, target: str = "float16", keep_io_types: bool = True,
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
-            check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None):
+            check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
+            annotate: bool = False):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -20,7 +21,8 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     onnxconverter-common names are accepted: `op_block_list` adds to `deny`, `node_block_list`
     to `keep_fp32_nodes`. `force_fp32` ({node name: reason}) and `calibration` (a
     `checks.calibrate.CalibrationResult`) make nodes deny roots: float32 spreads from them as from
-    a deny op, and the report gives the reason. `options` (a RewriteOptions) replaces all keyword
+    a deny op, and the report gives the reason. `annotate` writes each node's precision and reason
+    into the result's doc strings (`report.annotate`). `options` (a RewriteOptions) replaces all keyword
     options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
@@ -28,5 +30,5 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     deny=deny, infer=infer, clear=clear, keep_fp32_nodes=keep_fp32_nodes,
                                     clamp=clamp, check=check, op_block_list=op_block_list,
                                     node_block_list=node_block_list, force_fp32=force_fp32,
-                                    calibration=calibration)
+                                    calibration=calibration, annotate=annotate)
     return run(model, options)

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep nodes whose name equals or fully matches this regex in float32")
     p.add_argument("--clamp", action="store_true",
                    help="clamp constants outside the target range instead of keeping their consumers float32")
+    p.add_argument("--annotate", action="store_true",
+                   help="write each node's precision and reason into the output model (doc_string; Netron shows it)")
     p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
     _add_check_arguments(p)
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
@@ -83,7 +85,8 @@ def rewrite_options(args) -> RewriteOptions:
     """The rewrite's options, built once from the command line."""
     return RewriteOptions.of(target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
                              allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
-                             keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp)
+                             keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
+                             annotate=args.annotate)
 
 
 def run(args) -> int:
@@ -119,7 +122,8 @@ def run(args) -> int:
         atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
     if args.html:
         from amp_rewrite.report import html as html_report
-        atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model, source.name).encode())
+        atomic_write_bytes(Path(args.html), html_report.render(
+            result.report, loaded.model, source.name, rewritten=result.model).encode())
     if not args.quiet:
         print(result.report.to_text())
         print(result.report.table_text())

@@ -40,6 +40,7 @@ class RewriteOptions:
     check: bool = True  # onnx.checker on the result
     force_fp32: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> reason: deny roots
     calibration: object = None  # a checks.calibrate.CalibrationResult: measured deny roots
+    annotate: bool = False  # each node's precision and reason written into the result (Netron shows them)
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":

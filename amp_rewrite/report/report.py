@@ -27,6 +27,7 @@ class Report:
     make_nodes: object = list  # builds the per-node entries on first use: a caller that wants only the model never pays for sentences
     notes: list = field(default_factory=list)
     sections: dict = field(default_factory=dict)  # "calibration", "validation", "fallback" when run
+    casts: list = field(default_factory=list)  # (scope, Cast node name, tensor, to) per inserted Cast
     _summary: dict | None = field(default=None, repr=False)
     _nodes: list | None = field(default=None, repr=False)
 
@@ -203,4 +204,5 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
         _, by_node, precisions, flops_of = figures()
         return [_node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key)) for key, vs in by_node.items()]
 
-    return Report(cg.target, lambda: figures()[0], make_nodes, [f"{label}: {text}" for label, text in cg.notes])
+    return Report(cg.target, lambda: figures()[0], make_nodes, [f"{label}: {text}" for label, text in cg.notes],
+                  casts=materialised.casts)

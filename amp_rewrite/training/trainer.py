@@ -79,6 +79,7 @@ class Trainer:
         if on_nonfinite == "retry" and not isinstance(self.loss_scale_policy, DynamicLossScale):
             raise TrainingError("on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)")
         step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, trainable, gradient_builder)
+        self._float_step = step.model  # what `report` draws
         self.step_graph: StepGraph = apply_precision(step, self.precision)
         self._start(provider)
 
@@ -223,6 +224,13 @@ class Trainer:
         """Write the trained inference model (float32, or rewritten to `precision`), atomically."""
         data = self.inference_model(precision).SerializeToString()
         atomic_write(path, lambda f: f.write(data))
+
+    def report(self, html=None):
+        """The mixed-precision rewrite's report of the step graph; with `html` (a path) also the
+        HTML picture, forward, backward, loss-scale and optimizer regions drawn apart."""
+        from amp_rewrite.training.picture import step_report
+
+        return step_report(self._float_step, self.precision, html, title="training step")
 
     # --- internals ------------------------------------------------------------------------------
 

@@ -129,6 +129,14 @@ def report(w: Work) -> None:
     w.result = RewriteResult(w.model, rep, changed)
 
 
+def annotate(w: Work) -> None:
+    """--annotate: each node's precision and reason into the result (off by default: bytes unchanged)."""
+    if w.options.annotate:
+        from amp_rewrite.report.annotate import annotate as write_notes
+
+        write_notes(w.result.model, w.result.report)
+
+
 STAGES = (
     take_working_copy,  # io.working_copy
     inline_local_functions,  # onnx.inliner
@@ -142,6 +150,7 @@ STAGES = (
     sort,  # onnx_facts
     check,  # onnx.checker
     report,  # report.report
+    annotate,  # report.annotate
 )
 
 

@@ -1,5 +1,7 @@
 """The HTML report: one self-contained page that draws every node, large graphs folded into regions."""
 
+import json
+import re
 from html.parser import HTMLParser
 
 import numpy as np
@@ -54,7 +56,7 @@ def test_html_page_is_self_contained_and_draws_every_node(tmp_path, capsys):
     assert main([str(path), "--html", str(html_path), "--validate", "--quiet"]) == 0
     page = _parse(html_path)
     assert "svg" in page.tags and "table" in page.tags and not page.urls
-    assert page.rects >= 5  # one box per node (+ legend swatches are <i>)
+    assert len(_picture_data(html_path)["op"]) == 5  # every node goes to the drawing script
     text = " ".join(page.text)
     assert "Validation" in text and "PASSED" in text and "downstream of deny op ReduceMean" in text
     written = onnx.load(tmp_path / "m.fp16.onnx")
@@ -62,10 +64,15 @@ def test_html_page_is_self_contained_and_draws_every_node(tmp_path, capsys):
     assert_close(run_reference(written, feeds), run_ort(deny_chain_model(), feeds))
 
 
+def _picture_data(path) -> dict:
+    found = re.search(r'<script type="application/json" id="amp-data">(.*?)</script>', path.read_text())
+    return json.loads(found.group(1))
+
+
 def test_html_collapses_large_graphs_into_regions(tmp_path):
     rng = np.random.default_rng(1)
     nodes, inits, x = [], [], "x"
-    for b in range(40):  # 40 blocks of MatMul -> Add -> Relu -> Mul: 160 nodes
+    for b in range(100):  # 100 blocks of MatMul -> Add -> Relu -> Mul: 400 nodes
         inits += [init(f"W{b}", (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)),
                   init(f"c{b}", np.float32(0.5))]
         nodes += [node("MatMul", [x, f"W{b}"], [f"p{b}"], name=f"block{b}/mm"),
@@ -80,7 +87,9 @@ def test_html_collapses_large_graphs_into_regions(tmp_path):
     assert main([str(path), "--dry-run", "--quiet", "--html", str(html_path)]) == 0
     page = _parse(html_path)
     text = " ".join(page.text)
-    assert "160 nodes collapsed into 40 regions" in text and "block7" in text
-    assert page.rects < 160
+    assert "400 compute nodes" in text and "collapsed into 10 regions" in text
+    groups = _picture_data(html_path)["groups"]
+    assert sum(g["l"] == "/block7" and g["n"] == 4 for g in groups) == 1
+    assert groups[0]["n"] == 400 and len(groups[0]["i"]) == 10
     feeds = random_feeds(model)
     assert_close(run_ort(rewrite(model).model, feeds), run_ort(model, feeds), rtol=2e-2, atol=2e-2)
