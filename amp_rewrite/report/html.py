@@ -34,7 +34,8 @@ border-radius:2px;margin-right:4px;vertical-align:-1px}
 .cast rect{fill:#fff;stroke:#222;stroke-width:1.6} .rbox{fill:#f7f7f7;stroke:#555;stroke-width:.8}
 .region:hover>.rbox{stroke:#000;stroke-width:1.8} .frame{fill:#fbfbfb;stroke:#777;stroke-dasharray:5 3}
 .sw.island{background:#fbe3cf;border:1px dashed #b34700} .sw.cast{background:#fff;border:2px solid #222;
-width:7px;height:7px;transform:rotate(45deg)}
+width:7px;height:7px;transform:rotate(45deg)} .sw.measured{border:3px solid #7a0000;width:8px;height:8px}
+.measured>rect:first-child{stroke:#7a0000;stroke-width:3}
 details{margin:8px 0} code{font-size:12px} body.only-graph>:not(.picture){display:none}
 """
 

@@ -4,7 +4,7 @@
   "use strict";
   var NS = "http://www.w3.org/2000/svg";
   var NW = 128, NH = 36, RW = 190, RH = 58, GAP = 16, LGAP = 36, PAD = 10, HEAD = 22, DW = 4;
-  var D, open = {}, view = {s: 1, x: 0, y: 0}, fitted = false;
+  var D, measured = {}, open = {}, view = {s: 1, x: 0, y: 0}, fitted = false;
   var svg = document.getElementById("amp-svg"), vp = document.getElementById("amp-vp");
   var box = document.getElementById("amp-graph"), info = document.getElementById("amp-info");
 
@@ -107,7 +107,7 @@
   function drawNode(parent, k, x, y) {
     var kind = +D.kind[k], isl = D.island[k], name = D.name[k], op = D.ops[D.op[k]];
     if (isl >= 0) el("rect", {"class": "halo", "data-island": isl, x: x - 6, y: y - 6, width: NW + 12, height: NH + 12, rx: 10}, parent);
-    var g = el("g", {"class": "node" + (isl >= 0 ? " in-island" : ""), "data-i": k, "data-op": op, "data-kind": D.kinds[kind]}, parent);
+    var g = el("g", {"class": "node" + (isl >= 0 ? " in-island" : "") + (measured[k] ? " measured" : ""), "data-i": k, "data-op": op, "data-kind": D.kinds[kind]}, parent);
     el("rect", {x: x, y: y, width: NW, height: NH, rx: 6, fill: D.colours[D.kinds[kind]]}, g);
     el("text", {x: x + NW / 2, y: y + 15, "text-anchor": "middle", "font-size": 11, "font-weight": 600, fill: "#fff"}, g, cut(op, 20));
     el("text", {x: x + NW / 2, y: y + 28, "text-anchor": "middle", "font-size": 9, fill: "#fff"}, g, cut(name, 22));
@@ -250,7 +250,7 @@
   }
 
   load().then(function (data) {
-    D = data; D.open.forEach(function (g) { open[g] = true; }); fromHash(); render(); setupInput();
+    D = data; D.measured.forEach(function (k) { measured[k] = true; }); D.open.forEach(function (g) { open[g] = true; }); fromHash(); render(); setupInput();
     if (/only/.test(location.hash)) { document.body.classList.add("only-graph"); fitted = false; render(); }
     var first = /expand=(\d+)/.exec(location.hash), frame = first && vp.querySelector('.region.open[data-g="' + first[1] + '"] > rect');
     if (frame) { view.y = 12 - frame.getAttribute("y") * view.s; apply(); }  // the opened region at the top

@@ -119,7 +119,7 @@ def page_data(report, model: onnx.ModelProto, rewritten: onnx.ModelProto | None 
         "ops": list(ops), "op": op_ids, "name": g.name,
         "kind": "".join(map(str, g.kind)), "why": [reasons.setdefault(r, len(reasons)) for r in g.reason],
         "reasons": list(reasons), "island": g.island, "islands": [list(i) for i in g.islands],
-        "weights": g.weights, "groups": out_groups, "casts": len(g.casts) + sum(g.inner_casts.values()),
+        "weights": g.weights, "measured": g.measured, "groups": out_groups, "casts": len(g.casts) + sum(g.inner_casts.values()),
         "loose": loose, "open": [~i for i in groups[0].items if i < 0 and groups[~i].flat] if phases else [],
     }
 
@@ -146,7 +146,8 @@ def section(report, model: onnx.ModelProto, rewritten: onnx.ModelProto | None = 
     legend = "".join(f'<span><i class="sw" style="background:{COLOURS[k]}"></i>{e(label)}</span>' for k, label in (
         ("low", report.target), ("float32", "float32"), ("mixed", "mixed"), ("other", "no float tensors")))
     legend += ('<span><i class="sw island"></i>float32 island (click for why)</span>'
-               '<span><i class="sw cast"></i>inserted Cast</span>')
+               '<span><i class="sw cast"></i>inserted Cast</span>'
+               '<span><i class="sw measured"></i>kept float32 by calibration / fallback / pin</span>')
     script = resources.files("amp_rewrite.report").joinpath("picture.js").read_text()
     return (f'<div class="picture"><p class="legend">{legend}</p><p class="sub" id="amp-caption">{e(caption)}</p>'
             '<div class="toolbar"><button data-act="fit">Fit</button><button data-act="in">+</button>'

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from amp_rewrite.analysis.paint import Step
+
 KINDS = ("low", "mixed", "float32", "other")  # index = the kind code used in the page data
 LOW, MIXED, FLOAT32, OTHER = range(4)
 
@@ -29,6 +31,7 @@ class PictureGraph:
     reason: list = field(default_factory=list)
     weights: list = field(default_factory=list)  # folded constants / initializers read
     succ: list = field(default_factory=list)  # distinct successors, per node
+    measured: list = field(default_factory=list)  # nodes made deny roots by calibration, the fallback or the user
     island: list = field(default_factory=list)  # float32 island id or -1
     islands: list = field(default_factory=list)  # per island: (size, reason)
     casts: list = field(default_factory=list)  # (producer or None, first reader or None, to elem type)
@@ -184,6 +187,8 @@ def build(report, model: onnx.ModelProto, rewritten: onnx.ModelProto | None = No
     for k, i in enumerate(order):
         entry = entries.get(i if by_index else names[i])
         g.kind.append(_kind(entry, target))
+        if entry and entry["precision"] == "float32" and entry.get("step") == Step.MEASURED.value:
+            g.measured.append(k)
         g.reason.append(entry["because"] if entry else f"{ops[i]} '{names[i]}': no float tensors, not coloured")
         folded = 0
         seen = set()

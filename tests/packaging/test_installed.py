@@ -25,7 +25,9 @@ for name in names:
 import amp_rewrite
 from amp_rewrite.analysis.oplists import load_op_lists
 lists = load_op_lists("bfloat16")  # extends float16: both YAML files must ship
-print(json.dumps({"failed": failed, "file": amp_rewrite.__file__, "allow": len(lists.ops("allow"))}))
+from importlib import resources
+script = resources.files("amp_rewrite.report").joinpath("picture.js").read_text()  # the HTML picture's
+print(json.dumps({"failed": failed, "file": amp_rewrite.__file__, "allow": len(lists.ops("allow")), "js": len(script)}))
 """
 
 
@@ -49,3 +51,4 @@ def test_every_source_module_imports_from_the_installed_distribution(tmp_path):
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["failed"] == {}, found["failed"]
     assert found["allow"] > 10  # the op lists were read from the installed data
+    assert found["js"] > 1000  # the report's drawing script ships too

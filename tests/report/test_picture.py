@@ -180,6 +180,9 @@ def test_picture_data_folds_constants_and_places_every_cast():
     drawn = sum(e[2] for e in root["e"]) + sum(sum(s[1:]) for s in root["st"]) + data["loose"]
     assert drawn == data["casts"] == result.report.summary["casts_inserted"] > 0
     assert any("Softmax 'sm' kept float32: deny list" in reason for _, reason in data["islands"])
+    assert data["measured"] == []
+    pinned = rewrite(model, force_fp32={"mm2": "measured overflow"})
+    assert report_page.page_data(pinned.report, model, pinned.model)["measured"] == [3]  # drawn with a red frame
     assert_close(run_ort(result.model, random_feeds(model)), run_ort(model, random_feeds(model)), rtol=1e-2, atol=1e-2)
 
 
