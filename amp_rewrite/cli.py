@@ -122,8 +122,7 @@ def run(args) -> int:
         atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
     if args.html:
         from amp_rewrite.report import html as html_report
-        atomic_write_bytes(Path(args.html), html_report.render(
-            result.report, loaded.model, source.name, rewritten=result.model).encode())
+        atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model, source.name).encode())
     if not args.quiet:
         print(result.report.to_text())
         print(result.report.table_text())

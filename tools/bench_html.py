@@ -59,8 +59,8 @@ def measure(nodes: int, repeat: int, old) -> dict:
     model = synthetic.transformer_stack(nodes)
     result = rewrite(model)
     sentences, _ = _median_time(lambda: result.report.nodes, 1)  # built once, then cached
-    data, _ = _median_time(lambda: report_page.page_data(result.report, model, result.model), repeat)
-    page_s, page = _median_time(lambda: html_report.render(result.report, model, rewritten=result.model), repeat)
+    data, _ = _median_time(lambda: report_page.page_data(result.report, model), repeat)
+    page_s, page = _median_time(lambda: html_report.render(result.report, model), repeat)
     row = {"nodes": len(model.graph.node), "sentences": sentences, "data": data, "page": page_s,
            "total": sentences + page_s, "mb": len(page.encode()) / 1e6}
     if old is not None:

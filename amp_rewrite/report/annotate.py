@@ -43,7 +43,7 @@ def annotate(model: onnx.ModelProto, report) -> int:
         if node is not None:
             _write(node, entry["precision"], entry["because"])
             done += 1
-    for scope, name, tensor, to in report.casts:
+    for scope, name, tensor, to, _ in report.casts:
         node = scopes[scope].get(name) if scope < len(scopes) else None
         if node is not None:
             to_name = onnx.TensorProto.DataType.Name(to).lower()

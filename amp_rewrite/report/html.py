@@ -125,9 +125,8 @@ def _node_table(report) -> str:
             f"<th class=l>op</th><th class=l>precision</th><th class=l>reason</th></tr>{rows}</table>{more}</details>")
 
 
-def render(report, model: onnx.ModelProto, title: str | None = None, rewritten: onnx.ModelProto | None = None) -> str:
-    """The page for `report` of a rewrite of `model` (the original ModelProto); with the
-    `rewritten` model the picture also shows where the inserted Casts sit."""
+def render(report, model: onnx.ModelProto, title: str | None = None) -> str:
+    """The page for `report` of a rewrite of `model` (the original ModelProto)."""
     title = title or (model.graph.name or "model")
     notes = "".join(f"<li>{_e(n)}</li>" for n in report.notes)
     return (
@@ -137,7 +136,7 @@ def render(report, model: onnx.ModelProto, title: str | None = None, rewritten: 
         f'<div class="sub">target {_e(report.target)} · {report.summary["nodes_float"]} float nodes · '
         f'{report.summary["seconds"]:.3f} s</div>'
         f"{_summary(report)}{_checks(report)}"
-        f"<h2>Graph coloured by precision</h2>{picture.section(report, model, rewritten)}"
+        f"<h2>Graph coloured by precision</h2>{picture.section(report, model)}"
         f"<h2>Per op type</h2>{_op_table(report)}{_node_table(report)}"
         + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
         + "</body></html>"

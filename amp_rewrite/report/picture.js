@@ -104,8 +104,9 @@
     el("title", {}, g, n + " Cast node(s) inserted " + where);
   }
 
-  function drawNode(parent, k, x, y) {
+  function drawNode(parent, k, x, y, within) {
     var kind = +D.kind[k], isl = D.island[k], name = D.name[k], op = D.ops[D.op[k]];
+    if (within && name.indexOf(within + "/") === 0) name = name.slice(within.length + 1);  // the region says the rest
     if (isl >= 0) el("rect", {"class": "halo", "data-island": isl, x: x - 6, y: y - 6, width: NW + 12, height: NH + 12, rx: 10}, parent);
     var g = el("g", {"class": "node" + (isl >= 0 ? " in-island" : "") + (measured[k] ? " measured" : ""), "data-i": k, "data-op": op, "data-kind": D.kinds[kind]}, parent);
     el("rect", {x: x, y: y, width: NW, height: NH, rx: 6, fill: D.colours[D.kinds[kind]]}, g);
@@ -156,7 +157,7 @@
       row.forEach(function (e) {
         if (e.code < 0) return;
         var x = ox + e.cx - e.w / 2, y = oy + e.y;
-        if (e.item >= 0) drawNode(top, e.item, x, y);
+        if (e.item >= 0) drawNode(top, e.item, x, y, G.l);
         else if (!open[~e.item]) drawRegion(top, ~e.item, x, y);
         else {
           var S = D.groups[~e.item], g = el("g", {"class": "region open", "data-g": ~e.item, "data-label": S.l, "data-nodes": S.n}, top);
@@ -182,7 +183,7 @@
       markerWidth: 6, markerHeight: 6, orient: "auto-start-reverse"}, defs);
     el("path", {d: "M0,0 L10,5 L0,10 z", fill: "#888"}, m);
     drawGroup(vp, 0, 0, 0);
-    if (D.loose) castMark(vp, -14, 0, D.loose, "between a graph input and a graph output");
+    if (D.loose) castMark(vp, -14, 0, D.loose, "that sit on no edge of this drawing (between graph inputs and outputs, or in inlined functions)");
     view.w = size[0]; view.h = size[1];
     if (!fitted) fit();
     apply();

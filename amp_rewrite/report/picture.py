@@ -67,8 +67,9 @@ def _totals(groups, gid: int, kinds: list, own_casts: list, out: dict) -> tuple:
     return out[gid]
 
 
-def page_data(report, model: onnx.ModelProto, rewritten: onnx.ModelProto | None = None) -> dict:
-    g = report_graph.build(report, model, rewritten)
+def page_data(report, model: onnx.ModelProto) -> dict:
+    """What the script draws: nodes, reasons, islands, and per region its items, layers and edges."""
+    g = report_graph.build(report, model)
     phases = report_regions.is_step_graph(g.name)
     groups = report_regions.build(g.name, g.op, g.succ, phases=phases)
     direct = [0] * len(g.op)
@@ -133,9 +134,9 @@ def _script_json(data: dict) -> str:
     return f'<script type="application/json" id="amp-data">{text}</script>'
 
 
-def section(report, model: onnx.ModelProto, rewritten: onnx.ModelProto | None = None) -> str:
+def section(report, model: onnx.ModelProto) -> str:
     """The legend, caption, toolbar, drawing area, data and script of the graph picture."""
-    data = page_data(report, model, rewritten)
+    data = page_data(report, model)
     n, root = len(data["op"]), data["groups"][0]
     regions = sum(1 for item in root["i"] if item < 0)
     folded = len(model.graph.node) - n + len(model.graph.initializer)

@@ -2,8 +2,10 @@
 each node's precision and reason, float32 islands, and where the inserted Casts sit.
 
 Constant nodes, initializers and Identity nodes of them (exporters share weights that way) are
-folded into their readers (a count of weights per node), as Netron shows them: never boxes. Casts are read from the rewritten model and attached to
-the edge (producer, first reader) of the original graph they sit on. Linear in the graph size.
+folded into their readers (a count of weights per node), as Netron shows them: never boxes. The
+structure comes from the rewrite itself (`facts`: the node io it read once, and which uses each
+inserted Cast feeds), so the page reads no tensor lists from the protobuf again; each Cast is drawn
+on the edge (producer, first reader) it sits on. Linear in the graph size.
 """
 
 from __future__ import annotations
@@ -17,6 +19,35 @@ from amp_rewrite.analysis.paint import Step
 
 KINDS = ("low", "mixed", "float32", "other")  # index = the kind code used in the page data
 LOW, MIXED, FLOAT32, OTHER = range(4)
+
+
+@dataclass
+class Facts:
+    """The main graph as the rewrite read it (per node: inputs, outputs, name) and each inserted
+    Cast as (producer node or None, first reader node or None, to), or ("inside", holder node, to)
+    for a Cast in a subgraph: node indices of the graph before casts were spliced in."""
+
+    io: list
+    names: list
+    casts: list
+
+
+def facts(cg, materialised) -> Facts:
+    """Facts of one rewrite; `report.Report.picture_facts` calls this when a page is drawn."""
+    scopes, main = cg.scopes, cg.scopes[0]
+    places = []
+    for scope, _, source, elem, output in materialised.casts:
+        if scope != 0:  # inside a body: counted on the main-graph node that holds it
+            while scopes[scope].parent != 0:
+                scope = scopes[scope].parent
+            places.append(("inside", scopes[scope].owner[1], elem))
+            continue
+        d = main.defs.get(source)
+        if d is None:  # a producer renamed for a graph output writes a new name; the Cast the old one
+            d = main.defs.get(output)
+        readers = [u.node for u in materialised.cast_uses.get(output, ()) if u.scope == 0 and u.node >= 0]
+        places.append((d.node if d is not None and d.kind == "node" else None, min(readers, default=None), elem))
+    return Facts(main.io, main.names, places)
 
 
 @dataclass
@@ -112,68 +143,28 @@ def _island_reason(g: PictureGraph, members: list[int]) -> str:
     return f"float32 island of {len(members)} node(s): {top}{more}"
 
 
-def _subgraph_names(graph: onnx.GraphProto, out: list) -> None:
-    for node in graph.node:
-        out.append(node.name)
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _subgraph_names(attr.g, out)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for body in attr.graphs:
-                    _subgraph_names(body, out)
+def _read(report, model: onnx.ModelProto):
+    """(inputs, outputs, names, cast places) per node of the main graph: from the rewrite's facts,
+    else (a model whose functions were inlined: the rewrite saw another graph) from the protobuf."""
+    get = getattr(report, "picture_facts", None)
+    if get is not None and not len(model.functions):
+        f = get()
+        return [io[0] for io in f.io], [io[1] for io in f.io], f.names, f.casts
+    nodes = model.graph.node  # the casts sit in the inlined graph: drawn apart, not on an edge
+    loose = [(None, None, cast[3]) for cast in getattr(report, "casts", ())]
+    return [tuple(n.input) for n in nodes], [tuple(n.output) for n in nodes], [n.name for n in nodes], loose
 
 
-def _attach_casts(g: PictureGraph, rewritten: onnx.ModelProto, cast_list, orig_producer: dict, pos: dict,
-                  orig_names: dict) -> None:
-    """Each inserted Cast as (producer, first reader, type) in picture numbering."""
-    main_casts = {name for scope, name, _, _ in cast_list if scope == 0}
-    nested = {name for scope, name, _, _ in cast_list if scope != 0}
-
-    def picture_node(node) -> int | None:
-        for o in node.output:
-            if o in orig_producer:
-                return pos.get(orig_producer[o])
-        return pos.get(orig_names.get(node.name)) if node.name else None
-
-    casts = []
-    for node in rewritten.graph.node:
-        if node.op_type == "Cast" and node.name in main_casts:
-            casts.append(node)
-        elif nested and any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-            names: list = []
-            _subgraph_names(onnx.GraphProto(node=[node]), names)
-            inside = sum(1 for nm in names if nm in nested)
-            holder = picture_node(node)
-            if inside and holder is not None:
-                g.inner_casts[holder] += inside
-    outputs = {c.output[0]: [] for c in casts}
-    for node in rewritten.graph.node:  # the first reader of each Cast's output
-        for x in node.input:
-            if x in outputs:
-                outputs[x].append(node)
-    for node in casts:
-        src, out = node.input[0], node.output[0]
-        if src in orig_producer:
-            p = pos.get(orig_producer[src])
-        else:  # a producer renamed for a graph output writes a new name; the Cast writes the old one
-            p = pos.get(orig_producer.get(out)) if out in orig_producer else None
-        firsts = [r for r in (picture_node(n) for n in outputs[out]) if r is not None]
-        g.casts.append((p, min(firsts) if firsts else None, node.attribute[0].i if node.attribute else 0))
-
-
-def build(report, model: onnx.ModelProto, rewritten: onnx.ModelProto | None = None) -> PictureGraph:
-    """The picture graph of `model` (the original) with `report`'s decisions and, when the
-    rewritten model is given, the casts the report lists."""
-    nodes = model.graph.node
-    inputs = [list(n.input) for n in nodes]  # the protobuf is read once per field: each pass costs
-    ops = [n.op_type for n in nodes]
-    names = [n.name for n in nodes]
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+def build(report, model: onnx.ModelProto) -> PictureGraph:
+    """The picture graph of `model` (the original, unrewritten) with `report`'s decisions."""
+    inputs, outputs, names, places = _read(report, model)
+    ops = [n.op_type for n in model.graph.node]
+    producer = {o: i for i, outs in enumerate(outputs) for o in outs if o}
     constants = {t.name for t in model.graph.initializer}
     order = []
     for i in _topological(inputs, producer):
         if ops[i] == "Constant" or (ops[i] == "Identity" and inputs[i] and inputs[i][0] in constants):
-            constants.update(nodes[i].output)  # exporters share a weight through an Identity of it
+            constants.update(outputs[i])  # exporters share a weight through an Identity of it
         else:
             order.append(i)
     pos = {i: k for k, i in enumerate(order)}
@@ -207,8 +198,10 @@ def build(report, model: onnx.ModelProto, rewritten: onnx.ModelProto | None = No
             succ[p].append(k)
     g.succ = succ
     _islands(g)
-    cast_list = getattr(report, "casts", None) or []
-    if rewritten is not None and cast_list:
-        names_at = {name: i for i, name in enumerate(names) if name}
-        _attach_casts(g, rewritten, cast_list, producer, pos, names_at)
+    for p, r, elem in places:
+        if p == "inside":
+            if pos.get(r) is not None:
+                g.inner_casts[pos[r]] += 1
+        else:
+            g.casts.append((pos.get(p), pos.get(r), elem))
     return g

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from amp_rewrite.analysis.graph import ColouringGraph
 from amp_rewrite.analysis.paint import LOW, Plan, Step
 
+from amp_rewrite.report import picture_graph
 from amp_rewrite.report.flops import HEAVY
 from amp_rewrite.report.sentences import explain, sentence
 
@@ -27,7 +28,8 @@ class Report:
     make_nodes: object = list  # builds the per-node entries on first use: a caller that wants only the model never pays for sentences
     notes: list = field(default_factory=list)
     sections: dict = field(default_factory=dict)  # "calibration", "validation", "fallback" when run
-    casts: list = field(default_factory=list)  # (scope, Cast node name, tensor, to) per inserted Cast
+    casts: list = field(default_factory=list)  # (scope, Cast node name, tensor, to, output) per inserted Cast
+    picture_facts: object = None  # () -> report.picture_graph.Facts: the main graph as read, where casts sit
     _summary: dict | None = field(default=None, repr=False)
     _nodes: list | None = field(default=None, repr=False)
 
@@ -205,4 +207,4 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
         return [_node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key)) for key, vs in by_node.items()]
 
     return Report(cg.target, lambda: figures()[0], make_nodes, [f"{label}: {text}" for label, text in cg.notes],
-                  casts=materialised.casts)
+                  casts=materialised.casts, picture_facts=functools.partial(picture_graph.facts, cg, materialised))

@@ -26,6 +26,6 @@ def step_report(step_model: onnx.ModelProto, precision: str, html=None, title: s
 
     result = rewrite(step_model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS)
     if html is not None:
-        page = html_report.render(result.report, step_model, title, rewritten=result.model)
+        page = html_report.render(result.report, step_model, title)
         atomic_write_bytes(Path(html), page.encode())
     return result.report

@@ -30,13 +30,16 @@ def place_casts(m: Materialisation, s, name, d, src, uses) -> None:
             m.low_names.add((s, new))
         out_elem = next(need for u, need in zip(uses, needs) if u.scope == 0 and u.node < 0)
         add_cast(m, s, d, new, name, out_elem, after=True)
+        m.result.cast_uses[name] = [u for u, need in zip(uses, needs) if need != src]
         for use, need in zip(uses, needs):
             if need == src:
                 set_input(m, use, new)
         return
     for use, need in zip(uses, needs):
         if need != src:
-            set_input(m, use, cast_of(m, s, name, d, need, use.scope))
+            out = cast_of(m, s, name, d, need, use.scope)
+            set_input(m, use, out)
+            m.result.cast_uses.setdefault(out, []).append(use)
 
 
 def cast_of(m: Materialisation, s, name, d, elem, use_scope) -> str:
@@ -97,4 +100,4 @@ def add_cast(m: Materialisation, scope, d, source, out, elem, *, after: bool) ->
         m.after.setdefault((scope, d.node), []).append(cast)
     else:
         m.top.setdefault(scope, []).append(cast)
-    m.result.casts.append((scope, name, source, elem))
+    m.result.casts.append((scope, name, source, elem, out))

@@ -21,7 +21,8 @@ from amp_rewrite.transform.weights import Scan, is_constant
 class Materialised:
     """What materialising did, for the report."""
 
-    casts: list = field(default_factory=list)  # (scope, cast node name, tensor, to)
+    casts: list = field(default_factory=list)  # (scope, cast node name, tensor, to, output)
+    cast_uses: dict = field(default_factory=dict)  # Cast output -> the uses reading it (the report's picture)
     converted_constants: int = 0
     duplicated_constants: int = 0
     clamped_values: int = 0
