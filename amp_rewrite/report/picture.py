@@ -67,11 +67,10 @@ def _totals(groups, gid: int, kinds: list, own_casts: list, out: dict) -> tuple:
     return out[gid]
 
 
-def page_data(report, model: onnx.ModelProto) -> dict:
-    """What the script draws: nodes, reasons, islands, and per region its items, layers and edges."""
-    g = report_graph.build(report, model)
-    phases = report_regions.is_step_graph(g.name)
-    groups = report_regions.build(g.name, g.op, g.succ, phases=phases)
+def _place(groups, g) -> tuple:
+    """Each edge in the region where it is drawn, each Cast on its edge (or as a stub on the node
+    that reads a graph input / writes a graph output, or inside a node's subgraphs): per group the
+    edges with their casts, the stubs, and the casts drawn there; and the casts drawn nowhere."""
     direct = [0] * len(g.op)
     for gid, group in enumerate(groups):
         for item in group.items:
@@ -79,7 +78,7 @@ def page_data(report, model: onnx.ModelProto) -> dict:
                 direct[item] = gid
     depth = _depths(groups)
     edges: list = [{} for _ in groups]  # per group: (item a, item b) -> casts on it
-    stubs: list = [{} for _ in groups]  # per group: item -> [casts in from graph inputs, out, inside]
+    stubs: list = [{} for _ in groups]  # per group: node -> [casts from graph inputs, to outputs, inside]
     own_casts = [0] * len(groups)
     for u, vs in enumerate(g.succ):
         for v in vs:
@@ -101,6 +100,15 @@ def page_data(report, model: onnx.ModelProto) -> dict:
     for node, inside in g.inner_casts.items():
         stubs[direct[node]].setdefault(node, [0, 0, 0])[2] += inside
         own_casts[direct[node]] += inside
+    return edges, stubs, own_casts, loose
+
+
+def page_data(report, model: onnx.ModelProto) -> dict:
+    """What the script draws: nodes, reasons, islands, and per region its items, layers and edges."""
+    g = report_graph.build(report, model)
+    phases = report_regions.is_step_graph(g.name)
+    groups = report_regions.build(g.name, g.op, g.succ, phases=phases)
+    edges, stubs, own_casts, loose = _place(groups, g)
     totals: dict = {}
     _totals(groups, 0, g.kind, own_casts, totals)
     out_groups = []
@@ -120,8 +128,9 @@ def page_data(report, model: onnx.ModelProto) -> dict:
         "ops": list(ops), "op": op_ids, "name": g.name,
         "kind": "".join(map(str, g.kind)), "why": [reasons.setdefault(r, len(reasons)) for r in g.reason],
         "reasons": list(reasons), "island": g.island, "islands": [list(i) for i in g.islands],
-        "weights": g.weights, "measured": g.measured, "groups": out_groups, "casts": len(g.casts) + sum(g.inner_casts.values()),
-        "loose": loose, "open": [~i for i in groups[0].items if i < 0 and groups[~i].flat] if phases else [],
+        "weights": g.weights, "measured": g.measured, "groups": out_groups,
+        "casts": len(g.casts) + sum(g.inner_casts.values()), "loose": loose,
+        "open": [~i for i in groups[0].items if i < 0 and groups[~i].flat] if phases else [],  # phases drawn open
     }
 
 

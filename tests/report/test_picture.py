@@ -89,7 +89,8 @@ def test_bert_export_collapses_by_module_names_and_expands_in_place(pictures):
     assert len(opened.regions) + len(opened.nodes) > len(dom.regions) + len(dom.nodes)  # its insides drawn
     check_drawing(opened, model, result.report)
     browser.screenshot(page, pictures / "bert.png", f"only,expand={layer['data-g']}")
-    feeds = {"input_ids": np.random.default_rng(0).integers(0, 1000, (2, 16)), "attention_mask": np.ones((2, 16), np.int64)}
+    feeds = {"input_ids": np.random.default_rng(0).integers(0, 1000, (2, 16)),
+             "attention_mask": np.ones((2, 16), np.int64)}
     assert_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=2e-2, atol=2e-2)
 
 
@@ -222,3 +223,23 @@ def test_annotate_writes_reasons_and_changes_nothing_else(tmp_path):
     assert {n.name: notes.read(n) for n in written.graph.node}["a"][1].startswith("Add 'a' kept float32")
     assert _stripped(written) == _stripped(onnx.load(tmp_path / "p.onnx"))
     assert (tmp_path / "p.onnx").read_bytes() == plain.model.SerializeToString()
+
+
+def test_casts_inside_a_branch_are_drawn_on_the_node_holding_it():
+    def branch(name, op):  # x is read from the outer graph and cast inside each branch
+        return onnx.helper.make_graph([node("MatMul", ["x", "W"], [f"{name}_mm"], name=f"{name}_mm"),
+                                       node(op, [f"{name}_mm"], [f"{name}_out"], name=f"{name}_act")],
+                                      name, [], [tensor(f"{name}_out", [2, 3])])
+    rng = np.random.default_rng(5)
+    model = make_model(
+        [node("ReduceSum", ["x"], ["total"], name="total", keepdims=0),
+         node("Greater", ["total", "zero"], ["c"], name="cond"),
+         node("If", ["c"], ["y"], name="if", then_branch=branch("then", "Relu"), else_branch=branch("else", "Sigmoid"))],
+        [tensor("x", [2, 4])], [tensor("y", [2, 3])],
+        [init("W", rng.standard_normal((4, 3)).astype(np.float32)), init("zero", np.float32(0.0))])
+    result = rewrite(model)
+    data = report_page.page_data(result.report, model)
+    stubs = {data["name"][data["groups"][0]["i"][s[0]]]: s[1:] for s in data["groups"][0]["st"]}
+    assert stubs["if"][2] == result.report.summary["casts_inserted"] == data["casts"] == 4  # x in, out back: per branch
+    feeds = random_feeds(model)
+    assert_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=2e-2, atol=2e-2)
