@@ -147,6 +147,10 @@ def test_training_step_graph_shows_its_phases_apart(pictures):
     check_drawing(dom, step, report)
     assert sum(phases.values()) == compute_nodes(step)
     browser.screenshot(page, pictures / "step.png", "only")
+    onnx.save(step, pictures / "step.onnx")  # the CLI on a saved step graph finds the phases by name
+    assert main([str(pictures / "step.onnx"), "--dry-run", "--quiet", "--html", str(pictures / "cli_step.html")]) == 0
+    cli = browser.dom(pictures / "cli_step.html")
+    assert {r["data-label"]: int(r["data-nodes"]) for r in cli.open_regions} == phases
 
 
 def crossings(layers: list[list[int]], edges) -> int:
