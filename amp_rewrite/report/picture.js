@@ -193,8 +193,8 @@
 
   function fit() {
     var s = Math.max(0.45, Math.min(1, (box.clientWidth - 24) / Math.max(view.w, 1)));  // readable: pan for the rest
-    box.style.height = Math.max(320, Math.min(window.innerHeight * 0.8, view.h * s + 32)) + "px";
-    view.s = s; view.x = Math.max(12, (box.clientWidth - view.w * s) / 2); view.y = 12; fitted = true;
+    box.style.height = Math.max(320, Math.min(window.innerHeight * 0.8, view.h * s + 60)) + "px";
+    view.s = s; view.x = Math.max(12, (box.clientWidth - view.w * s) / 2); view.y = 30; fitted = true;  // room for input stubs
   }
 
   function zoom(f, cx, cy) { view.x = cx - (cx - view.x) * f; view.y = cy - (cy - view.y) * f; view.s *= f; apply(); }
