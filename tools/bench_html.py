@@ -1,7 +1,7 @@
 """Time the HTML report of a rewrite, and its size, on synthetic transformer stacks.
 
-Each cell is wall seconds / CPU seconds (medians). Columns: the report's per-node sentences (`report.nodes`, built on first use and shared with the
-JSON report), the picture's data alone (regions, layout, casts: `report_page.page_data`), the
+Each cell is wall seconds / CPU seconds (medians). Columns: the report's per-node sentences
+(`report.nodes`, built on first use and shared with the JSON report), the picture's data alone (regions, layout, casts: `report_page.page_data`), the
 whole page (`html_report.render`, sentences already built), the sum, and the file size. The target
 is a 100k-node page in <= 10 s and < 5 MB. With `--old`, main's renderer (git show
 main:amp_rewrite/report/html.py) is timed beside it on the same rewrite.
@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
 import types
 from pathlib import Path
@@ -83,14 +82,14 @@ def main(argv=None) -> int:
     old = _old_renderer() if args.old else None
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
           "each cell: wall s / CPU s")
-    head = (f"| nodes | sentences | picture data | page | total | total CPU / {BUDGET_S:g} s | MB | MB / {BUDGET_MB:g} |"
-            + (" main's page | main's MB |" if old else ""))
+    head = (f"| nodes | sentences | picture data | page | total | total CPU / {BUDGET_S:g} s | MB "
+            f"| MB / {BUDGET_MB:g} |" + (" main's page | main's MB |" if old else ""))
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for size in args.sizes.split(","):
         r = measure(_size(size.strip()), args.repeat, old)
-        line = (f"| {r['nodes']} | {r['sentences']:.2f} / {r['sentences_cpu']:.2f} | {r['data']:.2f} / {r['data_cpu']:.2f} "
-                f"| {r['page']:.2f} / {r['page_cpu']:.2f} | {r['total']:.2f} / {r['total_cpu']:.2f} "
+        line = (f"| {r['nodes']} | {r['sentences']:.2f} / {r['sentences_cpu']:.2f} "
+                f"| {r['data']:.2f} / {r['data_cpu']:.2f} | {r['page']:.2f} / {r['page_cpu']:.2f} | {r['total']:.2f} / {r['total_cpu']:.2f} "
                 f"| {r['total_cpu'] / BUDGET_S:.2f} | {r['mb']:.2f} | {r['mb'] / BUDGET_MB:.2f} |")
         if old:
             line += f" {r['old_page']:.2f} / {r['old_cpu']:.2f} | {r['old_mb']:.2f} |"

@@ -238,7 +238,8 @@ def test_casts_inside_a_branch_are_drawn_on_the_node_holding_it():
     model = make_model(
         [node("ReduceSum", ["x"], ["total"], name="total", keepdims=0),
          node("Greater", ["total", "zero"], ["c"], name="cond"),
-         node("If", ["c"], ["y"], name="if", then_branch=branch("then", "Relu"), else_branch=branch("else", "Sigmoid"))],
+         node("If", ["c"], ["y"], name="if", then_branch=branch("then", "Relu"),
+              else_branch=branch("else", "Sigmoid"))],
         [tensor("x", [2, 4])], [tensor("y", [2, 3])],
         [init("W", rng.standard_normal((4, 3)).astype(np.float32)), init("zero", np.float32(0.0))])
     result = rewrite(model)
