@@ -4,10 +4,19 @@ building once per session."""
 
 from __future__ import annotations
 
+import os
+
 import onnx
 import pytest
+from hypothesis import settings
 
 from helpers import ROOT, load_tool
+
+# CI replays the same examples every run (a failure there is one a developer can reproduce);
+# locally hypothesis explores, and keeps what it found in .hypothesis/.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
