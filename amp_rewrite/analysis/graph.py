@@ -88,6 +88,7 @@ class ColouringGraph:
     borrowed: dict = field(default_factory=dict)  # main-graph initializer -> the caller's tensor (io.working_copy)
     has_constant_nodes: bool = False  # some graph holds a Constant node (else the constant scan skips the nodes)
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
+    constant_nodes: set = field(default_factory=set)  # (scope, node) of Constant nodes: sources, not vertices
 
     def node(self, scope: int, index: int) -> onnx.NodeProto:
         return self.scopes[scope].graph.node[index]
@@ -235,6 +236,8 @@ def build(
             if skip is not None:
                 if skip:  # Constant nodes are skipped silently: they are sources, not vertices
                     cg.notes.append((_label(node, s, n), skip))
+                else:
+                    cg.constant_nodes.add((s, n))
                 continue
             inputs, outputs = scope.io[n]
             name = scope.names[n]

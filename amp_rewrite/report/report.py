@@ -98,6 +98,9 @@ class Report:
               if s.get("kernel_blocked") else []),
             f"model size: {s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB",
         ]
+        if "bytes_moved" in s:
+            lines.insert(-1, f"estimated bytes moved ({s['placement']} placement): {s['bytes_moved_float32'] / 1e6:.3f} MB "
+                             f"in float32 -> {s['bytes_moved'] / 1e6:.3f} MB")
         if "low_by_list" in s:
             lines.insert(1, "low-precision nodes by list: " + (", ".join(
                 f"{k} {v}" for k, v in s["low_by_list"].items()) or "none"))
@@ -134,7 +137,7 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> di
 
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
           seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None,
-          node_flops: dict | None = None) -> Report:
+          node_flops: dict | None = None, moved=None) -> Report:
     """The report of one rewrite. Its figures and per-node entries are worked out on first use:
     a caller that wants only the model (an export pipeline) does not pay for them."""
 
@@ -201,6 +204,8 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
             "bytes_after": bytes_after,
             "seconds": round(seconds, 4),
         }
+        if moved is not None:  # estimated bytes moved (placement.estimate): a pass of its own, on first use
+            summary.update(moved())
         if weights_before is not None:
             summary["weight_bytes_before"] = weights_before
             summary["weight_bytes_after"] = weights_after
