@@ -11,8 +11,9 @@ from amp_rewrite import rewrite
 from amp_rewrite.analysis import graph, kernels, paint, placement
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import load_op_lists
-from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor
-from test_properties import random_models
+from helpers import assert_close, init, load_tool, make_model, node, random_feeds, run_ort, run_reference, tensor
+
+random_models = load_tool("strategies").random_models  # the DAG strategy of the property tests
 
 
 def _colouring_graph(model, target="float16"):
