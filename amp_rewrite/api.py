@@ -13,7 +13,7 @@ __all__ = ["RewriteOptions", "RewriteResult", "rewrite"]
 def rewrite(model, options: RewriteOptions | None = None, *, target: str = "float16", keep_io_types: bool = True,
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
-            annotate: bool = False):
+            annotate: bool = False, provider: str = "cuda", placement: str = "tf"):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -22,7 +22,11 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     to `keep_fp32_nodes`. `force_fp32` ({node name: reason}) and `calibration` (a
     `checks.calibrate.CalibrationResult`) make nodes deny roots: float32 spreads from them as from
     a deny op, and the report gives the reason. `annotate` writes each node's precision and reason
-    into the result's doc strings (`report.annotate`). `options` (a RewriteOptions) replaces all keyword
+    into the result's doc strings (`report.annotate`). `provider` ("cuda", "cpu", "any") is where
+    the model will run: a group that provider has no `target` kernel for stays float32
+    (analysis/kernels.py). `placement`: "tf" paints infer/clear ops low between allow ops (TF's
+    rule); "cost" colours those no deny op reaches by one minimum cut of the estimated bytes moved
+    (analysis/placement.py). `options` (a RewriteOptions) replaces all keyword
     options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
@@ -30,5 +34,6 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     deny=deny, infer=infer, clear=clear, keep_fp32_nodes=keep_fp32_nodes,
                                     clamp=clamp, check=check, op_block_list=op_block_list,
                                     node_block_list=node_block_list, force_fp32=force_fp32,
-                                    calibration=calibration, annotate=annotate)
+                                    calibration=calibration, annotate=annotate,
+                                    provider=provider, placement=placement)
     return run(model, options)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from amp_rewrite.analysis.oplists import TARGETS
+from amp_rewrite.analysis.kernels import colouring_provider
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.checks import fallback, validate
 from amp_rewrite.errors import AmpRewriteError, UsageError
@@ -47,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clamp constants outside the target range instead of keeping their consumers float32")
     p.add_argument("--annotate", action="store_true",
                    help="write each node's precision and reason into the output model (doc_string; Netron shows it)")
+    p.add_argument("--provider", choices=("cuda", "cpu", "any", "auto"), default="auto",
+                   help="where the model will run (ONNX Runtime provider): ops it has no target-type kernel for "
+                        "stay float32, and --validate/--calibrate run on it. cuda/auto (default): CUDA's "
+                        "kernels, checks on CUDA when it loads, else CPU; cpu: CPU's kernels and CPU; any: "
+                        "no kernel check")
+    p.add_argument("--placement", choices=("tf", "cost"), default=None,
+                   help="infer/clear ops no deny op reaches: tf (default) paints them low between allow ops "
+                        "(TensorFlow's rule); cost colours them by one minimum cut of the estimated bytes moved "
+                        "(fewer bytes on every model measured, but slower on very large graphs)")
     p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
     _add_check_arguments(p)
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
@@ -63,8 +73,6 @@ def _add_check_arguments(p) -> None:
                    help="measure float32 tensor ranges on the samples; overflowing producers/readers stay float32")
     g.add_argument("--tolerance", action="store_true",
                    help="after calibration, pin nodes float32 where the error enters until --rtol/--atol pass")
-    g.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="ONNX Runtime provider for validation/calibration (auto: CUDA when it really loads)")
     g.add_argument("--inputs", metavar="FILE.npz", help="sample inputs: keys NAME, or I/NAME for sample I")
     g.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim")
     g.add_argument("--samples", type=int, default=1, metavar="N", help="synthesised samples (default 1)")
@@ -86,7 +94,8 @@ def rewrite_options(args) -> RewriteOptions:
     return RewriteOptions.of(target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
                              allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
                              keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
-                             annotate=args.annotate)
+                             annotate=args.annotate, provider=colouring_provider(args.provider),
+                             placement=args.placement or "tf")
 
 
 def run(args) -> int:

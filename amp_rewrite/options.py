@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from amp_rewrite.analysis import kernels
 from amp_rewrite.analysis.oplists import TARGETS, OpLists, load_op_lists
 from amp_rewrite.errors import UsageError
 
@@ -21,6 +22,9 @@ def _as_tuple(value) -> tuple:
     if isinstance(value, (str, os.PathLike)):
         return (value,)
     return tuple(value)
+
+
+PLACEMENTS = ("tf", "cost")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class RewriteOptions:
     force_fp32: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> reason: deny roots
     calibration: object = None  # a checks.calibrate.CalibrationResult: measured deny roots
     annotate: bool = False  # each node's precision and reason written into the result (Netron shows them)
+    provider: str = "cuda"  # where the model runs: groups without a target-type kernel there stay float32
+    placement: str = "tf"  # free infer/clear ops: TF's between-allow rule, or "cost" (one minimum cut)
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
@@ -63,6 +69,9 @@ class RewriteOptions:
     def check_values(self) -> None:
         if self.target not in TARGETS:
             raise UsageError(f"unknown target {self.target!r}: choose one of {', '.join(TARGETS)}")
+        kernels.colouring_provider(self.provider)
+        if self.placement not in PLACEMENTS:
+            raise UsageError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         for pattern in self.keep_fp32_nodes:
             try:
                 re.compile(pattern)
@@ -73,6 +82,10 @@ class RewriteOptions:
         """The op lists for `target` with the user's files and moves applied."""
         return load_op_lists(self.target, user_files=list(self.op_lists), allow=list(self.allow),
                              deny=list(self.deny), infer=list(self.infer), clear=list(self.clear))
+
+    def kernel_check(self):
+        """The provider's kernel check for graph.build (None for provider "any")."""
+        return kernels.check_for(self.provider, self.target)
 
     def deny_roots(self) -> dict:
         """Node name -> reason for every node that must start float32 (user pins and calibration)."""

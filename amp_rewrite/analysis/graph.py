@@ -88,6 +88,7 @@ class ColouringGraph:
     borrowed: dict = field(default_factory=dict)  # main-graph initializer -> the caller's tensor (io.working_copy)
     has_constant_nodes: bool = False  # some graph holds a Constant node (else the constant scan skips the nodes)
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
+    constant_nodes: set = field(default_factory=set)  # (scope, node) of Constant nodes: sources, not vertices
 
     def node(self, scope: int, index: int) -> onnx.NodeProto:
         return self.scopes[scope].graph.node[index]
@@ -199,13 +200,15 @@ def build(
     force_fp32=None,
     borrowed=None,
     scopes=None,
+    kernel_check=None,
 ) -> ColouringGraph:
     """Build the colouring graph of `model` for `op_lists.target`.
 
     `force_fp32` maps node names (the first output's name for unnamed nodes) to a reason; those
     nodes become deny roots, so float32 spreads from them as from a deny op. `borrowed` maps
     main-graph initializers held without their bytes to the tensors that hold them. `scopes`:
-    `read_scopes(model.graph)` when the caller has it already.
+    `read_scopes(model.graph)` when the caller has it already. `kernel_check`
+    (`kernels.check_for`): groups the deployment provider has no target-type kernel for are blocked.
     """
     force_fp32 = dict(force_fp32 or {})
     target = op_lists.target
@@ -233,6 +236,8 @@ def build(
             if skip is not None:
                 if skip:  # Constant nodes are skipped silently: they are sources, not vertices
                     cg.notes.append((_label(node, s, n), skip))
+                else:
+                    cg.constant_nodes.add((s, n))
                 continue
             inputs, outputs = scope.io[n]
             name = scope.names[n]
@@ -244,14 +249,15 @@ def build(
             template = templates.get(shape_key)
             if template is None:
                 groups = schemas.type_groups(sig, len(inputs), len(outputs))
-                template = templates[shape_key] = _template(sig, entry, groups, target)
+                template = templates[shape_key] = _template(sig, entry, groups, target,
+                                                            _kernel_of(kernel_check, sig, opsets, cg.notes))
             if sig.probe and entry is not None and not holds_body:
                 in_types = [types.get(x) if x else 0 for x in inputs]
                 groups = tuple(group for group, _, _ in template)
                 float_params = {g.type_param for g in groups if first_type(group_names(inputs, outputs, g), types) == FLOAT}
                 tied = schemas.tie(sig, node, opsets, in_types, groups, float_params, LOW_ELEM[target])
                 if tied is not groups:
-                    template = _template(sig, entry, tied, target)
+                    template = _template(sig, entry, tied, target, _kernel_of(kernel_check, sig, opsets, cg.notes))
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
             for group, fixed, late in template:
@@ -324,7 +330,14 @@ def first_type(names, types: dict) -> int | None:
     return None
 
 
-def _template(sig, entry, groups, target: str) -> list:
+def _kernel_of(kernel_check, sig, opsets: dict, notes: list):
+    """type param -> why the provider cannot run it in the target type (or None); None: no check."""
+    if kernel_check is None:
+        return None
+    return kernel_check.for_op(sig.domain, sig.op_type, opsets[sig.domain], notes)
+
+
+def _template(sig, entry, groups, target: str, kernel=None) -> list:
     """(group, reason it is blocked whatever the node, reason after the user's) for each group:
     what depends only on the op type and slot counts, worked out once per kind of node."""
     target_string = onnx_facts.TYPE_STRING[target]
@@ -338,6 +351,8 @@ def _template(sig, entry, groups, target: str) -> list:
                      f"for {group.type_param.split('@')[0]}")
         elif sig.containers:
             late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
+        if fixed is None and kernel is not None and entry.list != "deny":  # deny stays float32 anyway
+            fixed = kernel(group.type_param)
         template.append((group, fixed, late))
     return template
 

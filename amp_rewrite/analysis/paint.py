@@ -41,6 +41,7 @@ class Step(Enum):
     ALL_CONSUMERS_LOW = "all consumers low precision"
     BLOCKED = "blocked"  # may never be low precision (no list, schema, user pin, range): `detail`
     NOT_PAINTED = "not painted"  # no pass reached it: `detail` says which rule left it float32
+    COST_PLACEMENT = "cost placement"  # free infer/clear op coloured by the minimum cut: `detail` says which
 
 
 class Reason(NamedTuple):
@@ -175,13 +176,21 @@ def _only_vertex_uses(cg: ColouringGraph, vertex, node) -> bool:
     return True
 
 
-def colour(cg: ColouringGraph, *, keep_io_types: bool = True) -> Plan:
-    """Run the passes in order and freeze the result."""
+def colour(cg: ColouringGraph, *, keep_io_types: bool = True, placement: str = "tf") -> Plan:
+    """Run the passes in order and freeze the result. `placement="cost"`: the infer/clear vertices
+    no deny op reaches are coloured by one minimum cut of bytes moved (placement.py), not TF's rule."""
     m = _Masks(cg)
     allow = paint_allow(cg, m)
     if not allow:  # as TF: without allow ops, casts cannot pay off
         return _freeze(cg, {}, {})
     deny = propagate_deny(cg, m, allow)
+    if placement == "cost":
+        from amp_rewrite.analysis import placement as cost
+
+        low, kept = cost.colour_free(cg, m, allow, deny, keep_io_types)
+        graph_outputs = _graph_output_keys(cg) if keep_io_types else _subgraph_output_keys(cg)
+        low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
+        return _freeze(cg, low, {**deny, **kept, **low})
     low = dict(allow)
     low.update(paint_between_allow(cg, m, low, deny))
     if cg.target == "bfloat16":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from amp_rewrite.analysis import kernels
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
@@ -120,6 +121,8 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     `calibration` (a CalibrationResult) is applied to every candidate; `options` (or
     `rewrite_kwargs`, to build them) are the rewrite's. At most `max_runs` validation runs, the final clean check included.
     """
+    colour_for, explicit = kernels.colouring_provider(provider), provider != "auto"
+    provider = kernels.session_provider(provider)
     loaded = _shared(load(model))
     model = loaded.model
     if samples is None:
@@ -136,6 +139,8 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
     options = options or RewriteOptions.of(**rewrite_kwargs)
+    if explicit:  # named here: where the model runs decides its kernels too
+        options = options.replace(provider=colour_for)
     base_force = dict(options.force_fp32)
 
     pinned: dict = {}
@@ -246,11 +251,15 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
     if samples is None and (validate or calibrate or tolerance):
         samples = (val.load_samples(inputs, model) if inputs is not None
                    else val.synthesise(model, dims=dims, count=samples_count))
+    # `provider` is where the model runs: the rewrite respects its kernels and the checks run on it
     options = options or RewriteOptions.of(**rewrite_kwargs)
+    if provider != "auto":
+        options = options.replace(provider=kernels.colouring_provider(provider))
+    runs_on = kernels.session_provider(provider)
     target = options.target
     calibration = None
     if calibrate:
-        calibration = cal_mod.calibrate(model, samples, target=target, safety=safety, provider=provider,
+        calibration = cal_mod.calibrate(model, samples, target=target, safety=safety, provider=runs_on,
                                         progress=progress)
     if tolerance:
         fb = fit(loaded, samples, rtol=rtol, atol=atol, provider=provider, calibration=calibration,
@@ -260,7 +269,7 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
         result = rewrite(loaded, options.replace(calibration=calibration))
         validation = None
         if validate:
-            validation = val.validate(model, result.model, samples, provider=provider, rtol=rtol, atol=atol,
+            validation = val.validate(model, result.model, samples, provider=runs_on, rtol=rtol, atol=atol,
                                       reference=reference, progress=progress)
             result.report.sections["validation"] = validation.to_dict()
         out = CheckedResult(result, calibration, validation)

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+from amp_rewrite.analysis import kernels
 from amp_rewrite.analysis.graph import ColouringGraph
 from amp_rewrite.analysis.paint import LOW, Plan, Step
 
@@ -93,8 +94,13 @@ class Report:
             f"compute-heavy ops (allow list) in {self.target}: {s['allow_ops_low']}/{s['allow_ops']}"
             f" ({100 * s['allow_share']:.1f}%)",
             f"deny ops: {s['deny_ops']}, nodes they kept float32: {s['deny_blocked']}",
+            *([f"nodes kept float32 for want of a {self.target} kernel on the provider: {s['kernel_blocked']}"]
+              if s.get("kernel_blocked") else []),
             f"model size: {s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB",
         ]
+        if "bytes_moved" in s:
+            lines.insert(-1, f"estimated bytes moved ({s['placement']} placement): {s['bytes_moved_float32'] / 1e6:.3f} MB "
+                             f"in float32 -> {s['bytes_moved'] / 1e6:.3f} MB")
         if "low_by_list" in s:
             lines.insert(1, "low-precision nodes by list: " + (", ".join(
                 f"{k} {v}" for k, v in s["low_by_list"].items()) or "none"))
@@ -131,7 +137,7 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> di
 
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
           seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None,
-          node_flops: dict | None = None) -> Report:
+          node_flops: dict | None = None, moved=None) -> Report:
     """The report of one rewrite. Its figures and per-node entries are worked out on first use:
     a caller that wants only the model (an export pipeline) does not pay for them."""
 
@@ -168,6 +174,7 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
                     flops_known += 1
                     flops_total += flops
                     flops_low += flops if precision != "float32" else 0
+        no_kernel = sum(1 for vs in by_node.values() if any(kernels.is_kernel_reason(vertices[v].blocked) for v in vs))
         deny_roots = sum(1 for vs in by_node.values() if cg.vertices[vs[0]].op_list == "deny")
         deny_blocked = len({(cg.vertices[v].scope, cg.vertices[v].node) for v, r in plan.reason.items()
                             if r.step is Step.DOWNSTREAM_OF_DENY})
@@ -192,10 +199,13 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
             "flops_ops_known": flops_known,
             "deny_ops": deny_roots,
             "deny_blocked": deny_blocked,
+            "kernel_blocked": no_kernel,
             "bytes_before": bytes_before,
             "bytes_after": bytes_after,
             "seconds": round(seconds, 4),
         }
+        if moved is not None:  # estimated bytes moved (placement.estimate): a pass of its own, on first use
+            summary.update(moved())
         if weights_before is not None:
             summary["weight_bytes_before"] = weights_before
             summary["weight_bytes_after"] = weights_after

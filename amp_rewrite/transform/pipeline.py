@@ -85,7 +85,8 @@ def infer_types(w: Work) -> None:
 
 def build_colouring_graph(w: Work) -> None:
     w.cg = graph.build(w.model, w.lists, types=w.types, shapes=w.shapes, keep_fp32_nodes=w.options.keep_fp32_nodes,
-                       force_fp32=w.options.deny_roots(), borrowed=w.borrowed, scopes=w.scopes)
+                       force_fp32=w.options.deny_roots(), borrowed=w.borrowed, scopes=w.scopes,
+                       kernel_check=w.options.kernel_check())
 
 
 def scan_constants(w: Work) -> None:
@@ -93,7 +94,7 @@ def scan_constants(w: Work) -> None:
 
 
 def colour(w: Work) -> None:
-    w.plan = paint.colour(w.cg, keep_io_types=w.options.keep_io_types)
+    w.plan = paint.colour(w.cg, keep_io_types=w.options.keep_io_types, placement=w.options.placement)
 
 
 def estimate_flops(w: Work) -> None:
@@ -124,7 +125,8 @@ def report(w: Work) -> None:
     rep = report_mod.build(w.cg, w.plan, w.materialised, bytes_before=w.bytes_before,
                            bytes_after=byte_size(w.model, w.loaded.data_bytes + delta),
                            seconds=time.perf_counter() - w.started, weights_before=w.weights_before,
-                           weights_after=w.weights_before + delta, node_flops=w.flops)
+                           weights_after=w.weights_before + delta, node_flops=w.flops,
+                           moved=functools.partial(bytes_moved, w.cg, w.plan, w.options))
     changed = bool(w.materialised.casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values())
     w.result = RewriteResult(w.model, rep, changed)
 
@@ -187,6 +189,15 @@ def run(model, options: RewriteOptions) -> RewriteResult:
         loaded.validate_in_full()
         raise
     return w.result
+
+
+def bytes_moved(cg, plan, options: RewriteOptions) -> dict:
+    """Estimated bytes moved (analysis.placement.estimate) all in float32 and as coloured, for the report."""
+    from amp_rewrite.analysis import placement
+
+    low = {v for v, c in plan.colour.items() if c == paint.LOW}
+    return {"placement": options.placement, "bytes_moved_float32": placement.estimate(cg, set(), options.keep_io_types),
+            "bytes_moved": placement.estimate(cg, low, options.keep_io_types)}
 
 
 def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -16,6 +16,7 @@ import pytest
 
 from amp_rewrite import rewrite
 from helpers import run_ort, run_reference
+from kernel_facts import uncovered_low_nodes
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -130,6 +131,7 @@ def test_exported_model(name, opset, dynamo, target):
     model = _export(module, example, opset, dynamo)
     result = rewrite(model, target=target)
     onnx.checker.check_model(result.model, full_check=True)
+    assert uncovered_low_nodes(result.model, target) == []  # every low node has a CUDA kernel at its opset
     heavy = [n for n in result.report.nodes if n["op_type"] in HEAVY]
     assert heavy and len(heavy) == len(_heavy_nodes(result.model))
     not_low = [(n["name"], n["precision"]) for n in heavy if n["precision"] != target

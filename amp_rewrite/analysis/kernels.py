@@ -1,0 +1,103 @@
+"""Which ops the deployment provider can run in the target type: ONNX Runtime's kernel registry.
+
+A node coloured float16 that the provider has no float16 kernel for (at the model's opset) is
+placed on another provider by ONNX Runtime (CUDA -> CPU, with a device copy each side), or given
+casts around it: either costs more than keeping it float32. So such a group is blocked here.
+The facts are data: `op_lists/kernels_<provider>.json`, made by `tools/gen_kernel_tables.py`
+from ONNX Runtime's registered kernels.
+
+Per group (op, opset, type parameter):
+- the op has no kernel row covering the opset, or the row lists the parameter without the
+  target type: blocked, "no float16 kernel on CUDA at opset N";
+- the row declares no types, or not this parameter: unknown, no change, one report note.
+
+`provider`: "cuda" (the default: where mixed precision pays), "cpu", or "any" (no check).
+"auto", the checks' old default ("CUDA when it really loads"), colours for CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from amp_rewrite.errors import UsageError
+from amp_rewrite.analysis.oplists import OP_LIST_DIRS
+
+PROVIDERS = ("cuda", "cpu", "any", "auto")
+_NAMES = {"cuda": "CUDA", "cpu": "CPU"}
+REASON_PREFIX = "no {target} kernel on "
+
+
+def colouring_provider(provider: str | None) -> str:
+    """The provider whose kernels the colouring respects: 'cuda', 'cpu' or 'any'."""
+    provider = "cuda" if provider in (None, "auto") else provider
+    if provider not in PROVIDERS:
+        raise UsageError(f"unknown provider {provider!r}: choose one of cuda, cpu, any")
+    return provider
+
+
+def session_provider(provider: str | None) -> str:
+    """The ONNX Runtime provider checks run on (validate.session's names): 'any' runs where it can."""
+    return {"any": "auto", None: "auto"}.get(provider, provider)
+
+
+@functools.cache
+def table(provider: str) -> dict:
+    """'domain:op' -> [(since, until or None, {type param: frozenset of types})], newest first."""
+    for folder in OP_LIST_DIRS:
+        path = folder / f"kernels_{provider}.json"
+        if path.exists():
+            raw = json.loads(path.read_text())["kernels"]
+            return {key: [(since, until, {p: frozenset(t) for p, t in types.items()}) for since, until, types in rows]
+                    for key, rows in raw.items()}
+    raise FileNotFoundError(f"kernel table kernels_{provider}.json not found in {OP_LIST_DIRS}")
+
+
+def is_kernel_reason(text: str | None) -> bool:
+    return bool(text) and text.startswith(("no float16 kernel on ", "no bfloat16 kernel on "))
+
+
+class KernelCheck:
+    """`blocked(domain, op, opset, type_param)` -> (reason or None, note or None) for one
+    provider and target; answers are cached per op kind by graph.build's templates."""
+
+    def __init__(self, provider: str, target: str):
+        self.provider, self.target = provider, target
+        self.kernels = table(provider)
+        self._noted: set = set()
+
+    def for_op(self, domain: str, op_type: str, opset: int, notes: list):
+        """type param -> blocked reason or None; an unknown answer adds one note per op to `notes`."""
+
+        def check(type_param: str):
+            reason, note = self.blocked(domain, op_type, opset, type_param)
+            if note and (domain, op_type) not in self._noted:
+                self._noted.add((domain, op_type))
+                notes.append((f"{domain + ':' if domain else ''}{op_type}", note))
+            return reason
+
+        return check
+
+    def blocked(self, domain: str, op_type: str, opset: int, type_param: str):
+        if "@" in type_param:  # a fixed-type slot (Resize scales): the schema decides, not kernels
+            return None, None
+        reason = f"no {self.target} kernel on {_NAMES[self.provider]} at opset {opset}"
+        row = next((r for r in self.kernels.get(f"{domain}:{op_type}", ())
+                    if r[0] <= opset and (r[1] is None or opset <= r[1])), None)
+        if row is None:
+            return reason, None
+        types = row[2]
+        params = type_param.split("+")  # a tied group (schemas.tie) needs every part
+        unknown = [p for p in params if p not in types]
+        if unknown:
+            return None, (f"{_NAMES[self.provider]} kernel of {op_type} at opset {opset} declares no types for "
+                          f"{', '.join(unknown)}: its {self.target} support is unknown; colour unchanged")
+        if all(self.target in types[p] for p in params):
+            return None, None
+        return reason, None
+
+
+def check_for(provider: str | None, target: str) -> KernelCheck | None:
+    """The check graph.build applies, or None for provider 'any'."""
+    provider = colouring_provider(provider)
+    return None if provider == "any" else KernelCheck(provider, target)

@@ -1,0 +1,304 @@
+"""Cost placement: the colours of the free vertices that minimise the bytes the model moves.
+
+TF's rule paints infer/clear ops low only *between* two allow ops: a heuristic for few casts.
+An infer or clear op that no deny op reaches is safe in either precision, so its colour is a
+free binary choice with
+- a unary cost: the bytes its type group reads and writes (elements x 4 in float32, x 2 low);
+- a cost per tensor for each cast it needs: one Cast per (tensor, type) reads the tensor in the
+  producer's type and writes it in the readers' (elements x 6), shared by all readers of that
+  type (an auxiliary vertex per tensor and direction models the sharing exactly).
+Every term is submodular, so one minimum s-t cut (networkx, Boykov-Kolmogorov) over the free
+vertices only (allow, deny-reached and blocked vertices are folded into s and t) is the exact
+optimum of this cost model. Sizes come from known shapes (a symbolic or unknown dim counts 1, an
+unknown shape 1 element: then tensors are counted). Constants cost no cast (they are converted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
+
+from amp_rewrite.analysis.graph import FLOAT, ColouringGraph, group_names
+
+LOW_BYTES, FP32_BYTES = 2, 4
+CAST_BYTES = LOW_BYTES + FP32_BYTES  # a Cast reads one type and writes the other
+
+
+def sizes(cg: ColouringGraph) -> dict:
+    """A cache of tensor elements, filled with the initializers' (their dims are always known)."""
+    return {t.name: math.prod(t.dims) for scope in cg.scopes for t in scope.graph.initializer}
+
+
+def elements(cg: ColouringGraph, name: str, cache: dict) -> int:
+    """Elements of tensor `name` from its known shape (symbolic dims count 1; unknown: 1)."""
+    size = cache.get(name)
+    if size is None:
+        shape = cg.shapes.get(name)
+        size = 1 if shape is None else math.prod(d.dim_value if d.dim_value > 0 else 1 for d in shape.dim)
+        cache[name] = size
+    return size
+
+
+@dataclass(slots=True)
+class Term:
+    """One float tensor: its size, where its type comes from, and who reads it."""
+
+    size: int
+    producer: int | None  # the producing vertex; None: a fixed float32 source (graph input, non-vertex op)
+    readers: tuple  # reader vertices
+    fp32_reader: bool  # a reader that needs float32 whatever the colouring (graph output, fixed slot)
+
+
+def _term(cg: ColouringGraph, key, keep_io_types: bool, cache: dict) -> Term | None:
+    """The tensor `key` = (def scope, name), or None when it costs no cast (constants, non-float)."""
+    s, name = key
+    if cg.types.get(name) != FLOAT:
+        return None
+    kind, n, slot = cg.scopes[s].defs[name]
+    producer = None
+    if kind == "initializer":
+        return None
+    if kind == "node":
+        row = cg.writes[s][n]
+        producer = row[slot] if row else None
+        if producer is None and (s, n) in cg.constant_nodes:
+            return None
+    readers, fp32_reader = set(), False
+    for use_scope, node, use_slot in cg.uses.get(key, ()):
+        if node < 0:
+            fp32_reader |= keep_io_types or use_scope > 0
+            continue
+        row = cg.reads[use_scope][node]
+        v = row[use_slot] if row else None
+        if v is None:
+            fp32_reader = True
+        else:
+            readers.add(v)
+    return Term(elements(cg, name, cache), producer, tuple(readers), fp32_reader)
+
+
+def vertex_elements(cg: ColouringGraph, v: int, cache: dict) -> int:
+    """Elements the vertex's type group reads and writes."""
+    vertex = cg.vertices[v]
+    inputs, outputs = cg.scopes[vertex.scope].io[vertex.node]
+    total = 0
+    for x in group_names(inputs, outputs, vertex.group):  # a plain loop: this runs per free vertex
+        size = cache.get(x)
+        total += size if size is not None else elements(cg, x, cache)
+    return total
+
+
+def _tensor_keys(cg: ColouringGraph, v: int, keys: set) -> None:
+    """Add the (def scope, name) of every tensor of vertex v's group to `keys`."""
+    vertex = cg.vertices[v]
+    s = vertex.scope
+    scope = cg.scopes[s]
+    inputs, outputs = scope.io[vertex.node]
+    for i in vertex.group.inputs:
+        x = inputs[i]
+        if x:
+            if x in scope.defs:  # the common case: defined in the same graph
+                keys.add((s, x))
+            else:
+                found = cg.resolve(s, x)
+                if found is not None:
+                    keys.add((found[0], x))
+    for i in vertex.group.outputs:
+        if outputs[i]:
+            keys.add((s, outputs[i]))
+
+
+def estimate(cg: ColouringGraph, low, keep_io_types: bool = True) -> int:
+    """Bytes moved under a colouring (`low`: the set of low-precision vertices): every group's reads
+    and writes plus every cast. One pass over vertices and uses: linear."""
+    cache = sizes(cg)
+    total = sum(vertex_elements(cg, v, cache) * (LOW_BYTES if v in low else FP32_BYTES)
+                for v in range(len(cg.vertices)))
+    for key in cg.uses:
+        term = _term(cg, key, keep_io_types, cache)
+        if term is not None:
+            total += _cast_bytes(term, low)
+    return total
+
+
+def _cast_bytes(term: Term, low) -> int:
+    source_low = term.producer is not None and term.producer in low
+    needs = {r in low for r in term.readers}
+    if term.fp32_reader:
+        needs.add(False)
+    return term.size * CAST_BYTES * len(needs - {source_low})
+
+
+@dataclass
+class Placement:
+    low: set  # free vertices the cut put in low precision
+    free: list
+    region: dict  # free vertex -> its region (free vertices the cut joins) number; absent: fixed before the cut
+    regions: int
+
+
+def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) -> Placement:
+    """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour."""
+    if not free:
+        return Placement(set(), [], {}, 0)
+    free_set = set(free)
+    cache = sizes(cg)
+    cap: dict = {}
+
+    def add(a, b, c):
+        cap[(a, b)] = cap.get((a, b), 0) + c
+
+    for v in free:
+        add("s", v, vertex_elements(cg, v, cache) * (FP32_BYTES - LOW_BYTES))
+    keys: set = set()
+    for v in free:
+        _tensor_keys(cg, v, keys)
+    for key in keys:
+        term = _term(cg, key, keep_io_types, cache)
+        if term is not None:
+            _cut_edges(term, free_set, is_low, key, add)
+    side, rest = reduce_terminal(cap)
+    flow = nx.DiGraph()
+    flow.add_nodes_from(("s", "t"))
+    flow.add_edges_from((a, b, {"capacity": c}) if c != INF else (a, b) for (a, b), c in rest.items() if c > 0)
+    if flow.number_of_edges():  # an edge without capacity is infinite for networkx
+        _, (source_side, _) = nx.minimum_cut(flow, "s", "t", flow_func=boykov_kolmogorov)
+        side.update((n, n in source_side) for n in flow if n not in ("s", "t"))
+    low = {v for v in free if side.get(v, True)}
+    region, count = _regions(flow, free_set)
+    return Placement(low, list(free), region, count)
+
+
+INF = float("inf")
+
+
+def reduce_terminal(cap: dict) -> tuple[dict, dict]:
+    """Fix the vertices whose side no cut can improve on, before the flow (persistency): a vertex
+    whose edge from s outweighs all its outgoing edges is on the source side of some minimum cut
+    (moving it there cannot cost more); one whose edge to t outweighs all its incoming edges, on
+    the sink side. A fixed vertex merges into s or t, which may fix its neighbours: a worklist,
+    each edge moved once. Returns (vertex -> source side?, the remaining capacities)."""
+    out_edges: dict = {}
+    in_edges: dict = {}
+    for (a, b), c in cap.items():
+        out_edges.setdefault(a, {})[b] = c
+        in_edges.setdefault(b, {})[a] = c
+    to_s, to_t = out_edges.pop("s", {}), in_edges.pop("t", {})
+    for b in to_s:
+        in_edges[b].pop("s")
+    for a in to_t:
+        out_edges[a].pop("t")
+        both = min(to_t[a], to_s.get(a, 0))  # paid whichever side: a constant, not an edge
+        if both:
+            to_t[a] -= both
+            to_s[a] -= both
+    side: dict = {}
+    work = list(set(out_edges) | set(in_edges))
+    while work:
+        v = work.pop()
+        if v in side or v in ("s", "t"):
+            continue
+        outs, ins = out_edges.get(v, {}), in_edges.get(v, {})
+        if to_s.get(v, 0) >= to_t.get(v, 0) + sum(outs.values()):
+            side[v] = True
+            for w, c in outs.items():
+                in_edges[w].pop(v)
+                to_s[w] = to_s.get(w, 0) + c
+                work.append(w)
+            for u in ins:
+                out_edges[u].pop(v)
+                work.append(u)
+        elif to_t.get(v, 0) >= to_s.get(v, 0) + sum(ins.values()):
+            side[v] = False
+            for u, c in ins.items():
+                out_edges[u].pop(v)
+                to_t[u] = to_t.get(u, 0) + c
+                work.append(u)
+            for w in outs:
+                in_edges[w].pop(v)
+                work.append(w)
+        else:
+            continue
+        out_edges.pop(v, None)
+        in_edges.pop(v, None)
+    rest = {("s", b): c for b, c in to_s.items() if b not in side}
+    rest.update(((a, "t"), c) for a, c in to_t.items() if a not in side)
+    rest.update(((a, b), c) for a, outs in out_edges.items() if a not in side for b, c in outs.items())
+    return side, rest
+
+
+def _cut_edges(term: Term, free: set, is_low, key, add) -> None:
+    """Edges charging `term`'s casts; the source side of the cut is low precision."""
+    c = term.size * CAST_BYTES
+    p = term.producer
+    p_free = p is not None and p in free
+    p_low = p is not None and not p_free and is_low(p)
+    loose = [r for r in term.readers if r in free]
+    fixed_low = any(r not in free and is_low(r) for r in term.readers)
+    fixed_fp32 = term.fp32_reader or any(r not in free and not is_low(r) for r in term.readers)
+    if not p_low:  # a cast up, when some reader is low
+        tail = p if p_free else "t"
+        if fixed_low:
+            if p_free:
+                add("s", p, c)
+        elif len(loose) == 1:
+            add(loose[0], tail, c)
+        elif loose:
+            aux = ("up", key)
+            for r in loose:
+                add(r, aux, INF)
+            add(aux, tail, c)
+    if p_low or p_free:  # a cast down, when some reader is float32
+        head = p if p_free else "s"
+        if fixed_fp32:
+            if p_free:
+                add(p, "t", c)
+        elif len(loose) == 1:
+            add(head, loose[0], c)
+        elif loose:
+            aux = ("down", key)
+            for r in loose:
+                add(aux, r, INF)
+            add(head, aux, c)
+
+
+def _regions(flow: nx.DiGraph, free: set) -> tuple[dict, int]:
+    """Free vertex -> region number: the connected parts of the cut graph without s and t."""
+    inner = flow.subgraph(n for n in flow if n not in ("s", "t"))
+    region = {}
+    count = 0
+    for part in nx.weakly_connected_components(inner):
+        members = [n for n in part if n in free]
+        if members:
+            count += 1
+            region.update(dict.fromkeys(members, count))
+    return region, count
+
+
+def free_vertices(lists: list, paintable: list, allow: dict, deny: dict) -> list:
+    """Infer and clear vertices that may be low and that no deny vertex reaches."""
+    return [v for v, name in enumerate(lists) if name in ("infer", "clear") and paintable[v]
+            and v not in deny and v not in allow]
+
+
+def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, keep_io_types: bool = True):
+    """(low: allow + the free vertices the cut put low, with reasons; reasons of the free ones it
+    kept float32). `m` is paint's masks (lists, paintable)."""
+    from amp_rewrite.analysis.paint import Reason, Step
+
+    free = free_vertices(m.lists, m.paintable, allow, deny)
+    done = place(cg, free, allow.__contains__, keep_io_types)
+    low = dict(allow)
+    kept = {}
+    for v in free:
+        region = done.region.get(v)
+        where = (f"cost placement: min cut of region {region} of {done.regions}" if region else
+                 "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)")
+        if v in done.low:
+            low[v] = Reason(Step.COST_PLACEMENT, None, f"{where} (fewer bytes moved in {cg.target})")
+        else:
+            kept[v] = Reason(Step.COST_PLACEMENT, None, f"{where} (fewer bytes moved in float32)")
+    return low, kept

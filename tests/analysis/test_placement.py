@@ -1,0 +1,91 @@
+"""Cost placement: one minimum cut colours the free infer/clear vertices with the fewest bytes moved."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+
+from amp_rewrite import rewrite
+from amp_rewrite.analysis import graph, kernels, paint, placement
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.analysis.oplists import load_op_lists
+from helpers import assert_close, init, load_tool, make_model, node, random_feeds, run_ort, run_reference, tensor
+
+random_models = load_tool("strategies").random_models  # the DAG strategy of the property tests
+
+
+def _colouring_graph(model, target="float16"):
+    scopes = graph.read_scopes(model.graph)
+    types, shapes = tensor_types(model, scopes=scopes)
+    return graph.build(model, load_op_lists(target), types=types, shapes=shapes, scopes=scopes,
+                       kernel_check=kernels.check_for("cuda", target))
+
+
+def _low(cg, plan):
+    """Low vertices as the cut sees them: attribute-typed outputs (decided after it) left out."""
+    return {v for v, c in plan.colour.items() if c == paint.LOW and not cg.vertices[v].group.output_only}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_models())
+def test_cost_never_moves_more_bytes_than_tf_and_is_optimal(model):
+    cg = _colouring_graph(model)
+    tf, cost = paint.colour(cg, placement="tf"), paint.colour(cg, placement="cost")
+    tf_bytes, cost_bytes = placement.estimate(cg, _low(cg, tf)), placement.estimate(cg, _low(cg, cost))
+    assert cost_bytes <= tf_bytes
+    free = [v for v, r in cost.reason.items() if r.step is paint.Step.COST_PLACEMENT]
+    if len(free) <= 10:  # exact: no labelling of the free vertices moves fewer bytes
+        fixed = _low(cg, cost) - set(free)
+        best = min(placement.estimate(cg, fixed | set(chosen))
+                   for k in range(len(free) + 1) for chosen in itertools.combinations(free, k))
+        assert cost_bytes == best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_models())
+def test_cost_placement_rewrites_run_and_match(model):
+    result = rewrite(model, placement="cost")
+    feeds = random_feeds(model, seed=1)
+    for got, expected in zip(run_ort(result.model, feeds), run_ort(model, feeds)):
+        assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    deny = set(load_op_lists("float16").ops("deny"))
+    assert all(n["precision"] == "float32" for n in result.report.nodes if n["op_type"] in deny)
+
+
+def _tail_model():
+    """MatMul -> Add(bias) -> Relu -> output: TF keeps the tail float32 (not between two allow ops),
+    so the cast sits after the MatMul; the cut moves it to the output, after two cheaper ops."""
+    rng = np.random.default_rng(7)
+    return make_model([node("MatMul", ["x", "w"], ["h"], name="mm"), node("Add", ["h", "b"], ["a"], name="bias"),
+                       node("Relu", ["a"], ["y"], name="relu")],
+                      [tensor("x", [4, 16])], [tensor("y", [4, 16])],
+                      [init("w", rng.standard_normal((16, 16)).astype(np.float32) / 4),
+                       init("b", rng.standard_normal(16).astype(np.float32))])
+
+
+def test_cut_reason_and_report_figures():
+    model = _tail_model()
+    tf, cost = rewrite(model, placement="tf"), rewrite(model, placement="cost")
+    assert tf.report.node("bias")["precision"] == "float32"
+    assert cost.report.node("bias")["precision"] == cost.report.node("relu")["precision"] == "float16"
+    because = cost.report.node("relu")["because"]
+    assert "in float16: cost placement: its own bytes outweigh every cast it can cause" in because
+    s_tf, s_cost = tf.report.summary, cost.report.summary
+    assert s_cost["placement"] == "cost" and s_tf["placement"] == "tf"
+    assert s_cost["bytes_moved"] < s_tf["bytes_moved"] and s_cost["bytes_moved"] < s_cost["bytes_moved_float32"]
+    assert "estimated bytes moved (cost placement)" in cost.report.to_text()
+    feeds = random_feeds(model, seed=2)
+    expected = run_ort(model, feeds)[0]
+    assert_close(run_ort(cost.model, feeds)[0], expected)
+    assert_close(run_reference(cost.model, feeds)[0], expected)
+
+
+def test_unknown_placement_is_refused():
+    import pytest
+
+    from amp_rewrite.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown placement 'best'"):
+        rewrite(_tail_model(), placement="best")
