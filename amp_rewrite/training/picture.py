@@ -15,16 +15,18 @@ from amp_rewrite.errors import TrainingError
 from amp_rewrite.training.step_graph import FLOAT32_REGIONS
 
 
-def step_report(step_model: onnx.ModelProto, precision: str, html=None, title: str = "training step"):
-    """The Report of rewriting the float32 `step_model` to `precision`; with `html`, the page
-    written there (atomically)."""
+def step_report(step_model: onnx.ModelProto, precision: str, html=None, title: str = "training step",
+                force_fp32: dict[str, str] | None = None):
+    """The Report of rewriting the float32 `step_model` to `precision` (`force_fp32`: the nodes the
+    provider refuses, with their reasons); with `html`, the page written there (atomically)."""
     if precision == "float32":
         raise TrainingError("precision float32: the step graph is not rewritten, so there is no report")
     from amp_rewrite.api import rewrite
     from amp_rewrite.io import atomic_write_bytes
     from amp_rewrite.report import html as html_report
 
-    result = rewrite(step_model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS)
+    result = rewrite(step_model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS,
+                     force_fp32=force_fp32)
     if html is not None:
         page = html_report.render(result.report, step_model, title)
         atomic_write_bytes(Path(html), page.encode())

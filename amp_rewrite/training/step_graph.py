@@ -43,6 +43,8 @@ class StepGraph:
     batch_inputs: tuple[str, ...]
     next_state: dict[str, str]  # state input -> output holding its next value
     initial_state: dict[str, np.ndarray]
+    gradients: dict[str, str] = dataclasses.field(default_factory=dict)  # weight -> its (scaled) gradient
+    report: object = None  # the mixed-precision rewrite's report (None in float32)
 
 
 def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, loss_scale,
@@ -63,7 +65,7 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
                        stop_gradients=loss_constants)
     grads = _gradient_outputs(with_grads, loss_name)
     if not grads:
-        raise TrainingError(f"the loss {loss!r} depends on no float initializer: nothing to train")
+        raise TrainingError(_unreachable(forward, loss, loss_name, trainable, loss_constants))
     weights = tuple(grads)
     initial_weights = _take_initializers_as_inputs(with_grads, weights)
 
@@ -96,7 +98,20 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     non_batch = set(next_state) | {LR_INPUT}
     batch_inputs = tuple(i.name for i in graph.input if i.name not in non_batch)
     onnx.checker.check_model(with_grads)
-    return StepGraph(with_grads, loss_name, weights, batch_inputs, next_state, initial_state)
+    return StepGraph(with_grads, loss_name, weights, batch_inputs, next_state, initial_state, grads)
+
+
+def _unreachable(forward: onnx.ModelProto, loss: str, loss_name: str, trainable, stops) -> str:
+    """The error for a loss no trainable tensor reaches, naming the ops that cut the path."""
+    from amp_rewrite.autodiff.reach import cut_nodes
+
+    sources = list(trainable) if trainable else [t.name for t in forward.graph.initializer]
+    cuts = cut_nodes(forward, loss_name, sources, stops)
+    if not cuts:
+        return f"the loss {loss!r} depends on no float initializer: nothing to train"
+    more = f" (and {len(cuts) - 5} more)" if len(cuts) > 5 else ""
+    return (f"the loss {loss!r} reaches the weights only through ops that pass no gradient: "
+            f"{'; '.join(cuts[:5])}{more}")
 
 
 def slot_name(weight: str, slot: str) -> str:
@@ -217,11 +232,13 @@ def _autodiff_builder():
     return build_gradient_graph
 
 
-def apply_precision(step: StepGraph, precision: str) -> StepGraph:
-    """Rewrite forward+backward to `precision` with the loss/scale/optimizer region pinned float32."""
+def apply_precision(step: StepGraph, precision: str, force_fp32: dict[str, str] | None = None) -> StepGraph:
+    """Rewrite forward+backward to `precision` with the loss/scale/optimizer region pinned float32
+    (and the nodes of `force_fp32`, {node: reason}, kept float32 with that reason)."""
     if precision == "float32":
         return step
     from amp_rewrite.api import rewrite
 
-    result = rewrite(step.model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS)
-    return dataclasses.replace(step, model=result.model)
+    result = rewrite(step.model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS,
+                     force_fp32=force_fp32)
+    return dataclasses.replace(step, model=result.model, report=result.report)

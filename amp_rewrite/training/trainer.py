@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
+import sys
 
 import numpy as np
 import onnx
@@ -22,8 +25,10 @@ from amp_rewrite.checks.sessions import CUDA, open_session, session_options
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
+from amp_rewrite.training import kernels, parameters, skips
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import Optimizer
+from amp_rewrite.training.prepare import prepare
 from amp_rewrite.training.step_graph import (LR_INPUT, SKIPPED_OUTPUT, STEP_STATE, StepGraph, apply_precision,
                                              build_step_graph)
 
@@ -49,11 +54,14 @@ class Trainer:
 
     `loss`: "cross_entropy" (first output = logits, feed `labels`), "mse" (feed `targets`), or the
     name of a scalar model output. `loss_scale`: "dynamic", a number, or a DynamicLossScale /
-    FixedLossScale. `on_nonfinite`: "skip" the update, or "retry" the batch at half the scale until
-    finite or the scale is 1. `trainable`: weight names (default: every float initializer the loss
-    depends on). `gradient_builder`: a function with `amp_rewrite.autodiff.build_gradient_graph`'s
-    signature (the default). `distributed="mpi"`: data-parallel over MPI ranks, see
-    `amp_rewrite.training.distributed.DistributedTrainer` (its extra options are accepted here too).
+    FixedLossScale; "auto" (the default) is dynamic in float16/bfloat16 and none (a fixed 1) in
+    float32. `on_nonfinite`: "skip" the update, or "retry" the batch at half the scale until
+    finite or the scale is 1. `trainable` / `frozen`: names or full-match regexes over the float
+    constants (default: the model's parameters, `training.parameters`). `gradient_builder`: a
+    function with `amp_rewrite.autodiff.build_gradient_graph`'s signature (the default).
+    `verbose`: say what is trained (one line on stderr). `distributed="mpi"`: data-parallel over MPI
+    ranks, see `amp_rewrite.training.distributed.DistributedTrainer` (its extra options are
+    accepted here too).
     """
 
     def __new__(cls, *args, distributed: str | None = None, **kwargs):
@@ -66,26 +74,35 @@ class Trainer:
         return super().__new__(DistributedTrainer)
 
     def __init__(self, model, loss: str = "cross_entropy", optimizer: Optimizer | None = None,
-                 loss_scale="dynamic", precision: str = "float16", provider: str = "auto",
+                 loss_scale="auto", precision: str = "float16", provider: str = "auto",
                  on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
-                 distributed: str | None = None):
+                 distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True):
         if distributed is not None:  # Trainer(..., distributed="mpi") makes a DistributedTrainer in __new__
             raise TrainingError(f"{type(self).__name__} trains in one process: use Trainer(..., distributed='mpi')")
-        self._model = _load_model(model)
-        self.optimizer = _check_optimizer(optimizer)
-        self.loss_scale_policy = resolve_loss_scale(loss_scale)
         self.precision = _check_choice("precision", precision, PRECISIONS)
+        say = _say if verbose else (lambda line: None)
+        self._model, found = prepare(_load_model(model), say)
+        self.optimizer = _check_optimizer(optimizer)
+        if loss_scale == "auto":
+            loss_scale = 1.0 if precision == "float32" else "dynamic"
+        self.loss_scale_policy = resolve_loss_scale(loss_scale)
         self.on_nonfinite = _check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
         if on_nonfinite == "retry" and not isinstance(self.loss_scale_policy, DynamicLossScale):
             raise TrainingError("on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)")
-        step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, trainable, gradient_builder)
+        floats = [t.name for t in self._model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+        names = parameters.select(found, floats, _literal(trainable, floats), _literal(frozen, floats))
+        step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, names, gradient_builder)
         self._float_step = step.model  # what `report` draws
         self.step_graph: StepGraph = apply_precision(step, self.precision)
+        self._keep_refused_fp32(step, provider)
         self._start(provider)
+        sizes = {w: self.step_graph.initial_state[w].size for w in step.weights}
+        say(f"amp-rewrite: {parameters.summary(list(step.weights), sizes, len(floats) - len(step.weights))}")
 
     def _start(self, provider: str) -> None:
         """Open the step session and put the state on its device (a data-parallel trainer opens two)."""
         self._session, self.device = _open_step_session(self.step_graph.model, provider, self.precision)
+        self._skips_in_row, self._warned = 0, False
         self._feed_types = _input_dtypes(self.step_graph.model)
         self._host_arrays: list[np.ndarray] = []
         self._buffers = [self._device_state(self.step_graph.initial_state), self._device_state(self.step_graph.initial_state)]
@@ -133,13 +150,52 @@ class Trainer:
 
     def _run(self, feeds: dict, retries: int) -> StepResult:
         binding = self._bindings[self._current]
+        batch = {}
         for name in self.step_graph.batch_inputs:
             if name not in feeds:
                 raise TrainingError(f"missing feed {name!r} (the step needs: {', '.join(self.step_graph.batch_inputs)})")
-            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name], dtype=self._feed_types[name]))
+            batch[name] = np.ascontiguousarray(feeds[name], dtype=self._feed_types[name])
+            binding.bind_cpu_input(name, batch[name])
+        state = self._current
         self._session.run_with_iobinding(binding)
         self._current = 1 - self._current
-        return StepResult(float(self._loss), self.loss_scale, bool(self._skipped), retries)
+        result = StepResult(float(self._loss), self.loss_scale, bool(self._skipped), retries)
+        self._watch_skips(result, state, batch)
+        return result
+
+    def _watch_skips(self, result: StepResult, state: int, batch: dict) -> None:
+        """After PATIENCE skips in a row (or a skip at the scale's floor), warn once, naming the
+        tensors whose gradients are not finite (one diagnostic run of the batch that failed)."""
+        self._skips_in_row = self._skips_in_row + 1 if result.skipped else 0
+        floor = getattr(self.loss_scale_policy, "min_scale", None)
+        at_floor = result.skipped and floor is not None and result.loss_scale <= floor and self._skips_in_row > 1
+        if self._warned or not (self._skips_in_row >= skips.PATIENCE or at_floor):
+            return
+        self._warned = True
+        feeds = {name: value.numpy() for name, value in self._buffers[state].items()}
+        feeds |= {LR_INPUT: self._lr.numpy(), **batch}
+        bad = skips.nonfinite_tensors(self.step_graph.model, self.step_graph.loss_output, self.step_graph.gradients,
+                                      feeds, self.device)
+        logging.getLogger("amp_rewrite.training").warning(skips.warning_text(self._skips_in_row, bad))
+
+    def _keep_refused_fp32(self, step: StepGraph, provider: str) -> None:
+        """Keep float32 the low-precision nodes the provider the session will get cannot run
+        (the reason goes to the step graph's report)."""
+        forced = self._forced_fp32 = {}
+        if self.precision == "float32":
+            return
+        device = _device_for(self.step_graph.model, provider, self.precision)
+        for _ in range(3):
+            refused = kernels.refused_nodes(self.step_graph.model, device)
+            if not refused.keys() - forced.keys():
+                return
+            forced |= refused
+            self.step_graph = apply_precision(step, self.precision, force_fp32=forced)
+
+    @property
+    def trainable(self) -> list[str]:
+        """The names of the tensors this trainer trains."""
+        return list(self.step_graph.weights)
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -230,7 +286,8 @@ class Trainer:
         HTML picture, forward, backward, loss-scale and optimizer regions drawn apart."""
         from amp_rewrite.training.picture import step_report
 
-        return step_report(self._float_step, self.precision, html, title="training step")
+        return step_report(self._float_step, self.precision, html, title="training step",
+                           force_fp32=self._forced_fp32)
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -261,6 +318,19 @@ class Trainer:
         binding.bind_ortvalue_output(self.step_graph.loss_output, self._host_outputs[0])
         binding.bind_ortvalue_output(SKIPPED_OUTPUT, self._host_outputs[1])
         return binding
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _literal(patterns, names: list[str]):
+    """Exact names stay literal (they may hold regex characters); anything else is a regex."""
+    if patterns is None:
+        return None
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    known = set(names)
+    return [re.escape(p) if p in known else p for p in patterns]
 
 
 def _length(batches) -> int | None:
@@ -311,6 +381,13 @@ def _open_step_session(model: onnx.ModelProto, provider: str, precision: str, de
             raise
         raise TrainingError(f"{error} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
                             "use the CUDA provider or float16)") from None
+
+
+def _device_for(model: onnx.ModelProto, provider: str, precision: str) -> str:
+    """'cuda' or 'cpu': without CUDA in this ONNX Runtime build, no session is needed to know."""
+    if provider == "cpu" or CUDA not in ort.get_available_providers():
+        return "cpu"
+    return _open_step_session(model, provider, precision)[1]
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

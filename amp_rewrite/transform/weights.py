@@ -170,7 +170,8 @@ def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, 
         whole = np.clip(whole, -limit, limit)
     else:
         over = None
-    low = cast_values(whole, convert_to)
+    with np.errstate(over="ignore"):  # values beyond the range are in out_of_range: never used
+        low = cast_values(whole, convert_to)
     for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
         if key not in result.out_of_range:
             result.converted[key] = (low[start:end].tobytes(), int(over[start:end].sum()) if over is not None else 0)

@@ -11,6 +11,7 @@ from training_models import classification_batches, softmax_regression, softmax_
 
 
 def make_trainer(optimizer=None, **kwargs):
+    kwargs.setdefault("loss_scale", "dynamic")  # float32's default is no loss scale: these test the scaler
     return Trainer(softmax_regression(), optimizer=optimizer or Adam(0.05), precision="float32", provider="cpu",
                    gradient_builder=softmax_regression_gradient, **kwargs)
 

@@ -15,7 +15,8 @@ from training_models import classification_batches, mlp, softmax_regression, sof
 
 
 def make_trainer(optimizer=None, model=None, **kwargs):
-    options = {"precision": "float32", "provider": "cpu", "gradient_builder": softmax_regression_gradient, **kwargs}
+    options = {"precision": "float32", "provider": "cpu", "gradient_builder": softmax_regression_gradient,
+               "loss_scale": "dynamic", **kwargs}  # the scaler is on (float32's default is none)
     return Trainer(model or softmax_regression(), optimizer=optimizer or Adam(0.05), **options)
 
 

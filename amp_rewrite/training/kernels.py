@@ -1,0 +1,131 @@
+"""Which low-precision nodes of a step graph the session's provider cannot run.
+
+ONNX Runtime accepts some float16 nodes at session creation and refuses them only when they run:
+the CPU provider has ScatterND/ScatterElements with reduction='add' (the gradients of Gather and
+MaxPool) only in float32. So before the first step every distinct (op, attributes, types, ranks)
+signature of a low-precision node is run once in a one-node session on CPU (cached for the
+process), and on CUDA read from the provider's kernel table (`op_lists/ort_cuda_kernels.json`,
+ONNX Runtime's docs/OperatorKernels.md). What is refused stays float32 (`force_fp32`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from amp_rewrite.analysis.elemtypes import tensor_types
+
+LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+KERNEL_TABLE = "ort_cuda_kernels.json"
+TABLE_DIRS = (Path(__file__).parent.parent / "op_lists", Path(__file__).parent.parent.parent / "op_lists")
+# a run failure that says the kernel lacks the type (anything else: the probe's inputs were unfit)
+REFUSALS = ("not supported", "NOT_IMPLEMENTED", "Could not find an implementation", "not implemented")
+
+
+def refused_nodes(model: onnx.ModelProto, device: str) -> dict[str, str]:
+    """{node name: reason} for each main-graph node with a low-precision tensor the provider refuses."""
+    types, shapes = tensor_types(model, shape_inference=True)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    refused = {}
+    for node in model.graph.node:
+        ins = tuple(types.get(n, 0) if n else 0 for n in node.input)
+        outs = tuple(types.get(n, 0) if n else 0 for n in node.output)
+        low = {t for t in (*ins, *outs) if t in LOW}
+        if not low or node.op_type in ("Cast", "Constant"):
+            continue
+        if device == "cuda":
+            reason = _cuda_refuses(node, opset, ins, outs)
+        else:
+            ranks = tuple(_rank(shapes.get(n)) for n in node.input)
+            attributes = tuple(a.SerializeToString() for a in node.attribute)
+            reason = _cpu_refuses(node.domain, node.op_type, opset, attributes, ins, outs, ranks)
+        if reason:
+            refused[node.name or node.output[0]] = reason
+    return refused
+
+
+def _rank(shape) -> int:
+    """The rank of a TensorShapeProto or sequence of dims; 1 when unknown."""
+    dims = getattr(shape, "dim", shape)
+    try:
+        return len(dims)
+    except TypeError:
+        return 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _cpu_refuses(domain, op_type, opset, attributes, ins, outs, ranks) -> str | None:
+    """Run one node with ones-shaped zero inputs; the first line of a type refusal, else None."""
+    node = onnx.NodeProto()
+    node.op_type, node.domain = op_type, domain
+    node.input.extend(f"i{k}" if t else "" for k, t in enumerate(ins))
+    node.output.extend(f"o{k}" if t else "" for k, t in enumerate(outs))
+    for blob in attributes:
+        node.attribute.add().ParseFromString(blob)
+    inputs = [helper.make_tensor_value_info(f"i{k}", t, [1] * r) for k, (t, r) in enumerate(zip(ins, ranks)) if t]
+    outputs = [helper.make_tensor_value_info(f"o{k}", t, None) for k, t in enumerate(outs) if t]
+    imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain not in ("", "ai.onnx") else [])
+    model = helper.make_model(helper.make_graph([node], "probe", inputs, outputs), opset_imports=imports, ir_version=8)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        feeds = {v.name: np.zeros([1] * r, helper.tensor_dtype_to_np_dtype(t))
+                 for v, t, r in zip(inputs, [t for t in ins if t], [r for t, r in zip(ins, ranks) if t])}
+        session.run(None, feeds)
+    except Exception as error:  # noqa: BLE001 - ORT's errors are untyped
+        text = str(error)
+        if any(marker in text for marker in REFUSALS):
+            return f"ONNX Runtime's CPU provider refuses {op_type} in {_low_names(ins, outs)}: {_short(text)}"
+    return None
+
+
+def _cuda_refuses(node: onnx.NodeProto, opset: int, ins, outs) -> str | None:
+    """The kernel table's row for the node at `opset`: refused if a low type is outside its constraint."""
+    domain = node.domain or "ai.onnx"
+    rows = [r for r in _cuda_table().get((domain, node.op_type), ())
+            if r["since"] <= opset and (r["until"] is None or opset <= r["until"])]
+    if not rows:
+        return None  # no CUDA kernel: ONNX Runtime places the node on CPU (checked there at run time)
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return None
+    params = rows[0]["params"]
+    for formals, elems in ((schema.inputs, ins), (schema.outputs, outs)):
+        for k, elem in enumerate(elems):
+            if elem not in LOW or not formals:
+                continue
+            param = params.get(formals[min(k, len(formals) - 1)].name)
+            allowed = rows[0]["types"].get(param, []) if isinstance(param, str) else []
+            if isinstance(param, str) and param in rows[0]["types"] and LOW[elem] not in allowed:
+                return f"ONNX Runtime's CUDA provider has no {LOW[elem]} {node.op_type} kernel at opset {opset}"
+    return None
+
+
+@functools.cache
+def _cuda_table() -> dict:
+    for folder in TABLE_DIRS:
+        path = folder / KERNEL_TABLE
+        if path.exists():
+            table = {}
+            for row in json.loads(path.read_text())["kernels"]:
+                table.setdefault((row["domain"], row["op"]), []).append(row)
+            return table
+    return {}
+
+
+def _low_names(ins, outs) -> str:
+    return "/".join(sorted({LOW[t] for t in (*ins, *outs) if t in LOW}))
+
+
+def _short(text: str) -> str:
+    line = next((part for part in text.splitlines() if part.strip()), text)
+    marker = line.find("Status Message: ")
+    return (line[marker + 16:] if marker >= 0 else line)[:200]
