@@ -70,8 +70,10 @@ def _blocking_op(model: onnx.ModelProto, opset: int) -> str:
 
 
 def _first_line(error: Exception) -> str:
+    """The converter's message without its source location and assertion text."""
     text = str(error).strip().splitlines()
-    return text[-1] if text else type(error).__name__
+    line = text[-1] if text else type(error).__name__
+    return line.split(" failed: ", 1)[-1]
 
 
 def _promote_constants(graph: onnx.GraphProto, names: set[str]) -> None:

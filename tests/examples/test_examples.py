@@ -69,3 +69,14 @@ def test_export_pipeline_example_runs_and_stays_close():
     diff = re.search(r"float16 ONNX vs float32 ONNX: max abs diff (\S+)", done.stdout)
     assert diff and float(diff.group(1)) < 1e-2, done.stdout
     assert int(re.search(r"Cast nodes in the rewritten model: (\d+)", done.stdout).group(1)) > 0
+
+
+@pytest.mark.skipif(not (HAS_TORCH and importlib.util.find_spec("transformers") and importlib.util.find_spec("onnxscript")),
+                    reason="torch, transformers and onnxscript are optional")
+def test_finetune_export_example_trains_in_float16():
+    done = _run_script("examples/finetune_export.py", "--steps", "8", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "constants frozen" in done.stderr, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    losses = [float(row[1]) for row in rows]
+    assert len(rows) == 8 and all(row[3] == "False" for row in rows) and losses[-1] < losses[0], done.stdout

@@ -1,0 +1,126 @@
+"""What the Trainer trains by default and what it says: parameters found from their use (never
+masks, scalars, RoPE tables), user regexes, skipped steps explained, opset conversion, float16
+nodes the CPU provider refuses kept float32, the unreachable-loss error, no leaked warnings."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.training import SGD, AdamW, Trainer, parameters
+from helpers import init, make_model, node, tensor
+
+T, H, V, C = 4, 8, 12, 5
+
+
+def lm_like(seed=0, opset=17):
+    """ids -> Gather(table) + positions -> MatMul -> +bias -> LayerNorm -> causal-masked self
+    scores (a float -inf mask, a scalar scale) -> RMS norm as exporters spell it (Pow 2, eps) ->
+    Mul(RoPE-like [1,T,H] table) -> MatMul head. Parameters: table, positions, w, b, ln_scale,
+    ln_bias, head. Constants: mask, scale, rope, two, eps (d/d two = x^2 ln x: NaN for x < 0)."""
+    rng = np.random.default_rng(seed)
+    mask = np.triu(np.full((T, T), -np.inf, np.float32), 1)[None]
+    inits = [init("table", rng.normal(0, 0.5, (V, H)).astype(np.float32)),
+             init("positions", rng.normal(0, 0.1, (1, T, H)).astype(np.float32)),
+             init("w", rng.normal(0, 0.3, (H, H)).astype(np.float32)), init("b", np.zeros(H, np.float32)),
+             init("ln_scale", np.ones(H, np.float32)), init("ln_bias", np.zeros(H, np.float32)),
+             init("mask", mask), init("scale", np.array(0.35, np.float32)),
+             init("rope", np.cos(np.arange(T * H, dtype=np.float32)).reshape(1, T, H)),
+             init("head", rng.normal(0, 0.3, (H, C)).astype(np.float32)),
+             init("two", np.array(2.0, np.float32)), init("eps", np.array(1e-6, np.float32))]
+    nodes = [node("Gather", ["table", "ids"], ["emb"]), node("Add", ["emb", "positions"], ["x"]),
+             node("MatMul", ["x", "w"], ["h0"]), node("Add", ["h0", "b"], ["h1"]),
+             node("LayerNormalization", ["h1", "ln_scale", "ln_bias"], ["h"], axis=-1),
+             node("Transpose", ["h"], ["hT"], perm=[0, 2, 1]), node("MatMul", ["h", "hT"], ["s0"]),
+             node("Mul", ["s0", "scale"], ["s1"]), node("Add", ["s1", "mask"], ["s2"]),
+             node("Softmax", ["s2"], ["p"], axis=-1), node("MatMul", ["p", "h"], ["ctx"]),
+             node("Pow", ["ctx", "two"], ["sq"]), node("ReduceMean", ["sq"], ["ms"], axes=[-1]),
+             node("Add", ["ms", "eps"], ["den"]), node("Sqrt", ["den"], ["rms"]), node("Div", ["ctx", "rms"], ["n"]),
+             node("Mul", ["n", "rope"], ["r"]), node("MatMul", ["r", "head"], ["logits"])]
+    return make_model(nodes, [tensor("ids", [2, T], TensorProto.INT64)], [tensor("logits", [2, T, C])], inits,
+                      opset=opset)
+
+
+def batches(count=20, seed=1):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, V, (2, T))
+    return [{"ids": ids, "labels": ids % C} for _ in range(count)]
+
+
+def test_parameters_are_found_by_use_and_constants_are_not():
+    found = parameters.find(lm_like().graph)
+    assert set(found.names) == {"table", "positions", "w", "b", "ln_scale", "ln_bias", "head"}
+    assert set(found.frozen) == {"mask", "scale", "rope", "two", "eps"}
+
+
+def test_defaults_train_where_every_float_initializer_would_skip_every_step(capsys, caplog):
+    trainer = Trainer(lm_like(), optimizer=AdamW(1e-2), precision="float32", provider="cpu")
+    assert "training 7 tensors, 256 parameters; 5 constants frozen" in capsys.readouterr().err
+    results = [trainer.step(b) for b in batches()]
+    assert not any(r.skipped for r in results) and results[-1].loss < 0.7 * results[0].loss
+    assert trainer.loss_scale == 1.0  # float32: no loss scale by default
+
+    everything = Trainer(lm_like(), optimizer=AdamW(1e-2), precision="float32", provider="cpu", trainable=[".*"])
+    with caplog.at_level(logging.WARNING, logger="amp_rewrite.training"):
+        results = [everything.step(b) for b in batches(12)]
+    assert all(r.skipped for r in results)
+    warned = [r.getMessage() for r in caplog.records if "in a row skipped" in r.getMessage()]
+    assert len(warned) == 1 and "'two'" in warned[0] and "'w'" not in warned[0]
+
+
+def test_trainable_and_frozen_regexes_override_the_default():
+    trainer = Trainer(lm_like(), optimizer=SGD(0.1), precision="float32", provider="cpu", verbose=False,
+                      frozen=["ln_.*", "table"])
+    assert set(trainer.trainable) == {"positions", "w", "b", "head"}
+    trainer = Trainer(lm_like(), optimizer=SGD(0.1), precision="float32", provider="cpu", verbose=False,
+                      trainable=["head|w"])
+    assert set(trainer.trainable) == {"head", "w"}
+    with pytest.raises(TrainingError, match="'nope' matches no float constant"):
+        Trainer(lm_like(), optimizer=SGD(0.1), precision="float32", provider="cpu", frozen=["nope"])
+
+
+def test_float16_gather_gradient_stays_float32_on_cpu_with_a_reason():
+    """Gather's gradient is ScatterND(reduction='add'), which ONNX Runtime's CPU provider refuses in float16."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing leaks (numpy's overflow-in-cast warning included)
+        trainer = Trainer(lm_like(), optimizer=AdamW(1e-2), precision="float16", provider="cpu", verbose=False)
+    scatter = [n for n in trainer.step_graph.report.nodes if n["op_type"] == "ScatterND"]
+    assert scatter and all(n["precision"] == "float32" and "refuses ScatterND" in n["because"] for n in scatter)
+    results = [trainer.step(b) for b in batches()]
+    assert not any(r.skipped for r in results) and results[-1].loss < 0.7 * results[0].loss
+
+
+def test_opset_11_is_converted_and_an_unconvertible_op_is_named(capsys):
+    trainer = Trainer(mlp_opset11(), optimizer=SGD(0.5), precision="float32", provider="cpu")
+    assert "converted the model from opset 11 to 13" in capsys.readouterr().err
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+    results = [trainer.step({"x": x, "labels": np.arange(8) % 3}) for _ in range(20)]
+    assert results[-1].loss < 0.7 * results[0].loss
+
+    blocked = mlp_opset11()
+    blocked.graph.node.insert(0, node("FooBar", ["x"], ["unused"]))
+    with pytest.raises(TrainingError, match="cannot convert opset 11 to 13.*op FooBar"):
+        Trainer(blocked, optimizer=SGD(0.5), precision="float32", provider="cpu")
+
+
+def mlp_opset11():
+    rng = np.random.default_rng(0)
+    inits = [init("w0", rng.normal(0, 0.5, (6, 8)).astype(np.float32)), init("b0", np.zeros(8, np.float32)),
+             init("w1", rng.normal(0, 0.5, (8, 3)).astype(np.float32))]
+    nodes = [node("Gemm", ["x", "w0", "b0"], ["h0"]), node("Relu", ["h0"], ["h"]), node("MatMul", ["h", "w1"], ["logits"])]
+    return make_model(nodes, [tensor("x", ["N", 6])], [tensor("logits", ["N", 3])], inits, opset=11)
+
+
+def test_unreachable_loss_names_the_op_that_cuts_the_path():
+    inits = [init("w", np.ones((3, 3), np.float32))]
+    nodes = [node("MatMul", ["x", "w"], ["h"], name="mm"), node("ArgMax", ["h"], ["k"], name="pick", axis=-1),
+             node("Cast", ["k"], ["kf"], to=TensorProto.FLOAT, name="to_float"),
+             node("Add", ["x", "kf"], ["logits"], name="add")]
+    model = make_model(nodes, [tensor("x", ["N", 3])], [tensor("logits", ["N", 3])], inits)
+    with pytest.raises(TrainingError, match=r"ArgMax \(node 'pick'\): no gradient rule"):
+        Trainer(model, optimizer=SGD(0.1), precision="float32", provider="cpu", trainable=["w"])
