@@ -137,3 +137,16 @@ def test_unreachable_loss_names_the_op_that_cuts_the_path():
     model = make_model(nodes, [tensor("x", ["N", 3])], [tensor("logits", ["N", 3])], inits)
     with pytest.raises(TrainingError, match=r"ArgMax \(node 'pick'\): no gradient rule"):
         Trainer(model, optimizer=SGD(0.1), precision="float32", provider="cpu", trainable=["w"])
+
+
+def test_cuda_refusals_come_from_the_kernel_table():
+    """No GPU here: the CUDA decision is a table lookup (ONNX Runtime's OperatorKernels.md rows),
+    checked on a float16 EyeLike (its CUDA kernel has no float16) beside a float16 MatMul."""
+    from amp_rewrite.training import kernels
+
+    f16 = TensorProto.FLOAT16
+    model = make_model([node("EyeLike", ["a"], ["eye"], name="eye"), node("MatMul", ["eye", "a"], ["y"], name="mm")],
+                       [tensor("a", [3, 3], f16)], [tensor("y", [3, 3], f16)], opset=17)
+    refused = kernels.refused_nodes(model, "cuda")
+    assert list(refused) == ["eye"] and "no float16 EyeLike kernel at opset 17" in refused["eye"]
+    assert kernels.refused_nodes(model, "cpu") == {}  # the CPU provider has both in float16
