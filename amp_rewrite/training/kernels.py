@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -20,10 +19,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.analysis.oplists import OP_LIST_DIRS
 
 LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 KERNEL_TABLE = "ort_cuda_kernels.json"
-TABLE_DIRS = (Path(__file__).parent.parent / "op_lists", Path(__file__).parent.parent.parent / "op_lists")
 # a run failure that says the kernel lacks the type (anything else: the probe's inputs were unfit)
 REFUSALS = ("not supported", "NOT_IMPLEMENTED", "Could not find an implementation", "not implemented")
 
@@ -111,7 +110,7 @@ def _cuda_refuses(node: onnx.NodeProto, opset: int, ins, outs) -> str | None:
 
 @functools.cache
 def _cuda_table() -> dict:
-    for folder in TABLE_DIRS:
+    for folder in OP_LIST_DIRS:
         path = folder / KERNEL_TABLE
         if path.exists():
             table = {}
