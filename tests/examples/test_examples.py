@@ -74,7 +74,7 @@ def test_export_pipeline_example_runs_and_stays_close():
 @pytest.mark.skipif(not (HAS_TORCH and importlib.util.find_spec("transformers") and importlib.util.find_spec("onnxscript")),
                     reason="torch, transformers and onnxscript are optional")
 def test_finetune_export_example_trains_in_float16():
-    done = _run_script("examples/finetune_export.py", "--steps", "8", timeout=300)
+    done = run_script("examples/finetune_export.py", "--steps", "8", timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "constants frozen" in done.stderr, done.stderr[-2000:]
     rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
