@@ -91,6 +91,8 @@ def test_float16_gather_gradient_stays_float32_on_cpu_with_a_reason():
         trainer = Trainer(lm_like(), optimizer=AdamW(1e-2), precision="float16", provider="cpu", verbose=False)
     scatter = [n for n in trainer.step_graph.report.nodes if n["op_type"] == "ScatterND"]
     assert scatter and all(n["precision"] == "float32" and "refuses ScatterND" in n["because"] for n in scatter)
+    drawn = [n for n in trainer.report().nodes if n["op_type"] == "ScatterND"]  # Trainer.report agrees
+    assert [n["precision"] for n in drawn] == [n["precision"] for n in scatter]
     results = [trainer.step(b) for b in batches()]
     assert not any(r.skipped for r in results) and results[-1].loss < 0.7 * results[0].loss
 
