@@ -4,14 +4,13 @@ ONNX Runtime accepts some float16 nodes at session creation and refuses them onl
 the CPU provider has ScatterND/ScatterElements with reduction='add' (the gradients of Gather and
 MaxPool) only in float32. So before the first step every distinct (op, attributes, types, ranks)
 signature of a low-precision node is run once in a one-node session on CPU (cached for the
-process), and on CUDA read from the provider's kernel table (`op_lists/ort_cuda_kernels.json`,
-ONNX Runtime's docs/OperatorKernels.md). What is refused stays float32 (`force_fp32`).
+process), and on CUDA read from the provider's kernel table (`analysis.kernels.table`,
+`op_lists/kernels_cuda.json`). What is refused stays float32 (`force_fp32`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import onnx
@@ -19,10 +18,9 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from amp_rewrite.analysis.elemtypes import tensor_types
-from amp_rewrite.analysis.oplists import OP_LIST_DIRS
+from amp_rewrite.analysis import kernels as analysis_kernels
 
 LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
-KERNEL_TABLE = "ort_cuda_kernels.json"
 # a run failure that says the kernel lacks the type (anything else: the probe's inputs were unfit)
 REFUSALS = ("not supported", "NOT_IMPLEMENTED", "Could not find an implementation", "not implemented")
 
@@ -86,38 +84,25 @@ def _cpu_refuses(domain, op_type, opset, attributes, ins, outs, ranks) -> str | 
 
 
 def _cuda_refuses(node: onnx.NodeProto, opset: int, ins, outs) -> str | None:
-    """The kernel table's row for the node at `opset`: refused if a low type is outside its constraint."""
-    domain = node.domain or "ai.onnx"
-    rows = [r for r in _cuda_table().get((domain, node.op_type), ())
-            if r["since"] <= opset and (r["until"] is None or opset <= r["until"])]
-    if not rows:
+    """The CUDA kernel table's row for the node at `opset` (analysis.kernels, from ONNX Runtime's
+    registered kernels): refused if a low type is outside the constraint of its slot."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    rows = analysis_kernels.table("cuda").get(f"{domain}:{node.op_type}", ())
+    row = next((r for r in rows if r[0] <= opset and (r[1] is None or opset <= r[1])), None)
+    if row is None:
         return None  # no CUDA kernel: ONNX Runtime places the node on CPU (checked there at run time)
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
     except onnx.defs.SchemaError:
         return None
-    params = rows[0]["params"]
     for formals, elems in ((schema.inputs, ins), (schema.outputs, outs)):
         for k, elem in enumerate(elems):
             if elem not in LOW or not formals:
                 continue
-            param = params.get(formals[min(k, len(formals) - 1)].name)
-            allowed = rows[0]["types"].get(param, []) if isinstance(param, str) else []
-            if isinstance(param, str) and param in rows[0]["types"] and LOW[elem] not in allowed:
+            param = formals[min(k, len(formals) - 1)].type_str
+            if param in row[2] and LOW[elem] not in row[2][param]:
                 return f"ONNX Runtime's CUDA provider has no {LOW[elem]} {node.op_type} kernel at opset {opset}"
     return None
-
-
-@functools.cache
-def _cuda_table() -> dict:
-    for folder in OP_LIST_DIRS:
-        path = folder / KERNEL_TABLE
-        if path.exists():
-            table = {}
-            for row in json.loads(path.read_text())["kernels"]:
-                table.setdefault((row["domain"], row["op"]), []).append(row)
-            return table
-    return {}
 
 
 def _low_names(ins, outs) -> str:
