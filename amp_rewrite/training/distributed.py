@@ -46,6 +46,9 @@ def mpi():
     return MPI
 
 
+ABORT_GRACE_S = 0.5  # seconds between our failure line and MPI's Abort
+
+
 def install_abort_hook(comm=None) -> None:
     """Make an uncaught exception on this rank end the whole job: one line naming the rank, then
     `Abort`, since the other ranks would otherwise wait in their next collective forever. Called by
@@ -61,6 +64,9 @@ def install_abort_hook(comm=None) -> None:
         sys.stderr.write(f"amp-rewrite: rank {comm.Get_rank()} of {comm.Get_size()} failed: "
                          f"{kind.__name__}: {error}; aborting all ranks\n")
         sys.stderr.flush()
+        # Abort kills every rank at once, and the launcher drops what it has not yet forwarded
+        # from our stderr pipe: give it a moment, so the one line reaches the user on a busy machine.
+        time.sleep(ABORT_GRACE_S)
         comm.Abort(1)
 
     abort.amp_rewrite_abort = True
