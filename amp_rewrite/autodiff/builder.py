@@ -38,6 +38,7 @@ def build_gradient_graph(
     grad_output: str | None = None,
     unconnected: str = "none",
     aggregation: str = "sum",
+    recompute=None,
 ) -> onnx.ModelProto:
     """Return a copy of `model` that also outputs `<name>_grad` = d loss / d name for each wrt tensor.
 
@@ -47,6 +48,8 @@ def build_gradient_graph(
     unconnected: "none" drops the output of a wrt tensor the loss does not depend on, "zeros" emits zeros.
     aggregation: "sum" adds a tensor's contributions with one Sum; "pairwise" adds them as they
     arrive, which frees each contribution earlier.
+    recompute: segments whose activations the backward recomputes instead of keeping: a list of
+    node-name regexes, "auto" (about sqrt(n) checkpoints) or a byte budget (see `recompute.py`).
     """
     if unconnected not in UNCONNECTED:
         raise GradientError(f"unconnected must be one of {UNCONNECTED}, not {unconnected!r}")
@@ -54,7 +57,12 @@ def build_gradient_graph(
         raise GradientError(f"aggregation must be one of {AGGREGATION}, not {aggregation!r}")
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    _Builder(out, loss, wrt, set(stop_gradients), grad_output, unconnected, aggregation).run()
+    builder = _Builder(out, loss, wrt, set(stop_gradients), grad_output, unconnected, aggregation)
+    builder.run()
+    if recompute is not None:
+        from .recompute import apply
+
+        apply(builder, recompute)
     return out
 
 
@@ -81,6 +89,8 @@ class _Builder:
         self.graph_inputs = {v.name for v in self.graph.input}
         self.info = TypeInfo.of(model)
         self.nodes = self.graph.node
+        self.forward_count = len(self.nodes)
+        self.emitted_by: dict[int, tuple[int, int]] = {}  # forward node -> its backward nodes (range)
         self.rules = [lookup(node) for node in self.nodes]
         self._check_loss()
         self.wrt = self._default_wrt() if wrt is None else list(dict.fromkeys(wrt))
@@ -203,7 +213,9 @@ class _Builder:
         if any(output_grads):
             self.emit.scope = f"grad/{node.name or node.op_type + str(n)}"
             ctx = GradContext(node, output_grads, needs, self.emit, self.info, self.index)
+            start = len(self.emit.new_nodes)
             grads = list(self.rules[n].fn(ctx) or ())
+            self.emitted_by[n] = (start, len(self.emit.new_nodes))
         for slot, name in enumerate(node.input):
             if needs[slot]:
                 self._contribute(name, grads[slot] if slot < len(grads) else None)

@@ -118,6 +118,10 @@ class Report:
         if fb:
             lines.append(f"fallback: {'passed' if fb['passed'] else 'NOT passed'} after {fb['validation_runs']} "
                          f"validation run(s); pinned float32: {', '.join(fb['pinned']) or 'none'}")
+        rc = self.sections.get("recompute")
+        if rc:
+            lines.append(f"recomputed segments ({len(rc['segments'])}): "
+                         + ", ".join(f"{s['name']} ({s['nodes']} nodes)" for s in rc["segments"]))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -48,8 +48,9 @@ class StepGraph:
 
 
 def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, loss_scale,
-                     trainable: list[str] | None = None, gradient_builder=None) -> StepGraph:
-    """The float32 step graph for `model` trained on `loss` with `optimizer` and a loss-scale policy."""
+                     trainable: list[str] | None = None, gradient_builder=None, recompute=None) -> StepGraph:
+    """The float32 step graph for `model` trained on `loss` with `optimizer` and a loss-scale policy;
+    `recompute` is passed to the gradient builder (see `amp_rewrite.autodiff.recompute`)."""
     forward = onnx.ModelProto()
     forward.CopyFrom(model)
     opset = default_opset(forward)
@@ -61,8 +62,9 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     loss_name, loss_constants = attach_loss(forward, loss, loss_emitter)
 
     build = gradient_builder or _autodiff_builder()
+    extra = {} if recompute is None else {"recompute": recompute}
     with_grads = build(forward, loss_name, list(trainable) if trainable else None, grad_output=SCALE_STATE,
-                       stop_gradients=loss_constants)
+                       stop_gradients=loss_constants, **extra)
     grads = _gradient_outputs(with_grads, loss_name)
     if not grads:
         raise TrainingError(_unreachable(forward, loss, loss_name, trainable, loss_constants))

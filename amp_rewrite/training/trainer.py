@@ -62,6 +62,9 @@ class Trainer:
     `verbose`: say what is trained (one line on stderr). `distributed="mpi"`: data-parallel over MPI
     ranks, see `amp_rewrite.training.distributed.DistributedTrainer` (its extra options are
     accepted here too).
+    `recompute`: segments whose activations the backward recomputes instead of keeping: node-name
+    regexes, "auto" or a byte budget (`amp_rewrite.autodiff.recompute`); `checkpointed` then lists
+    the forward tensors kept for it.
     """
 
     def __new__(cls, *args, distributed: str | None = None, **kwargs):
@@ -76,7 +79,8 @@ class Trainer:
     def __init__(self, model, loss: str = "cross_entropy", optimizer: Optimizer | None = None,
                  loss_scale="auto", precision: str = "float16", provider: str = "auto",
                  on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
-                 distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True):
+                 distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True,
+                 recompute=None):
         if distributed is not None:  # Trainer(..., distributed="mpi") makes a DistributedTrainer in __new__
             raise TrainingError(f"{type(self).__name__} trains in one process: use Trainer(..., distributed='mpi')")
         self.precision = _check_choice("precision", precision, PRECISIONS)
@@ -91,7 +95,9 @@ class Trainer:
             raise TrainingError("on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)")
         floats = [t.name for t in self._model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
         names = parameters.select(found, floats, _literal(trainable, floats), _literal(frozen, floats))
-        step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, names, gradient_builder)
+        step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, names, gradient_builder,
+                                recompute)
+        self.recompute_plan = _recompute_plan(step.model)
         self._float_step = step.model  # what `report` draws
         self.step_graph: StepGraph = apply_precision(step, self.precision)
         self._keep_refused_fp32(step, provider)
@@ -202,6 +208,11 @@ class Trainer:
     @property
     def loss_scale(self) -> float:
         return float(self._state_array(SCALE_STATE))
+
+    @property
+    def checkpointed(self) -> tuple[str, ...]:
+        """Forward tensors kept for recomputation (empty without `recompute`)."""
+        return self.recompute_plan.checkpointed if self.recompute_plan else ()
 
     @property
     def step_count(self) -> int:
@@ -331,6 +342,12 @@ def _literal(patterns, names: list[str]):
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     known = set(names)
     return [re.escape(p) if p in known else p for p in patterns]
+
+
+def _recompute_plan(model: onnx.ModelProto):
+    from amp_rewrite.autodiff.recompute import plan_of
+
+    return plan_of(model)
 
 
 def _length(batches) -> int | None:

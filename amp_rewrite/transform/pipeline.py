@@ -23,6 +23,7 @@ from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working
 from amp_rewrite.onnx_facts import sort_graphs
 from amp_rewrite.report import flops, report as report_mod
 from amp_rewrite.transform import materialise as materialise_mod, weights
+from amp_rewrite.transform.recompute_colours import follow_originals, report_section
 
 
 @dataclass
@@ -94,7 +95,8 @@ def scan_constants(w: Work) -> None:
 
 
 def colour(w: Work) -> None:
-    w.plan = paint.colour(w.cg, keep_io_types=w.options.keep_io_types, placement=w.options.placement)
+    w.plan = follow_originals(w.model, w.cg, paint.colour(w.cg, keep_io_types=w.options.keep_io_types,
+                                                          placement=w.options.placement))
 
 
 def estimate_flops(w: Work) -> None:
@@ -127,6 +129,9 @@ def report(w: Work) -> None:
                            seconds=time.perf_counter() - w.started, weights_before=w.weights_before,
                            weights_after=w.weights_before + delta, node_flops=w.flops,
                            moved=functools.partial(bytes_moved, w.cg, w.plan, w.options))
+    recompute = report_section(w.model)
+    if recompute:
+        rep.sections["recompute"] = recompute
     changed = bool(w.materialised.casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values())
     w.result = RewriteResult(w.model, rep, changed)
 
