@@ -278,5 +278,5 @@ def test_bench_smoke(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--models", "mlp", "--mlp-layers", "4", "--mlp-width", "32",
                            "--mlp-batch", "16", "--steps", "1"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("mlp ")]
+    rows = [r for r in (line.split() for line in done.stdout.splitlines()) if r[:1] == ["mlp"] and len(r) == 8]
     assert [r[1] for r in rows] == ["off", "per-layer", "auto"] and rows[0][7] == "1.00"
