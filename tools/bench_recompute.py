@@ -65,10 +65,15 @@ def transformer(layers: int, d: int, heads: int, seq: int, batch: int, seed: int
     """Pre-LayerNorm transformer layers (attention + erf-GELU MLP), MSE on the last hidden state."""
     rng = np.random.default_rng(seed)
     dh = d // heads
-    weights = {"heads_shape": np.array([0, 0, heads, dh], np.int64), "model_shape": np.array([0, 0, d], np.int64),
-               "scale": np.array(math.sqrt(dh), np.float32), "half": np.array(0.5, np.float32),
-               "one": np.array(1.0, np.float32), "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32)}
-    nodes, x = [], "x"
+    weights = {}
+    constants = {"heads_shape": np.array([0, 0, heads, dh], np.int64), "model_shape": np.array([0, 0, d], np.int64),
+                 "scale": np.array(math.sqrt(dh), np.float32), "half": np.array(0.5, np.float32),
+                 "one": np.array(1.0, np.float32), "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32)}
+    # Constant nodes, not initializers: the Trainer would train float initializers, and a scalar
+    # shared by every layer gathers its gradient from all of them at the end of the backward
+    nodes = [helper.make_node("Constant", [], [k], name=f"const/{k}", value=numpy_helper.from_array(v, k))
+             for k, v in constants.items()]
+    x = "x"
 
     def n(name, op, inputs, outputs, **attrs):
         nodes.append(helper.make_node(op, inputs, outputs, name=name, **attrs))
