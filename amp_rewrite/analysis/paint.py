@@ -42,6 +42,7 @@ class Step(Enum):
     BLOCKED = "blocked"  # may never be low precision (no list, schema, user pin, range): `detail`
     NOT_PAINTED = "not painted"  # no pass reached it: `detail` says which rule left it float32
     COST_PLACEMENT = "cost placement"  # free infer/clear op coloured by the minimum cut: `detail` says which
+    RECOMPUTED_COPY = "recomputed copy: coloured as its forward original"  # transform/recompute_colours.py
 
 
 class Reason(NamedTuple):

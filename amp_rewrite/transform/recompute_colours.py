@@ -14,7 +14,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import Plan, Reason
+from amp_rewrite.analysis.paint import Plan, Reason, Step
 
 PLAN_KEY = "amp_rewrite.recompute"  # autodiff.recompute.PLAN_KEY (no import: a lower layer)
 COPY_SUFFIX = "/recompute"
@@ -33,7 +33,7 @@ def follow_originals(model, cg: ColouringGraph, plan: Plan) -> Plan:
         original = main.get((name[: -len(COPY_SUFFIX)], op_type, param))
         if original is not None and colours[v] != colours[original]:
             colours[v] = colours[original]
-            reasons[v] = Reason("recomputed copy: coloured as its forward original", original)
+            reasons[v] = Reason(Step.RECOMPUTED_COPY, original)
     return Plan(MappingProxyType(colours), MappingProxyType(reasons))
 
 
