@@ -11,9 +11,11 @@ Memory is peak RSS (VmHWM, reset with /proc/self/clear_refs once the session is 
 - `--arena exact`: ORT's CPU arena, grown by what is asked (kSameAsRequested), never shrunk;
 - `--arena default`: ORT's default arena (grows in powers of two: coarse).
 The *floor* is the peak of a batch-1 step in another fresh process (weights, gradients, optimizer
-state and temporaries, the session: all but activations); "above" is the full-batch peak minus
-it. Step time is the median of the timed steps after one warm-up. Ratios are to "off", measured
-side by side in one run.
+state and temporaries, the session: all but activations); "above" is the peak of one full-batch
+step minus it. Step time is measured in a third fresh process with ORT's default arena (as the
+Trainer runs; with the arena off every step pays first-touch page faults, which on this project's
+VMs cost more than the recompute): the median of the timed steps after one warm-up. Ratios are
+to "off", measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -149,12 +151,13 @@ def child(args) -> None:
     step = trainer.step_graph
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    if args.arena == "exact":  # an arena that grows by what is asked, not in powers of two
+    arena = "default" if args.child_time else args.arena  # time: as the Trainer runs, arena on
+    if arena == "exact":  # an arena that grows by what is asked, not in powers of two
         cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(0, 1, -1, -1))
         options.add_session_config_entry("session.use_env_allocators", "1")
     else:
-        options.enable_cpu_mem_arena = args.arena == "default"
+        options.enable_cpu_mem_arena = arena == "default"
     session = ort.InferenceSession(step.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     state = {**step.initial_state, "opt/lr": np.array(1e-4, np.float32)}
     plan, segments = trainer.recompute_plan, len(trainer.recompute_plan.segments) if trainer.recompute_plan else 0
@@ -165,14 +168,18 @@ def child(args) -> None:
         session.run(None, {**state, **{k: v[:1] for k, v in feeds.items()}})
         print(json.dumps({"peak": _status("VmHWM")}))
         return
+    if not args.child_time:  # one full-batch step: its peak
+        session.run(None, {**state, **feeds})
+        print(json.dumps({"peak": _status("VmHWM"), "segments": segments,
+                          "checkpointed": len(plan.checkpointed) if plan else 0}))
+        return
     times = []
     for k in range(args.steps + 1):
         start = time.perf_counter()
         session.run(None, {**state, **feeds})
         if k:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"peak": _status("VmHWM"), "time": statistics.median(times), "segments": segments,
-                      "checkpointed": len(plan.checkpointed) if plan else 0}))
+    print(json.dumps({"time": statistics.median(times)}))
 
 
 def build(args):
@@ -184,7 +191,8 @@ def build(args):
 def _child(args, argv, name, config, extra) -> dict:
     command = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
                "--child-model", name, "--child-config", config, *extra]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if args.arena == "off" else None
+    memory = "--child-time" not in extra
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if args.arena == "off" and memory else None
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode:
         raise SystemExit(f"bench child failed ({name}, {config}):\n{done.stderr}")
@@ -209,6 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--child-model", help=argparse.SUPPRESS)
     parser.add_argument("--child-config", help=argparse.SUPPRESS)
     parser.add_argument("--child-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-time", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_model:
         child(args)
@@ -218,9 +227,8 @@ def main(argv=None) -> int:
         results = {}
         for config in CONFIGS:
             floor = _child(args, argv, name, config, ["--child-floor"])
-            results[config] = _child(args, argv, name, config, []) | {"floor": floor["peak"]}
-            if not results[config]:
-                return 1
+            peak = _child(args, argv, name, config, [])
+            results[config] = peak | _child(args, argv, name, config, ["--child-time"]) | {"floor": floor["peak"]}
         off = results["off"]
         for config in CONFIGS:
             r = results[config]
@@ -230,8 +238,8 @@ def main(argv=None) -> int:
     print(f"mlp {args.mlp_layers} x {args.mlp_width} at batch {args.mlp_batch}; transformer {args.tf_layers} layers, "
           f"d {args.tf_d}, {args.tf_heads} heads, seq {args.tf_seq}, batch {args.tf_batch}; {args.precision}, CPU, "
           f"arena {args.arena}")
-    print(f"above = peak RSS over {args.steps + 1} steps minus the floor (peak RSS of a batch-1 step); "
-          f"step = median of {args.steps} timed steps")
+    print(f"above = peak RSS of a full-batch step minus the floor (peak RSS of a batch-1 step), each in a "
+          f"fresh process; step = median of {args.steps} timed steps after a warm-up, default ORT arena")
     head = f"{'model':<12}{'recompute':<11}{'segments':>9}{'floor MB':>10}{'above MB':>10}{'ratio':>7}{'step s':>9}{'ratio':>7}"
     print(head)
     print("-" * len(head))
