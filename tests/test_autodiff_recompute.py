@@ -280,3 +280,26 @@ def test_bench_smoke(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [r for r in (line.split() for line in done.stdout.splitlines()) if r[:1] == ["mlp"] and len(r) == 8]
     assert [r[1] for r in rows] == ["off", "per-layer", "auto"] and rows[0][7] == "1.00"
+
+
+def test_random_op_values_read_from_the_forward():
+    """RandomUniformLike inside a segment is never drawn again: the copies read its forward output."""
+    rng = np.random.default_rng(4)
+    weights = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"W{i}") for i in range(2)]
+    weights.append(numpy_helper.from_array(np.array(0.1, np.float32), "noise_scale"))
+    nodes = [helper.make_node("MatMul", ["x", "W0"], ["h0"], name="block/MatMul0"),
+             helper.make_node("RandomUniformLike", ["h0"], ["r"], name="block/Noise", seed=5.0),
+             helper.make_node("Mul", ["r", "noise_scale"], ["rs"], name="block/Scale"),
+             helper.make_node("Add", ["h0", "rs"], ["h1"], name="block/Add"),
+             helper.make_node("Tanh", ["h1"], ["h2"], name="block/Tanh"),
+             helper.make_node("MatMul", ["h2", "W1"], ["h3"], name="block/MatMul1"),
+             helper.make_node("Tanh", ["h3"], ["h4"], name="block/Tanh1"),
+             helper.make_node("Mul", ["h4", "h4"], ["sq"], name="loss/Mul"),
+             helper.make_node("ReduceSum", ["sq"], ["loss"], name="loss/ReduceSum", keepdims=0)]
+    graph = helper.make_graph(nodes, "noisy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
+    out = assert_bit_identical(model, [r"block/.*"], stops=["r"])
+    segment = plan_of(out).segments[0]
+    assert "h2" in segment.recomputed and "block/Noise" in segment.nodes
+    assert not any(n.op_type == "RandomUniformLike" and COPY_SUFFIX in n.name for n in out.graph.node)

@@ -11,11 +11,12 @@ Memory is peak RSS (VmHWM, reset with /proc/self/clear_refs once the session is 
 - `--arena exact`: ORT's CPU arena, grown by what is asked (kSameAsRequested), never shrunk;
 - `--arena default`: ORT's default arena (grows in powers of two: coarse).
 The *floor* is the peak of a batch-1 step in another fresh process (weights, gradients, optimizer
-state and temporaries, the session: all but activations); "above" is the peak of one full-batch
-step minus it. Step time is measured in a third fresh process with ORT's default arena (as the
+state and temporaries, the session: all but activations); "above" is the peak over the full-batch
+steps minus it (both over a warm-up and the timed count: ORT plans memory from the second run on). Step time is measured in a third fresh process with ORT's default arena (as the
 Trainer runs; with the arena off every step pays first-touch page faults, which on this project's
-VMs cost more than the recompute): the median of the timed steps after one warm-up. Ratios are
-to "off", measured side by side in one run.
+VMs cost more than the recompute): the median of the timed steps after one warm-up, the fastest of
+--rounds such processes run alternately with the other configurations (the shared machine's load
+drifts). Ratios are to "off", measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -165,11 +166,13 @@ def child(args) -> None:
     gc.collect()
     _reset_peak()
     if args.child_floor:  # batch 1: weights, gradients, optimizer state and temporaries, ~no activations
-        session.run(None, {**state, **{k: v[:1] for k, v in feeds.items()}})
+        for _ in range(args.steps + 1):  # ORT plans memory from the second run on: steady state
+            session.run(None, {**state, **{k: v[:1] for k, v in feeds.items()}})
         print(json.dumps({"peak": _status("VmHWM")}))
         return
-    if not args.child_time:  # one full-batch step: its peak
-        session.run(None, {**state, **feeds})
+    if not args.child_time:  # the peak of the full-batch steps
+        for _ in range(args.steps + 1):
+            session.run(None, {**state, **feeds})
         print(json.dumps({"peak": _status("VmHWM"), "segments": segments,
                           "checkpointed": len(plan.checkpointed) if plan else 0}))
         return
@@ -211,6 +214,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tf-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--precision", default="float32", choices=("float32", "float16"))
+    parser.add_argument("--rounds", type=int, default=2, help="timing processes per configuration, alternated")
     parser.add_argument("--models", default="mlp,transformer")
     parser.add_argument("--arena", default="off", choices=("exact", "default", "off"),
                         help="ORT CPU memory: arena grown as requested, the default arena, or malloc")
@@ -227,8 +231,11 @@ def main(argv=None) -> int:
         results = {}
         for config in CONFIGS:
             floor = _child(args, argv, name, config, ["--child-floor"])
-            peak = _child(args, argv, name, config, [])
-            results[config] = peak | _child(args, argv, name, config, ["--child-time"]) | {"floor": floor["peak"]}
+            results[config] = _child(args, argv, name, config, []) | {"floor": floor["peak"], "time": math.inf}
+        for _ in range(args.rounds):  # the shared machine's load drifts: alternate, keep each one's fastest
+            for config in CONFIGS:
+                timed = _child(args, argv, name, config, ["--child-time"])["time"]
+                results[config]["time"] = min(results[config]["time"], timed)
         off = results["off"]
         for config in CONFIGS:
             r = results[config]
@@ -238,8 +245,8 @@ def main(argv=None) -> int:
     print(f"mlp {args.mlp_layers} x {args.mlp_width} at batch {args.mlp_batch}; transformer {args.tf_layers} layers, "
           f"d {args.tf_d}, {args.tf_heads} heads, seq {args.tf_seq}, batch {args.tf_batch}; {args.precision}, CPU, "
           f"arena {args.arena}")
-    print(f"above = peak RSS of a full-batch step minus the floor (peak RSS of a batch-1 step), each in a "
-          f"fresh process; step = median of {args.steps} timed steps after a warm-up, default ORT arena")
+    print(f"above = peak RSS over {args.steps + 1} full-batch steps minus the floor (the same at batch 1), each in a "
+          f"fresh process; step = fastest of {args.rounds} alternated processes' median of {args.steps} timed steps, default ORT arena")
     head = f"{'model':<12}{'recompute':<11}{'segments':>9}{'floor MB':>10}{'above MB':>10}{'ratio':>7}{'step s':>9}{'ratio':>7}"
     print(head)
     print("-" * len(head))
