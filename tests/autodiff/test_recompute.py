@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from amp_rewrite.autodiff import build_gradient_graph
 from amp_rewrite.autodiff.recompute import COPY_SUFFIX, plan_of
 from amp_rewrite.errors import GradientError
-from tests.helpers import IR_VERSION
+from helpers import IR_VERSION
 
 PER_LAYER = [r"layer\d+/.*"]
 
@@ -274,7 +274,7 @@ def test_bench_smoke(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "tools" / "bench_recompute.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "bench_recompute.py"
     done = subprocess.run([sys.executable, str(script), "--models", "mlp", "--mlp-layers", "4", "--mlp-width", "32",
                            "--mlp-batch", "16", "--steps", "1"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
