@@ -179,3 +179,19 @@ def big_weights_model():
         [tensor("y", ["N", 64]), tensor("s", []), tensor("m", []), tensor("gs", [])],
         [w_doc, w_shared, init("W_f32", weights(rng, 48, 48)),
          init("idx", np.arange(2000, dtype=np.int64) % 64)])
+
+
+def deny_chain_model():
+    """m1 -> ln/ReduceMean -> r1 (Reshape) -> a (Add with m1's output) -> m2."""
+    rng = np.random.default_rng(0)
+    inits = [init("W1", rng.standard_normal((16, 32)).astype(np.float32) * 0.3),
+             init("W2", rng.standard_normal((32, 8)).astype(np.float32) * 0.3),
+             init("shape", np.array([4, 1], np.int64))]
+    nodes = [
+        node("MatMul", ["x", "W1"], ["h"], name="m1"),
+        node("ReduceMean", ["h"], ["mu"], name="ln/ReduceMean", axes=[1], keepdims=1),
+        node("Reshape", ["mu", "shape"], ["mu2"], name="r1"),
+        node("Add", ["h", "mu2"], ["s"], name="a"),
+        node("MatMul", ["s", "W2"], ["y"], name="m2"),
+    ]
+    return make_model(nodes, [tensor("x", [4, 16])], [tensor("y", [4, 8])], inits)
