@@ -13,7 +13,7 @@ __all__ = ["RewriteOptions", "RewriteResult", "rewrite"]
 def rewrite(model, options: RewriteOptions | None = None, *, target: str = "float16", keep_io_types: bool = True,
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
-            annotate: bool = False, provider: str = "cuda", placement: str = "tf"):
+            annotate: bool = False, provider: str = "cuda", placement: str = "tf", scale_activations: bool = True):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -26,7 +26,8 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     the model will run: a group that provider has no `target` kernel for stays float32
     (analysis/kernels.py). `placement`: "tf" paints infer/clear ops low between allow ops (TF's
     rule); "cost" colours those no deny op reaches by one minimum cut of the estimated bytes moved
-    (analysis/placement.py). `options` (a RewriteOptions) replaces all keyword
+    (analysis/placement.py). `scale_activations` (with `calibration`): linear regions over the
+    limit compute on values x 2^-k instead of staying float32 (transform/scaling.py). `options` (a RewriteOptions) replaces all keyword
     options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
@@ -35,5 +36,5 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     clamp=clamp, check=check, op_block_list=op_block_list,
                                     node_block_list=node_block_list, force_fp32=force_fp32,
                                     calibration=calibration, annotate=annotate,
-                                    provider=provider, placement=placement)
+                                    provider=provider, placement=placement, scale_activations=scale_activations)
     return run(model, options)

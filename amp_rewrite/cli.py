@@ -71,6 +71,10 @@ def _add_check_arguments(p) -> None:
     g.add_argument("--validate", action="store_true", help="run both models in ONNX Runtime and compare outputs")
     g.add_argument("--calibrate", action="store_true",
                    help="measure float32 tensor ranges on the samples; overflowing producers/readers stay float32")
+    g.add_argument("--scale-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --calibrate: a linear region (MatMul/Gemm/Conv and the ops around them) over the "
+                        "limit computes in the target type on inputs x 2^-k, its output x 2^k in float32, "
+                        "instead of staying float32 (default on; --no-scale-activations: float32 as before)")
     g.add_argument("--tolerance", action="store_true",
                    help="after calibration, pin nodes float32 where the error enters until --rtol/--atol pass")
     g.add_argument("--inputs", metavar="FILE.npz", help="sample inputs: keys NAME, or I/NAME for sample I")
@@ -95,7 +99,7 @@ def rewrite_options(args) -> RewriteOptions:
                              allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
                              keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
                              annotate=args.annotate, provider=colouring_provider(args.provider),
-                             placement=args.placement or "tf")
+                             placement=args.placement or "tf", scale_activations=args.scale_activations)
 
 
 def run(args) -> int:

@@ -47,6 +47,7 @@ class RewriteOptions:
     annotate: bool = False  # each node's precision and reason written into the result (Netron shows them)
     provider: str = "cuda"  # where the model runs: groups without a target-type kernel there stay float32
     placement: str = "tf"  # free infer/clear ops: TF's between-allow rule, or "cost" (one minimum cut)
+    scale_activations: bool = True  # with calibration: linear regions over the limit run on values x 2^-k
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
@@ -87,9 +88,13 @@ class RewriteOptions:
         """The provider's kernel check for graph.build (None for provider "any")."""
         return kernels.check_for(self.provider, self.target)
 
-    def deny_roots(self) -> dict:
-        """Node name -> reason for every node that must start float32 (user pins and calibration)."""
+    def deny_roots(self, scaling=None) -> dict:
+        """Node name -> reason for every node that must start float32 (user pins and calibration).
+        `scaling` (transform.scaling.Scaling): its regions' nodes are not forced, its scale Muls are."""
         forced = dict(self.force_fp32)
         if self.calibration is not None:
-            forced = {**self.calibration.force_fp32(self.target), **forced}
+            exempt = scaling.exempt if scaling is not None else frozenset()
+            forced = {**self.calibration.force_fp32(self.target, exempt=exempt), **forced}
+        if scaling is not None:
+            forced = {**scaling.forced, **forced}
         return forced

@@ -5,7 +5,8 @@ as a graph output (on a copy). Per tensor we keep the largest finite |x| and how
 values would flush to zero in the target type. A tensor whose largest value exceeds the target's
 largest finite value divided by `safety` makes its producer and its readers deny roots (see
 `force_fp32`), so float32 spreads from them through the usual passes, and the report names the
-tensor and the value that decided it.
+tensor and the value that decided it. With power-of-two scaling (transform/scaling.py, on by
+default) the nodes of linear regions are exempt: they compute on values x 2^-k instead.
 
 This decides from measured float32 ranges, not from running the rewritten model: ONNX Runtime's
 CPU provider computes most float16 ops in float32 and would hide the overflow.
@@ -71,8 +72,9 @@ class CalibrationResult:
         limit = LIMITS[target or self.target] / self.safety
         return sorted((r for r in self.ranges.values() if r.max_abs > limit), key=lambda r: -r.max_abs)
 
-    def force_fp32(self, target: str | None = None) -> dict:
-        """{node key: reason} for producers and readers of tensors over the limit."""
+    def force_fp32(self, target: str | None = None, exempt=frozenset()) -> dict:
+        """{node key: reason} for producers and readers of tensors over the limit, but those in
+        `exempt` (nodes of regions that power-of-two scaling runs on scaled values)."""
         target = target or self.target
         limit = LIMITS[target] / self.safety
         bound = f"{limit:.6g} ({LIMITS[target]:.6g}/{self.safety:g})"
@@ -82,10 +84,10 @@ class CalibrationResult:
                 forced.setdefault(r.producer, f"calibrated: output {r.name!r} reaches {r.max_abs:.4g} > {bound}")
             for key, _ in self.consumers.get(r.name, []):
                 forced.setdefault(key, f"calibrated: input {r.name!r} reaches {r.max_abs:.4g} > {bound}")
-        return forced
+        return {key: reason for key, reason in forced.items() if key not in exempt} if exempt else forced
 
-    def to_dict(self, target: str | None = None) -> dict:
-        forced = self.force_fp32(target)
+    def to_dict(self, target: str | None = None, exempt=frozenset()) -> dict:
+        forced = self.force_fp32(target, exempt)
         largest = sorted(self.ranges.values(), key=lambda r: -r.max_abs)[:10]
         flushing = sorted((r for r in self.ranges.values() if r.flushed), key=lambda r: -r.flushed_share)[:10]
         return {

@@ -114,6 +114,12 @@ class Report:
             lines.append(f"calibration: {cal['samples']} sample(s), {cal['tensors']} tensors measured, "
                          f"{len(cal['forced'])} node(s) forced float32")
             lines += [f"  {f['node']}: {f['reason']}" for f in cal["forced"]]
+        scaled = self.sections.get("scaling")
+        if scaled:
+            lines.append(f"power-of-two scaling: {len(scaled['regions'])} region(s) computed on scaled values "
+                         f"(limit {scaled['threshold']:.6g})")
+            lines += [f"  region {r['region']!r} ({len(r['nodes'])} nodes): x 2^-{r['k']}, calibrated max "
+                      f"{r['max_abs']:.4g} at {r['tensor']!r}" for r in scaled["regions"]]
         fb = self.sections.get("fallback")
         if fb:
             lines.append(f"fallback: {'passed' if fb['passed'] else 'NOT passed'} after {fb['validation_runs']} "

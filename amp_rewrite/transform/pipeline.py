@@ -1,6 +1,6 @@
 """The rewrite pipeline, as a list of stages over one `Work` record.
 
-    load -> working copy -> inline functions -> scopes -> element types -> colouring graph
+    load -> working copy -> inline functions -> scopes -> element types -> [scaling] -> colouring graph
          -> constant scan -> paint -> FLOPs -> materialise -> sort -> check -> report
 
 Each stage is a small function that reads what earlier stages left in `Work` and adds its own
@@ -22,7 +22,7 @@ from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.onnx_facts import sort_graphs
 from amp_rewrite.report import flops, report as report_mod
-from amp_rewrite.transform import materialise as materialise_mod, weights
+from amp_rewrite.transform import materialise as materialise_mod, scaling as scaling_mod, weights
 from amp_rewrite.transform.recompute_colours import follow_originals, report_section
 
 
@@ -51,6 +51,7 @@ class Work:
     scopes: list = None
     types: dict = None
     shapes: dict = None
+    scaling: scaling_mod.Scaling = None  # with calibration: the regions computed on scaled values
     cg: graph.ColouringGraph = None
     constants: weights.Scan = None
     plan: paint.Plan = None
@@ -84,9 +85,20 @@ def infer_types(w: Work) -> None:
     w.types, w.shapes = tensor_types(w.model, scopes=w.scopes)
 
 
+def scale_activations(w: Work) -> None:
+    """With calibration: linear regions over the limit compute on values x 2^-k (transform.scaling);
+    the graph changed, so its scopes and types are read again. Nothing runs without calibration."""
+    if w.options.calibration is None or not w.options.scale_activations:
+        return
+    w.scaling = scaling_mod.scale(w.model, w.options.calibration, w.types, w.options.target, w.borrowed)
+    if w.scaling.regions:
+        read_scopes(w)
+        infer_types(w)
+
+
 def build_colouring_graph(w: Work) -> None:
     w.cg = graph.build(w.model, w.lists, types=w.types, shapes=w.shapes, keep_fp32_nodes=w.options.keep_fp32_nodes,
-                       force_fp32=w.options.deny_roots(), borrowed=w.borrowed, scopes=w.scopes,
+                       force_fp32=w.options.deny_roots(w.scaling), borrowed=w.borrowed, scopes=w.scopes,
                        kernel_check=w.options.kernel_check())
 
 
@@ -132,7 +144,10 @@ def report(w: Work) -> None:
     recompute = report_section(w.model)
     if recompute:
         rep.sections["recompute"] = recompute
-    changed = bool(w.materialised.casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values())
+    if w.scaling is not None and w.scaling.regions:
+        scaling_mod.add_to_report(rep, w.scaling)
+    changed = bool(w.materialised.casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values()
+                   or (w.scaling is not None and bool(w.scaling.regions)))
     w.result = RewriteResult(w.model, rep, changed)
 
 
@@ -149,6 +164,7 @@ STAGES = (
     inline_local_functions,  # onnx.inliner
     read_scopes,  # analysis.graph
     infer_types,  # analysis.elemtypes (+ onnx shape inference)
+    scale_activations,  # transform.scaling (only with calibration)
     build_colouring_graph,  # analysis.graph
     scan_constants,  # rewrite.weights
     colour,  # analysis.paint

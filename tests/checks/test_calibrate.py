@@ -42,14 +42,21 @@ def test_naive_float16_overflows_and_calibration_removes_it(hazard):
     assert culprits["h"].max_abs > 65504 and culprits["h"].producer == "act/MatMul"
     assert culprits["bias"].max_abs == pytest.approx(1e9)
 
-    fixed = rewrite(model, allow=naive_lists(model), calibration=cal)
-    after = validate.validate(model, fixed.model, samples, rtol=RTOL, atol=ATOL, reference=True)
-    assert after.passed, after.to_text()
-    for feeds in samples:  # independent check of the verdict
-        expected = run_ort(model, feeds)
-        for got in (run_ort(fixed.model, feeds), run_reference(fixed.model, feeds)):
-            assert all(np.isfinite(g).all() for g in got)
-            assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    # without power-of-two scaling, every producer and reader of an over-limit tensor stays float32
+    fixed = rewrite(model, allow=naive_lists(model), calibration=cal, scale_activations=False)
+    scaled = rewrite(model, allow=naive_lists(model), calibration=cal)  # act/MatMul's region runs on h x 2^-k
+    for result in (fixed, scaled):
+        after = validate.validate(model, result.model, samples, rtol=RTOL, atol=ATOL, reference=True)
+        assert after.passed, after.to_text()
+        for feeds in samples:  # independent check of the verdict
+            expected = run_ort(model, feeds)
+            for got in (run_ort(result.model, feeds), run_reference(result.model, feeds)):
+                assert all(np.isfinite(g).all() for g in got)
+                assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert scaled.report.node("act/MatMul")["precision"] == "float16"
+    assert fixed.report.node("act/MatMul")["precision"] == "float32"
+    # ReduceMean sums 32 values before dividing: not scaled (that sum would overflow), kept float32
+    assert scaled.report.node("act/ReduceMean")["precision"] == "float32"
     reasons = {n["name"]: n["because"] for n in fixed.report.nodes}
     assert "calibrated: output 'h' reaches 1." in reasons["act/MatMul"]
     assert "calibrated: output 'sq' reaches" in reasons["ln/Square"]
@@ -68,7 +75,9 @@ def test_default_lists_miss_the_overflowing_matmul_calibration_catches_it(hazard
     assert checked.passed, checked.validation.to_text()
     section = checked.result.report.to_dict()["calibration"]
     assert section["culprits"][0]["tensor"] == "bias"
-    assert any(f["node"] == "act/MatMul" for f in section["forced"])
+    assert not any(f["node"] == "act/MatMul" for f in section["forced"])  # scaled instead: float16
+    assert "act/MatMul" in checked.result.report.to_dict()["scaling"]["regions"][0]["nodes"]
+    assert checked.result.report.node("act/MatMul")["precision"] == "float16"
     for feeds in samples:
         assert_close(run_reference(checked.result.model, feeds), run_ort(model, feeds), rtol=RTOL, atol=ATOL)
 

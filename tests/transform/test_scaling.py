@@ -1,0 +1,150 @@
+"""Power-of-two scaling under calibration (transform/scaling.py): linear regions whose measured
+values pass float16's range compute in float16 on inputs x 2^-k. Checked by numbers under ONNX
+Runtime and onnx.reference (which keeps float16 arithmetic, so an overflow would show as inf).
+"""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from amp_rewrite import rewrite
+from amp_rewrite.checks import calibrate
+from amp_rewrite.cli import main
+from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor
+
+F16_MAX = 65504.0
+COMPUTE = ("MatMul", "Conv", "Gemm", "ConvTranspose")
+
+
+def conv_front_end(seed=0):
+    """Three Convs of an audio front end: the first one's outputs reach about 2e5."""
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    w1 = np.clip(rng.standard_normal((8, 1, 5)) * 1.5e4, -6e4, 6e4)  # in float16's range: only activations pass it
+    inits = [init("W1", w1.astype(f32)), init("b1", (rng.standard_normal(8) * 1e3).astype(f32)),
+             init("W2", (rng.standard_normal((8, 8, 3)) * 0.05).astype(f32)), init("b2", (rng.standard_normal(8) * 10).astype(f32)),
+             init("W3", (rng.standard_normal((4, 8, 3)) * 0.1).astype(f32)), init("b3", rng.standard_normal(4).astype(f32))]
+    nodes = [node("Conv", ["x", "W1", "b1"], ["c1"], name="conv1", pads=[2, 2]),
+             node("Relu", ["c1"], ["r1"], name="relu1"),
+             node("Conv", ["r1", "W2", "b2"], ["c2"], name="conv2", pads=[1, 1]),
+             node("Relu", ["c2"], ["r2"], name="relu2"),
+             node("Conv", ["r2", "W3", "b3"], ["y"], name="conv3", pads=[1, 1])]
+    return make_model(nodes, [tensor("x", [1, 1, 256])], [tensor("y", [1, 4, 256])], inits)
+
+
+def ffn(seed=0):
+    """A two-layer FFN (MatMul-Add-Relu-MatMul-Add) whose hidden feature 3 reaches about 1e5 (T5's outliers)."""
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    w1 = rng.standard_normal((16, 64)) * 0.3
+    w1[:, 3] *= 3e4
+    b1 = rng.standard_normal(64) * 0.1
+    b1[3] = 6e4  # the outlier feature is mostly positive: Relu passes it on
+    inits = [init("W1", w1.astype(f32)), init("b1", b1.astype(f32)),
+             init("W2", (rng.standard_normal((64, 16)) * 0.1).astype(f32)), init("b2", (rng.standard_normal(16) * 0.1).astype(f32))]
+    nodes = [node("MatMul", ["x", "W1"], ["h"], name="fc1"), node("Add", ["h", "b1"], ["hb"], name="fc1/bias"),
+             node("Relu", ["hb"], ["a"], name="act"), node("MatMul", ["a", "W2"], ["o"], name="fc2"),
+             node("Add", ["o", "b2"], ["y"], name="fc2/bias")]
+    return make_model(nodes, [tensor("x", [8, 16])], [tensor("y", [8, 16])], inits)
+
+
+def samples(model, count, seed):
+    rng = np.random.default_rng(seed)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    scale = 2.0 if len(shape) == 3 else 1.0  # the audio front end's input is louder
+    return [{"x": (rng.standard_normal(shape) * scale).astype(np.float32)} for _ in range(count)]
+
+
+@pytest.fixture(scope="module", params=["conv", "ffn"])
+def case(request):
+    model = {"conv": conv_front_end, "ffn": ffn}[request.param]()
+    cal = calibrate.calibrate(model, samples(model, 2, seed=1))
+    return request.param, model, cal
+
+
+def precisions(result):
+    return {n["name"]: n["precision"] for n in result.report.nodes if n["op_type"] in COMPUTE}
+
+
+def test_calibration_sees_values_beyond_float16(case):
+    _, model, cal = case
+    assert cal.culprits() and cal.culprits()[0].max_abs > 1.5 * F16_MAX
+
+
+def test_scaled_regions_compute_in_float16_and_match_float32(case):
+    name, model, cal = case
+    result = rewrite(model, calibration=cal)
+    assert set(precisions(result).values()) == {"float16"}, precisions(result)
+    section = result.report.sections["scaling"]
+    [region] = section["regions"]
+    top = cal.culprits()[0].max_abs
+    assert region["max_abs"] == pytest.approx(top)
+    k = region["k"]  # the smallest k that brings the maximum under the limit
+    assert top * 2.0 ** -k <= cal.threshold < top * 2.0 ** -(k - 1)
+    by_name = {n["name"]: n for n in result.report.nodes}
+    assert all(by_name[key]["scaled"]["k"] == k for key in region["nodes"] if key in by_name)
+    assert "power-of-two scaling" in by_name["conv1" if name == "conv" else "fc1"]["because"]
+    onnx.checker.check_model(result.model, full_check=True)
+    for feeds in samples(model, 2, seed=1) + samples(model, 1, seed=7):  # calibration data and new data
+        expected = run_ort(model, feeds)
+        scale = max(float(np.abs(e).max()) for e in expected)
+        for got in (run_ort(result.model, feeds), run_reference(result.model, feeds)):
+            assert all(np.isfinite(g).all() for g in got)
+            assert_close(got, expected, rtol=1e-2, atol=2e-3 * scale)
+
+
+def test_without_scaling_compute_goes_float32_or_overflows(case):
+    _, model, cal = case
+    kept = rewrite(model, calibration=cal, scale_activations=False)
+    assert "float32" in precisions(kept).values()  # today's behaviour: calibration forces them float32
+    assert "scaling" not in kept.report.sections
+    forced = rewrite(model)  # every compute op float16 without scaling: float16 arithmetic overflows
+    assert set(precisions(forced).values()) == {"float16"}
+    wrong = 0
+    for feeds in samples(model, 2, seed=1):  # the calibration samples: one holds the maximum
+        with np.errstate(all="ignore"):
+            got = run_reference(forced.model, feeds)
+        expected = run_ort(model, feeds)
+        scale = max(float(np.abs(e).max()) for e in expected)
+        wrong += not all(np.isfinite(g).all() and np.allclose(g, e, rtol=1e-2, atol=2e-3 * scale)
+                         for g, e in zip(got, expected))
+    assert wrong
+
+
+def test_a_product_of_two_activations_is_not_scaled():
+    """x·xᵀ is of degree two in x: scaling x by 2^-k would scale it by 2^-2k. It stays float32."""
+    rng = np.random.default_rng(3)
+    inits = [init("W", (rng.standard_normal((8, 8)) * 300).astype(np.float32))]
+    nodes = [node("MatMul", ["x", "W"], ["h"], name="proj"), node("Transpose", ["h"], ["ht"], name="t", perm=[1, 0]),
+             node("MatMul", ["h", "ht"], ["s"], name="scores"), node("Relu", ["s"], ["y"], name="out")]
+    model = make_model(nodes, [tensor("x", [4, 8])], [tensor("y", [4, 4])], inits)
+    cal = calibrate.calibrate(model, samples(model, 1, seed=2))
+    assert {r.name for r in cal.culprits()} >= {"s"}
+    result = rewrite(model, calibration=cal)
+    assert precisions(result)["scores"] == "float32"
+    regions = result.report.sections.get("scaling", {}).get("regions", [])
+    assert all("scores" not in r["nodes"] for r in regions)
+    feeds = samples(model, 1, seed=2)[0]
+    expected = run_ort(model, feeds)
+    for got in (run_ort(result.model, feeds), run_reference(result.model, feeds)):
+        assert_close(got, expected, rtol=1e-2, atol=1e-3 * float(np.abs(expected[0]).max()))
+
+
+def test_cli_reports_the_scaled_regions(tmp_path, capsys):
+    model = ffn()
+    path, inputs, report = tmp_path / "m.onnx", tmp_path / "s.npz", tmp_path / "r.json"
+    onnx.save(model, path)
+    np.savez(inputs, **{f"{i}/x": s["x"] for i, s in enumerate(samples(model, 2, seed=1))})
+    assert main([str(path), "--calibrate", "--inputs", str(inputs), "-o", str(tmp_path / "o.onnx"),
+                 "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "power-of-two scaling: 1 region(s)" in out and "region 'fc1'" in out
+    data = json.loads(report.read_text())
+    assert data["scaling"]["regions"][0]["k"] >= 1
+    assert not any(f["node"] in ("fc1", "fc2") for f in data["calibration"]["forced"])
+    assert main([str(path), "--calibrate", "--no-scale-activations", "--inputs", str(inputs), "-o",
+                 str(tmp_path / "p.onnx"), "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert "scaling" not in data and any(f["node"] == "fc1" for f in data["calibration"]["forced"])
