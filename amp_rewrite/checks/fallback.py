@@ -274,9 +274,8 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
             result.report.sections["validation"] = validation.to_dict()
         out = CheckedResult(result, calibration, validation)
     if calibration is not None:
-        scaled = out.result.report.sections.get("scaling", {}).get("regions", [])
-        out.result.report.sections["calibration"] = calibration.to_dict(
-            target, exempt=frozenset(key for region in scaled for key in region["nodes"]))
+        exempt = frozenset(out.result.report.sections.get("scaling", {}).get("exempt", ()))
+        out.result.report.sections["calibration"] = calibration.to_dict(target, exempt=exempt)
     return out
 
 

@@ -57,7 +57,7 @@ def scalable_ops() -> Ops:
 @dataclass
 class Region:
     name: str  # key of its first node
-    nodes: list  # keys (name, or first output) of its nodes, in graph order
+    nodes: list  # keys (name, or first output) of its nodes in the result, in graph order
     k: int
     max_abs: float  # the largest calibrated |value| in it
     tensor: str  # where that was measured
@@ -86,6 +86,7 @@ class Scaling:
 
     def to_dict(self) -> dict:
         return {"threshold": self.threshold, "regions": [r.to_dict() for r in self.regions],
+                "exempt": sorted(self.exempt),  # calibration's keys (an unnamed node's may have changed)
                 "scale_nodes": [{"node": k, "reason": v} for k, v in self.forced.items()]}
 
 
@@ -235,6 +236,7 @@ class _Rewriter:
                         self.before.setdefault(i, []).append(self._mul(name, -k, entries[name], region, up=False))
                         region.entries.append(name)
                     node.input[slot] = entries[name]
+        region.nodes = [_key(graph.node[i]) for i in nodes]  # an unnamed exit's producer has a new first output
         self.result.regions.append(region)
         return dropped
 

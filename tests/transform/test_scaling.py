@@ -148,3 +148,39 @@ def test_cli_reports_the_scaled_regions(tmp_path, capsys):
                  str(tmp_path / "p.onnx"), "--report", str(report)]) == 0
     data = json.loads(report.read_text())
     assert "scaling" not in data and any(f["node"] == "fc1" for f in data["calibration"]["forced"])
+
+
+def test_unnamed_nodes_graph_outputs_and_subgraph_readers_see_unscaled_values():
+    """Region tensors that leave the region (a graph output, an If branch's outer reference) are
+    restored under their own names; unnamed nodes are exempt from calibration by their old keys."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(5)
+    w1 = rng.standard_normal((16, 32)).astype(np.float32)
+    w1[:, 0] *= 3e4
+    inits = [init("W1", w1), init("b1", np.full(32, 5e4, np.float32)),
+             init("W2", (rng.standard_normal((32, 8)) * 0.1).astype(np.float32))]
+    then_branch = helper.make_graph([node("Identity", ["h"], ["t"])], "then", [], [tensor("t", [4, 32])])
+    else_branch = helper.make_graph([node("Identity", ["hb"], ["e"])], "else", [], [tensor("e", [4, 32])])
+    unnamed = helper.make_node
+    nodes = [unnamed("MatMul", ["x", "W1"], ["h"]), unnamed("Add", ["h", "b1"], ["hb"]), unnamed("Relu", ["hb"], ["a"]),
+             unnamed("MatMul", ["a", "W2"], ["y"]),
+             node("If", ["cond"], ["sel"], then_branch=then_branch, else_branch=else_branch)]
+    model = make_model(nodes, [tensor("x", [4, 16]), tensor("cond", [], TensorProto.BOOL)],
+                       [tensor("y", [4, 8]), tensor("hb", [4, 32]), tensor("sel", [4, 32])], inits)
+    rng_feeds = np.random.default_rng(6)
+    feeds = [{"x": rng_feeds.standard_normal((4, 16)).astype(np.float32), "cond": np.array(c)} for c in (True, False)]
+    cal = calibrate.calibrate(model, feeds)
+    result = rewrite(model, calibration=cal)
+    [region] = result.report.sections["scaling"]["regions"]
+    assert {"h", "hb", "y"} <= set(region["exits"]) and region["k"] >= 2
+    assert {"h", "hb", "a"} <= set(result.report.sections["scaling"]["exempt"])
+    low = {n["op_type"] for n in result.report.nodes if n["precision"] == "float16"}
+    assert "MatMul" in low
+    assert [o.name for o in result.model.graph.output] == ["y", "hb", "sel"]
+    for f in feeds:
+        expected = run_ort(model, f)
+        for got in (run_ort(result.model, f), run_reference(result.model, f)):
+            assert all(np.isfinite(g).all() for g in got)
+            for g, e in zip(got, expected):
+                assert_close([g], [e], rtol=1e-2, atol=2e-3 * float(np.abs(e).max()))
