@@ -13,7 +13,8 @@ __all__ = ["RewriteOptions", "RewriteResult", "rewrite"]
 def rewrite(model, options: RewriteOptions | None = None, *, target: str = "float16", keep_io_types: bool = True,
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
-            annotate: bool = False, provider: str = "cuda", placement: str = "tf", scale_activations: bool = True):
+            annotate: bool = False, provider: str = "cuda", placement: str = "tf", scale_activations: bool = True,
+            relax_margin: float = 16.0):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -27,7 +28,9 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     (analysis/kernels.py). `placement`: "tf" paints infer/clear ops low between allow ops (TF's
     rule); "cost" colours those no deny op reaches by one minimum cut of the estimated bytes moved
     (analysis/placement.py). `scale_activations` (with `calibration`): linear regions over the
-    limit compute on values x 2^-k instead of staying float32 (transform/scaling.py). `options` (a RewriteOptions) replaces all keyword
+    limit compute on values x 2^-k instead of staying float32 (transform/scaling.py);
+    `relax_margin` (with `calibration`): elementwise range-deny ops measured within max/margin
+    become infer ops (op_lists/range_relax.yaml; 0: never). `options` (a RewriteOptions) replaces all keyword
     options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
@@ -36,5 +39,6 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     clamp=clamp, check=check, op_block_list=op_block_list,
                                     node_block_list=node_block_list, force_fp32=force_fp32,
                                     calibration=calibration, annotate=annotate,
-                                    provider=provider, placement=placement, scale_activations=scale_activations)
+                                    provider=provider, placement=placement, scale_activations=scale_activations,
+                                    relax_margin=relax_margin)
     return run(model, options)

@@ -75,6 +75,9 @@ def _add_check_arguments(p) -> None:
                    help="with --calibrate: a linear region (MatMul/Gemm/Conv and the ops around them) over the "
                         "limit computes in the target type on inputs x 2^-k, its output x 2^k in float32, "
                         "instead of staying float32 (default on; --no-scale-activations: float32 as before)")
+    g.add_argument("--relax-margin", type=float, default=16.0, metavar="M",
+                   help="with --calibrate: an elementwise range-deny op (Exp, Pow, Reciprocal, Sinh, Cosh) whose "
+                        "measured inputs and outputs stay within max/M (default 16; 0: never) becomes an infer op")
     g.add_argument("--tolerance", action="store_true",
                    help="after calibration, pin nodes float32 where the error enters until --rtol/--atol pass")
     g.add_argument("--inputs", metavar="FILE.npz", help="sample inputs: keys NAME, or I/NAME for sample I")
@@ -99,7 +102,8 @@ def rewrite_options(args) -> RewriteOptions:
                              allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
                              keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
                              annotate=args.annotate, provider=colouring_provider(args.provider),
-                             placement=args.placement or "tf", scale_activations=args.scale_activations)
+                             placement=args.placement or "tf", scale_activations=args.scale_activations,
+                             relax_margin=args.relax_margin)
 
 
 def run(args) -> int:

@@ -48,6 +48,7 @@ class RewriteOptions:
     provider: str = "cuda"  # where the model runs: groups without a target-type kernel there stay float32
     placement: str = "tf"  # free infer/clear ops: TF's between-allow rule, or "cost" (one minimum cut)
     scale_activations: bool = True  # with calibration: linear regions over the limit run on values x 2^-k
+    relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
@@ -71,6 +72,8 @@ class RewriteOptions:
         if self.target not in TARGETS:
             raise UsageError(f"unknown target {self.target!r}: choose one of {', '.join(TARGETS)}")
         kernels.colouring_provider(self.provider)
+        if self.relax_margin < 0 or (0 < self.relax_margin < 1):
+            raise UsageError(f"relax margin {self.relax_margin:g} must be 0 (off) or at least 1")
         if self.placement not in PLACEMENTS:
             raise UsageError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         for pattern in self.keep_fp32_nodes:
@@ -87,6 +90,12 @@ class RewriteOptions:
     def kernel_check(self):
         """The provider's kernel check for graph.build (None for provider "any")."""
         return kernels.check_for(self.provider, self.target)
+
+    def relaxed_deny(self) -> dict:
+        """Node name -> reason for deny ops calibration measured far inside the range (0 margin: none)."""
+        if self.calibration is None or not self.relax_margin:
+            return {}
+        return {key: reason for key, (reason, _) in self.calibration.relaxed(self.target, self.relax_margin).items()}
 
     def deny_roots(self, scaling=None) -> dict:
         """Node name -> reason for every node that must start float32 (user pins and calibration).

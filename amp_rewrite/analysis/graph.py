@@ -201,6 +201,7 @@ def build(
     borrowed=None,
     scopes=None,
     kernel_check=None,
+    relax=None,
 ) -> ColouringGraph:
     """Build the colouring graph of `model` for `op_lists.target`.
 
@@ -209,6 +210,8 @@ def build(
     main-graph initializers held without their bytes to the tensors that hold them. `scopes`:
     `read_scopes(model.graph)` when the caller has it already. `kernel_check`
     (`kernels.check_for`): groups the deployment provider has no target-type kernel for are blocked.
+    `relax` maps node keys of deny ops calibration measured far inside the range to a reason: they
+    are infer ops instead (checks.calibrate.CalibrationResult.relaxed).
     """
     force_fp32 = dict(force_fp32 or {})
     target = op_lists.target
@@ -260,6 +263,10 @@ def build(
                     template = _template(sig, entry, tied, target, _kernel_of(kernel_check, sig, opsets, cg.notes))
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
+            if relax and op_list == "deny" and forced is None:
+                relaxed = relax.get(name or (outputs[0] if outputs else ""))
+                if relaxed is not None:
+                    op_list, list_reason = "infer", relaxed
             for group, fixed, late in template:
                 names = group_names(inputs, outputs, group)
                 if first_type(names, types) != FLOAT:

@@ -14,13 +14,16 @@ CPU provider computes most float16 ops in float32 and would hide the overflow.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+import yaml
 from onnx import TensorProto
 
 from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.analysis.oplists import OP_LIST_DIRS
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.sessions import open_session
 from amp_rewrite.io import load
@@ -30,6 +33,14 @@ from amp_rewrite.transform.weights import LIMITS
 FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2,
          "bfloat16": 9.183549615799121e-41 / 2}
 DEFAULT_SAFETY = 4.0
+DEFAULT_RELAX_MARGIN = 16.0
+
+
+@functools.cache
+def relaxable_ops() -> frozenset:
+    """Deny ops calibration may relax (`op_lists/range_relax.yaml`, which says why these)."""
+    path = next(d / "range_relax.yaml" for d in OP_LIST_DIRS if (d / "range_relax.yaml").exists())
+    return frozenset(yaml.safe_load(path.read_text())["relax"])
 
 
 @dataclass
@@ -86,8 +97,34 @@ class CalibrationResult:
                 forced.setdefault(key, f"calibrated: input {r.name!r} reaches {r.max_abs:.4g} > {bound}")
         return {key: reason for key, reason in forced.items() if key not in exempt} if exempt else forced
 
-    def to_dict(self, target: str | None = None, exempt=frozenset()) -> dict:
+    def relaxed(self, target: str | None = None, margin: float = DEFAULT_RELAX_MARGIN) -> dict:
+        """{node key: (reason, measured maxima)} for range-deny ops (`relaxable_ops`) whose every
+        measured input and output stays within LIMIT/margin, none flushed to zero or non-finite."""
+        if not margin or margin <= 0:
+            return {}
+        bound = LIMITS[target or self.target] / margin
+        ops = relaxable_ops()
+        seen: dict = {}  # node key -> (op type, [(role, TensorRange)])
+        for r in self.ranges.values():
+            if r.op_type in ops:
+                seen.setdefault(r.producer, (r.op_type, []))[1].append(("output", r))
+            for key, op_type in self.consumers.get(r.name, []):
+                if op_type in ops:
+                    seen.setdefault(key, (op_type, []))[1].append(("input", r))
+        relaxed = {}
+        for key, (op_type, measured) in seen.items():
+            if not any(role == "output" for role, _ in measured):
+                continue
+            if all(r.count and r.max_abs <= bound and not r.flushed and not r.nonfinite for _, r in measured):
+                maxima = {f"{role} {r.name!r}": r.max_abs for role, r in measured}
+                said = ", ".join(f"{k} reaches {v:.4g}" for k, v in maxima.items())
+                relaxed[key] = (f"calibrated: {op_type} relaxed from deny to infer, {said} <= {bound:.6g} "
+                                f"({LIMITS[target or self.target]:.6g}/{margin:g}), none flushed to zero", maxima)
+        return relaxed
+
+    def to_dict(self, target: str | None = None, exempt=frozenset(), relax_margin: float = 0.0) -> dict:
         forced = self.force_fp32(target, exempt)
+        relaxed = {key: v for key, v in self.relaxed(target, relax_margin).items() if key not in forced}
         largest = sorted(self.ranges.values(), key=lambda r: -r.max_abs)[:10]
         flushing = sorted((r for r in self.ranges.values() if r.flushed), key=lambda r: -r.flushed_share)[:10]
         return {
@@ -95,6 +132,8 @@ class CalibrationResult:
             "safety": self.safety, "threshold": self.threshold,
             "culprits": [r.to_dict() for r in self.culprits(target)],
             "forced": [{"node": k, "reason": v} for k, v in forced.items()],
+            **({"relax_margin": relax_margin,
+                "relaxed": [{"node": k, "reason": v[0], "maxima": v[1]} for k, v in relaxed.items()]} if relax_margin else {}),
             "largest": [r.to_dict() for r in largest],
             "flush_to_zero": [r.to_dict() for r in flushing],
             "notes": self.notes,

@@ -275,7 +275,8 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
         out = CheckedResult(result, calibration, validation)
     if calibration is not None:
         exempt = frozenset(out.result.report.sections.get("scaling", {}).get("exempt", ()))
-        out.result.report.sections["calibration"] = calibration.to_dict(target, exempt=exempt)
+        out.result.report.sections["calibration"] = calibration.to_dict(target, exempt=exempt,
+                                                                        relax_margin=options.relax_margin)
     return out
 
 

@@ -114,6 +114,10 @@ class Report:
             lines.append(f"calibration: {cal['samples']} sample(s), {cal['tensors']} tensors measured, "
                          f"{len(cal['forced'])} node(s) forced float32")
             lines += [f"  {f['node']}: {f['reason']}" for f in cal["forced"]]
+            if cal.get("relaxed"):
+                lines.append(f"calibration relaxed {len(cal['relaxed'])} deny op(s) to infer "
+                             f"(margin {cal['relax_margin']:g})")
+                lines += [f"  {r['node']}: {r['reason']}" for r in cal["relaxed"]]
         scaled = self.sections.get("scaling")
         if scaled:
             lines.append(f"power-of-two scaling: {len(scaled['regions'])} region(s) computed on scaled values "

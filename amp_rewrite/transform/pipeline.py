@@ -99,7 +99,7 @@ def scale_activations(w: Work) -> None:
 def build_colouring_graph(w: Work) -> None:
     w.cg = graph.build(w.model, w.lists, types=w.types, shapes=w.shapes, keep_fp32_nodes=w.options.keep_fp32_nodes,
                        force_fp32=w.options.deny_roots(w.scaling), borrowed=w.borrowed, scopes=w.scopes,
-                       kernel_check=w.options.kernel_check())
+                       kernel_check=w.options.kernel_check(), relax=w.options.relaxed_deny())
 
 
 def scan_constants(w: Work) -> None:
