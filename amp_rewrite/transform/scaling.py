@@ -172,6 +172,7 @@ class _Rewriter:
         self.after: dict = {}
         self.factors: dict = {}  # exponent -> initializer name
         self.copies: dict = {}  # (constant, k) -> its scaled copy
+        self.exempt: set = set()
         self.readers: dict = {}  # main-graph tensor -> reading node indices
         for i, node in enumerate(self.graph.node):
             for name in node.input:
@@ -185,6 +186,7 @@ class _Rewriter:
         dropped = set()
         for nodes in regions:
             dropped |= self._scale_region(nodes)
+        self.result.exempt = frozenset(self.exempt)
         new_nodes = []
         for i, node in enumerate(self.graph.node):
             new_nodes += self.before.get(i, [])
@@ -207,7 +209,7 @@ class _Rewriter:
         tensor = max(seen, key=seen.get)
         k = max(1, math.ceil(math.log2(seen[tensor] / self.threshold)))
         region = Region(keys[0], keys, k, seen[tensor], tensor)
-        self.result.exempt = self.result.exempt | set(keys)
+        self.exempt.update(keys)
         # outputs read outside the region: the producer writes a new name, a Mul by 2^k the original
         renamed = {}
         for i in nodes:
@@ -268,11 +270,19 @@ class _Rewriter:
 
 
 def add_to_report(report, scaling: Scaling) -> None:
-    """The report's "scaling" section, and each scaled node's reason says its region and k."""
+    """The report's "scaling" section, and each scaled node's reason says its region and k (when
+    the per-node entries are first built: a caller that never reads them never pays)."""
     report.sections["scaling"] = scaling.to_dict()
     region_of = {key: region for region in scaling.regions for key in region.nodes}
-    for entry in report.nodes:
-        region = region_of.get(entry["name"])
-        if region is not None:
-            entry["scaled"] = {"region": region.name, "k": region.k, "max_abs": region.max_abs}
-            entry["because"] = f"{entry['because']}; {region.sentence()}"
+    make = report.make_nodes
+
+    def make_nodes():
+        entries = make()
+        for entry in entries:
+            region = region_of.get(entry["name"])
+            if region is not None:
+                entry["scaled"] = {"region": region.name, "k": region.k, "max_abs": region.max_abs}
+                entry["because"] = f"{entry['because']}; {region.sentence()}"
+        return entries
+
+    report.make_nodes = make_nodes
