@@ -12,6 +12,7 @@ candidate costs one validation run; the search stops at `max_runs` (10) includin
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -79,11 +80,27 @@ def _structure(model: onnx.ModelProto, measured: dict) -> _Structure:
 
 
 def _precision_by_key(result: RewriteResult, st: _Structure) -> dict:
+    """Node key -> precision; the scale Muls power-of-two scaling inserted shift the indices."""
+    inserted = set(result.report.sections.get("scaling", {}).get("inserted", ()))
+    main = [n for n in result.report.nodes if n["scope"] == 0 and n.get("index") is not None]
+    shift = sorted(n["index"] for n in main if n["name"] in inserted) if inserted else []
     out = {}
-    for n in result.report.nodes:
-        if n["scope"] == 0 and n.get("index") is not None and n["index"] < len(st.keys):
-            out[st.keys[n["index"]]] = n["precision"]
+    for n in main:
+        if n["name"] in inserted:
+            continue
+        index = n["index"] - bisect.bisect_left(shift, n["index"])
+        if index < len(st.keys):
+            out[st.keys[index]] = n["precision"]
     return out
+
+
+def _unscaled(result: RewriteResult, tensors: dict) -> dict:
+    """Tensors power-of-two scaling keeps under their names hold values x 2^-k: compared x 2^k."""
+    scaled = result.report.sections.get("scaling", {}).get("scaled_tensors", {})
+    if not scaled:
+        return tensors
+    return {run: {t: [np.asarray(a, np.float64) * 2.0 ** scaled[t] for a in arrays] if t in scaled else arrays
+                  for t, arrays in per_run.items()} for run, per_run in tensors.items()}
 
 
 def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, provider: str, reference,
@@ -161,7 +178,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
                         "worst_max_abs": max(s["max_abs"] for ss in stats.values() for s in ss)})
         if passed:
             break
-        new = _rank(result, st, tensors, ref_tensors, pinned, runs)
+        new = _rank(result, st, _unscaled(result, tensors), ref_tensors, pinned, runs)
         if not new:
             break
         for key, reason in new[:k]:

@@ -144,20 +144,22 @@ def _island_reason(g: PictureGraph, members: list[int]) -> str:
 
 
 def _read(report, model: onnx.ModelProto):
-    """(inputs, outputs, names, cast places) per node of the main graph: from the rewrite's facts,
-    else (a model whose functions were inlined: the rewrite saw another graph) from the protobuf."""
+    """(inputs, outputs, names, cast places, whether the rewrite's node indices are the model's) per
+    node of the main graph: from the rewrite's facts, else (functions inlined, or scale nodes
+    inserted before colouring: the rewrite saw another graph) from the protobuf."""
     get = getattr(report, "picture_facts", None)
     if get is not None and not len(model.functions):
         f = get()
-        return [io[0] for io in f.io], [io[1] for io in f.io], f.names, f.casts
-    nodes = model.graph.node  # the casts sit in the inlined graph: drawn apart, not on an edge
+        if len(f.io) == len(model.graph.node):
+            return [io[0] for io in f.io], [io[1] for io in f.io], f.names, f.casts, True
+    nodes = model.graph.node  # the casts sit in the rewritten graph: drawn apart, not on an edge
     loose = [(None, None, cast[3]) for cast in getattr(report, "casts", ())]
-    return [tuple(n.input) for n in nodes], [tuple(n.output) for n in nodes], [n.name for n in nodes], loose
+    return [tuple(n.input) for n in nodes], [tuple(n.output) for n in nodes], [n.name for n in nodes], loose, False
 
 
 def build(report, model: onnx.ModelProto) -> PictureGraph:
     """The picture graph of `model` (the original, unrewritten) with `report`'s decisions."""
-    inputs, outputs, names, places = _read(report, model)
+    inputs, outputs, names, places, by_index = _read(report, model)
     ops = [n.op_type for n in model.graph.node]
     producer = {o: i for i, outs in enumerate(outputs) for o in outs if o}
     constants = {t.name for t in model.graph.initializer}
@@ -168,7 +170,7 @@ def build(report, model: onnx.ModelProto) -> PictureGraph:
         else:
             order.append(i)
     pos = {i: k for k, i in enumerate(order)}
-    by_index = not len(model.functions)  # inlined functions renumber the working copy: match names then
+    # by_index False: inlined functions or inserted scale nodes renumber the working copy: match names
     entries = {}
     for e in report.nodes:
         if e["scope"] == 0:

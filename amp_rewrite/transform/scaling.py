@@ -83,11 +83,14 @@ class Scaling:
     exempt: frozenset = frozenset()
     forced: dict = field(default_factory=dict)
     threshold: float = 0.0
+    inserted: list = field(default_factory=list)  # names of the scale Muls (they shift node indices)
+    scaled_tensors: dict = field(default_factory=dict)  # tensor keeping its name but holding values x 2^-k -> k
 
     def to_dict(self) -> dict:
         return {"threshold": self.threshold, "regions": [r.to_dict() for r in self.regions],
                 "exempt": sorted(self.exempt),  # calibration's keys (an unnamed node's may have changed)
-                "scale_nodes": [{"node": k, "reason": v} for k, v in self.forced.items()]}
+                "scale_nodes": [{"node": k, "reason": v} for k, v in self.forced.items()],
+                "inserted": self.inserted, "scaled_tensors": self.scaled_tensors}
 
 
 def _key(node: onnx.NodeProto) -> str:
@@ -219,6 +222,10 @@ class _Rewriter:
                     renamed[out] = node.output[slot] = self.names.new(f"{out}_scaled")
                     self.after.setdefault(i, []).append(self._mul(renamed[out], k, out, region, up=True))
                     region.exits.append(out)
+        for i in nodes:  # what stays inside holds scaled values under its own name (fallback compares them)
+            for out in graph.node[i].output:
+                if out and out not in renamed and self.types.get(out) == FLOAT:
+                    self.result.scaled_tensors[out] = k
         dropped, entries = set(), {}
         for i in nodes:
             node = graph.node[i]
@@ -251,6 +258,7 @@ class _Rewriter:
 
     def _mul(self, source: str, exponent: int, out: str, region: Region, *, up: bool) -> onnx.NodeProto:
         name = self.names.new(f"amp/scale_{'up' if up else 'down'}/{out}")
+        self.result.inserted.append(name)
         watched = out if up else source
         if watched in self.culprits:  # over the limit: this Mul must compute in float32
             role = f"restores {out!r}" if up else f"scales {source!r} down"
