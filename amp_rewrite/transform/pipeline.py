@@ -166,10 +166,10 @@ STAGES = (
     infer_types,  # analysis.elemtypes (+ onnx shape inference)
     scale_activations,  # transform.scaling (only with calibration)
     build_colouring_graph,  # analysis.graph
-    scan_constants,  # rewrite.weights
+    scan_constants,  # transform.weights
     colour,  # analysis.paint
     estimate_flops,  # report.flops
-    materialise,  # rewrite.materialise
+    materialise,  # transform.materialise
     sort,  # onnx_facts
     check,  # onnx.checker
     report,  # report.report
