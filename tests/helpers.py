@@ -27,6 +27,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from amp_rewrite.checks.validate import synthesise
+
 IR_VERSION = 8
 FLOAT = TensorProto.FLOAT
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: tools/ and examples/ live there
@@ -123,22 +125,7 @@ def run_reference(model, feeds):
 
 def random_feeds(model, seed=0, scale=1.0):
     """Random float32 inputs for every graph input (dims given as strings become 2)."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    initializer_names = {i.name for i in model.graph.initializer}
-    for value in model.graph.input:
-        if value.name in initializer_names:
-            continue
-        t = value.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else 2 for d in t.shape.dim]
-        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-        if np.issubdtype(dtype, np.floating):
-            feeds[value.name] = (rng.standard_normal(shape) * scale).astype(dtype)
-        elif dtype == np.bool_:
-            feeds[value.name] = rng.integers(0, 2, shape).astype(bool)
-        else:
-            feeds[value.name] = rng.integers(0, 3, shape).astype(dtype)
-    return feeds
+    return synthesise(model, seed=seed, scale=scale, default_dim=2)[0]
 
 
 def assert_close(actual, expected, rtol=1e-2, atol=1e-2):

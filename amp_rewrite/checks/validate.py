@@ -46,8 +46,9 @@ def parse_dims(items) -> dict:
     return dims
 
 
-def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int = 0, scale: float = 1.0) -> list:
-    """`count` random samples from the declared input types; symbolic dims from `dims`, else 1.
+def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int = 0, scale: float = 1.0,
+               default_dim: int = 1) -> list:
+    """`count` random samples from the declared input types; symbolic dims from `dims`, else `default_dim`.
 
     Floats are standard normal x `scale`, integers in [0, 3) (safe as indices), bools random.
     """
@@ -65,7 +66,7 @@ def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int =
                 if d.HasField("dim_value"):
                     shape.append(d.dim_value)
                 else:
-                    shape.append(dims.get(d.dim_param, 1))
+                    shape.append(dims.get(d.dim_param, default_dim))
             dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
             if np.issubdtype(dtype, np.floating):
                 feeds[value.name] = (rng.standard_normal(shape) * scale).astype(dtype)
