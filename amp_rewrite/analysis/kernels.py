@@ -18,10 +18,9 @@ Per group (op, opset, type parameter):
 from __future__ import annotations
 
 import functools
-import json
 
 from amp_rewrite.errors import UsageError
-from amp_rewrite.analysis.oplists import OP_LIST_DIRS
+from amp_rewrite.analysis.oplists import shipped_table
 
 PROVIDERS = ("cuda", "cpu", "any", "auto")
 _NAMES = {"cuda": "CUDA", "cpu": "CPU"}
@@ -44,13 +43,9 @@ def session_provider(provider: str | None) -> str:
 @functools.cache
 def table(provider: str) -> dict:
     """'domain:op' -> [(since, until or None, {type param: frozenset of types})], newest first."""
-    for folder in OP_LIST_DIRS:
-        path = folder / f"kernels_{provider}.json"
-        if path.exists():
-            raw = json.loads(path.read_text())["kernels"]
-            return {key: [(since, until, {p: frozenset(t) for p, t in types.items()}) for since, until, types in rows]
-                    for key, rows in raw.items()}
-    raise FileNotFoundError(f"kernel table kernels_{provider}.json not found in {OP_LIST_DIRS}")
+    raw = shipped_table(f"kernels_{provider}.json")["kernels"]
+    return {key: [(since, until, {p: frozenset(t) for p, t in types.items()}) for since, until, types in rows]
+            for key, rows in raw.items()}
 
 
 def is_kernel_reason(text: str | None) -> bool:

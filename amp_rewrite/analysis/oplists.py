@@ -10,6 +10,7 @@ source is an error. Ops are keyed `OpType` for the default ONNX domain and `doma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -140,13 +141,25 @@ def _parse_file(path: Path, chain: tuple[Path, ...] = ()) -> tuple[str | None, d
     return target, entries
 
 
+def shipped_path(file_name: str) -> Path:
+    """A data file shipped with the op lists (`op_lists/` in a checkout, amp_rewrite/op_lists installed)."""
+    for folder in OP_LIST_DIRS:
+        if (folder / file_name).is_file():
+            return folder / file_name
+    raise OpListError(f"op_lists/{file_name} is missing from the installation")
+
+
+@lru_cache(maxsize=None)
+def shipped_table(file_name: str) -> dict:
+    """A shipped YAML or JSON table of op facts (kernels, scaling, parameter slots), read once."""
+    path = shipped_path(file_name)
+    return json.loads(path.read_text()) if path.suffix == ".json" else _read_yaml(path)
+
+
 def default_list_path(target: str) -> Path:
     if target not in TARGETS:
         raise OpListError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
-    for folder in OP_LIST_DIRS:
-        if (folder / f"{target}.yaml").is_file():
-            return folder / f"{target}.yaml"
-    raise OpListError(f"default op list for {target!r} is missing from the installation")
+    return shipped_path(f"{target}.yaml")
 
 
 @lru_cache(maxsize=8)

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+from ..onnx_facts import FLOAT_TYPES
 
 Dims = list  # one entry per axis: int (static), str (symbolic) or None (unknown)
 

@@ -20,6 +20,7 @@ metadata under `amp_rewrite.recompute` (`plan_of`).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -30,12 +31,10 @@ from onnx import TensorProto
 
 from ..errors import GradientError
 from . import segments as select
-from .graphinfo import FLOAT_TYPES
+from ..onnx_facts import FLOAT_TYPES
 
 PLAN_KEY = "amp_rewrite.recompute"
 COPY_SUFFIX = "/recompute"
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
-                        "Multinomial"})
 
 
 @dataclass(frozen=True)
@@ -195,13 +194,13 @@ class _Work:
 
     # -- which nodes are copied ------------------------------------------------------------------
     def _copyable(self, node) -> bool:
-        if node.op_type in RANDOM_OPS or node.op_type == "Constant" or not node.input:
+        if node.op_type == "Constant" or not node.input:
             return False
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return False
-        if node.op_type == "Dropout":
+        if node.op_type == "Dropout":  # its mask is kept: the copy reuses it
             return _dropout_mode(node, self.b.index) is not None
-        return True
+        return not _draws_random_values(node.op_type, node.domain, self.b.opset)
 
     def _to_copy(self) -> list[int]:
         internal = set(self.internal)
@@ -319,3 +318,14 @@ def _dropout_mode(node, index) -> str | None:
     if value is None:
         return None
     return "training" if bool(np.asarray(value)) else "inference"
+
+
+@functools.lru_cache(maxsize=None)
+def _draws_random_values(op_type: str, domain: str, opset: int) -> bool:
+    """The op's schema says it is non-deterministic (RandomNormal(Like), RandomUniform(Like),
+    Bernoulli, Multinomial...): a copy would draw new values, so its output is read from the forward."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return False
+    return schema.node_determinism == onnx.defs.OpSchema.NodeDeterminism.NonDeterministic

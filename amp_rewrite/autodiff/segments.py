@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..errors import GradientError
+from ..report.flops import estimate_flops
 
 ELEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.FLOAT16: 2,
               onnx.TensorProto.BFLOAT16: 2}
@@ -170,17 +171,12 @@ def _node_flops(node, info) -> int:
     out = info.dims.get(node.output[0]) if node.output else None
     if not out or any(not isinstance(d, int) for d in out):
         return 1
-    elems = math.prod(out)
-    if node.op_type in ("MatMul", "Gemm") and node.input:
-        a = info.dims.get(node.input[0])
-        if a and isinstance(a[-1], int):
-            k = a[0] if node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute) else a[-1]
-            return 2 * elems * int(k)
-    if node.op_type == "Conv" and len(node.input) > 1:
-        w = info.dims.get(node.input[1])
-        if w and all(isinstance(d, int) for d in w):
-            return 2 * elems * math.prod(w[1:])
-    return elems
+    flops = estimate_flops(node, dims=lambda name: _static(info.dims.get(name)))  # MatMul, Gemm, Conv...
+    return flops if flops is not None else math.prod(out)
+
+
+def _static(dims):
+    return list(dims) if dims and all(isinstance(d, int) and d > 0 for d in dims) else None
 
 
 def _thresholds(blocks: list[Block]) -> list[int]:

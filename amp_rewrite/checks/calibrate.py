@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-import yaml
 from onnx import TensorProto
 
 from amp_rewrite.analysis.elemtypes import tensor_types
-from amp_rewrite.analysis.oplists import OP_LIST_DIRS
+from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.sessions import open_session
 from amp_rewrite.io import load
@@ -39,8 +38,7 @@ DEFAULT_RELAX_MARGIN = 16.0
 @functools.cache
 def relaxable_ops() -> frozenset:
     """Deny ops calibration may relax (`op_lists/range_relax.yaml`, which says why these)."""
-    path = next(d / "range_relax.yaml" for d in OP_LIST_DIRS if (d / "range_relax.yaml").exists())
-    return frozenset(yaml.safe_load(path.read_text())["relax"])
+    return frozenset(shipped_table("range_relax.yaml")["relax"])
 
 
 @dataclass

@@ -34,13 +34,15 @@ def _dims(shapes: dict, name: str):
     return None if any(d is None or d <= 0 for d in dims) else dims
 
 
-def estimate_flops(node: onnx.NodeProto, shapes: dict) -> int | None:
-    """Multiply-adds x 2 of a MatMul / Gemm / Conv / ConvTranspose from known shapes, else None."""
+def estimate_flops(node: onnx.NodeProto, shapes: dict | None = None, *, dims=None) -> int | None:
+    """Multiply-adds x 2 of a MatMul / Gemm / Conv / ConvTranspose from known shapes, else None.
+    `shapes`: name -> TensorShapeProto; or `dims`: name -> list of positive ints or None."""
+    dims = dims or (lambda name: _dims(shapes, name))
     op = node.op_type
     if op in ("MatMul", "FusedMatMul", "Gemm", "FusedGemm"):
-        a = _dims(shapes, node.input[0]) if node.input else None
-        y = _dims(shapes, node.output[0]) if node.output else None
-        b = _dims(shapes, node.input[1]) if len(node.input) > 1 else None
+        a = dims(node.input[0]) if node.input else None
+        y = dims(node.output[0]) if node.output else None
+        b = dims(node.input[1]) if len(node.input) > 1 else None
         if y is None and op in ("MatMul", "FusedMatMul") and a and b and len(a) >= 2 and len(b) >= 2:
             y = a[:-1] + [b[-1]]  # batch dims of b broadcast against a's: a lower bound
         if a is None or y is None or not a:
@@ -50,9 +52,9 @@ def estimate_flops(node: onnx.NodeProto, shapes: dict) -> int | None:
             k = a[0]
         return 2 * int(np.prod(y)) * k
     if op in ("Conv", "FusedConv", "ConvTranspose"):
-        x = _dims(shapes, node.input[0]) if node.input else None
-        w = _dims(shapes, node.input[1]) if len(node.input) > 1 else None
-        y = _dims(shapes, node.output[0]) if node.output else None
+        x = dims(node.input[0]) if node.input else None
+        w = dims(node.input[1]) if len(node.input) > 1 else None
+        y = dims(node.output[0]) if node.output else None
         if x is None or w is None or y is None:
             return None
         if op == "ConvTranspose":  # each input element meets Cout/g x kernel weights

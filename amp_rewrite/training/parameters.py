@@ -7,7 +7,7 @@ would list it: the weight of a MatMul/Gemm/Conv/ConvTranspose whose other operan
 the table of a Gather, a normalisation's scale and bias, a tensor (not a scalar) that an Add
 applies to data as a bias (or position table), a vector a Mul applies as a gain, and one
 concatenated to data (a class token). A constant reaches its slot directly or through layout ops
-(Transpose, Reshape, ...). Never: non-finite values, scalars, mask-like tensors (two distinct
+(Transpose, Reshape, ...); the op facts are in `op_lists/parameters.yaml`. Never: non-finite values, scalars, mask-like tensors (two distinct
 values over two or more axes, or values of 1e4 and beyond). `select` applies the user's regexes.
 """
 
@@ -20,16 +20,16 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.errors import TrainingError
 
 FLOAT = onnx.TensorProto.FLOAT
-LAYOUT_OPS = {"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Cast", "Expand"}
-# ops whose output depends on its input's shape only, not its values
-SHAPE_ONLY_OPS = {"Shape", "Size", "EyeLike"}
-NORM_SLOTS = {"LayerNormalization": (1, 2), "BatchNormalization": (1, 2), "InstanceNormalization": (1, 2),
-              "GroupNormalization": (1, 2), "RMSNormalization": (1,), "SimplifiedLayerNormalization": (1,),
-              "SkipLayerNormalization": (2, 3, 4), "SkipSimplifiedLayerNormalization": (2,)}
-WEIGHT_SLOTS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "PRelu": (1,)}
+# The op facts (weight and normalisation slots, layout and shape-only ops) are data.
+_SLOTS = shipped_table("parameters.yaml")
+LAYOUT_OPS = frozenset(_SLOTS["layout"])
+SHAPE_ONLY_OPS = frozenset(_SLOTS["shape_only"])
+NORM_SLOTS = {op: tuple(slots) for op, slots in _SLOTS["norm_slots"].items()}
+WEIGHT_SLOTS = {op: tuple(slots) for op, slots in _SLOTS["weight_slots"].items()}
 MASK_MAGNITUDE = 1e4
 
 

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import networkx as nx
 import onnx
-import yaml
 from onnx import numpy_helper
 
-from amp_rewrite.analysis.oplists import DEFAULT_DOMAINS, OP_LIST_DIRS
+from amp_rewrite.analysis.oplists import DEFAULT_DOMAINS, shipped_table
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.onnx_facts import FLOAT, all_graphs, names_in
 from amp_rewrite.transform.weights import LIMITS
@@ -49,8 +48,7 @@ class Ops:
 @functools.cache
 def scalable_ops() -> Ops:
     """The op table of `op_lists/scaling.yaml`."""
-    path = next(d / "scaling.yaml" for d in OP_LIST_DIRS if (d / "scaling.yaml").exists())
-    data = yaml.safe_load(path.read_text())
+    data = shipped_table("scaling.yaml")
     return Ops(*(frozenset(data[k]) for k in ("compute", "product", "homogeneous")))
 
 
