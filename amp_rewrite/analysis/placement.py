@@ -91,26 +91,6 @@ def vertex_elements(cg: ColouringGraph, v: int, cache: dict) -> int:
     return total
 
 
-def _tensor_keys(cg: ColouringGraph, v: int, keys: set) -> None:
-    """Add the (def scope, name) of every tensor of vertex v's group to `keys`."""
-    vertex = cg.vertices[v]
-    s = vertex.scope
-    scope = cg.scopes[s]
-    inputs, outputs = scope.io[vertex.node]
-    for i in vertex.group.inputs:
-        x = inputs[i]
-        if x:
-            if x in scope.defs:  # the common case: defined in the same graph
-                keys.add((s, x))
-            else:
-                found = cg.resolve(s, x)
-                if found is not None:
-                    keys.add((found[0], x))
-    for i in vertex.group.outputs:
-        if outputs[i]:
-            keys.add((s, outputs[i]))
-
-
 def estimate(cg: ColouringGraph, low, keep_io_types: bool = True) -> int:
     """Bytes moved under a colouring (`low`: the set of low-precision vertices): every group's reads
     and writes plus every cast. One pass over vertices and uses: linear."""
@@ -144,23 +124,15 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
     """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour."""
     if not free:
         return Placement(set(), [], {}, 0)
-    free_set = set(free)
+    net = _Network()
     cache = sizes(cg)
-    cap: dict = {}
-
-    def add(a, b, c):
-        cap[(a, b)] = cap.get((a, b), 0) + c
-
-    for v in free:
-        add("s", v, vertex_elements(cg, v, cache) * (FP32_BYTES - LOW_BYTES))
-    keys: set = set()
-    for v in free:
-        _tensor_keys(cg, v, keys)
+    free_set = set(free)
+    keys = _free_tensors(cg, free, cache, net.to_s)
+    fixed_low = is_low
+    add = net.add
     for key in keys:
-        term = _term(cg, key, keep_io_types, cache)
-        if term is not None:
-            _cut_edges(term, free_set, is_low, key, add)
-    side, rest = reduce_terminal(cap)
+        _charge(cg, key, free_set, fixed_low, keep_io_types, cache, add)
+    side, rest = reduce_terminal(net)
     flow = nx.DiGraph()
     flow.add_nodes_from(("s", "t"))
     flow.add_edges_from((a, b, {"capacity": c}) if c != INF else (a, b) for (a, b), c in rest.items() if c > 0)
@@ -175,70 +147,80 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
 INF = float("inf")
 
 
-def reduce_terminal(cap: dict) -> tuple[dict, dict]:
-    """Fix the vertices whose side no cut can improve on, before the flow (persistency): a vertex
-    whose edge from s outweighs all its outgoing edges is on the source side of some minimum cut
-    (moving it there cannot cost more); one whose edge to t outweighs all its incoming edges, on
-    the sink side. A fixed vertex merges into s or t, which may fix its neighbours: a worklist,
-    each edge moved once. Returns (vertex -> source side?, the remaining capacities)."""
-    out_edges: dict = {}
-    in_edges: dict = {}
-    for (a, b), c in cap.items():
-        out_edges.setdefault(a, {})[b] = c
-        in_edges.setdefault(b, {})[a] = c
-    to_s, to_t = out_edges.pop("s", {}), in_edges.pop("t", {})
-    for b in to_s:
-        in_edges[b].pop("s")
-    for a in to_t:
-        out_edges[a].pop("t")
-        both = min(to_t[a], to_s.get(a, 0))  # paid whichever side: a constant, not an edge
-        if both:
-            to_t[a] -= both
-            to_s[a] -= both
-    side: dict = {}
-    work = list(set(out_edges) | set(in_edges))
-    while work:
-        v = work.pop()
-        if v in side or v in ("s", "t"):
+def _free_tensors(cg: ColouringGraph, free: list, cache: dict, to_s: dict) -> set:
+    """The (def scope, name) of every tensor a free vertex reads or writes; each vertex's edge from s
+    (the bytes it saves in low precision) on the way: one visit of each free vertex."""
+    keys: set = set()
+    saving = FP32_BYTES - LOW_BYTES
+    vertices, scopes = cg.vertices, cg.scopes
+    for v in free:
+        vertex = vertices[v]
+        s = vertex.scope
+        scope = scopes[s]
+        defs = scope.defs
+        inputs, outputs = scope.io[vertex.node]
+        total = 0
+        for i in vertex.group.inputs:
+            x = inputs[i]
+            if x:
+                size = cache.get(x)
+                total += size if size is not None else elements(cg, x, cache)
+                if x in defs:  # the common case: defined in the same graph
+                    keys.add((s, x))
+                else:
+                    found = cg.resolve(s, x)
+                    if found is not None:
+                        keys.add((found[0], x))
+        for i in vertex.group.outputs:
+            x = outputs[i]
+            if x:
+                size = cache.get(x)
+                total += size if size is not None else elements(cg, x, cache)
+                keys.add((s, x))
+        to_s[v] = total * saving
+    return keys
+
+
+def _charge(cg: ColouringGraph, key, free: set, is_low, keep_io_types: bool, cache: dict, add) -> None:
+    """The edges charging tensor `key`'s casts; the source side of the cut is low precision. A cast up
+    (some reader low, the producer float32) and a cast down (the reverse) are each paid once per
+    tensor, whatever the number of readers: an auxiliary vertex per tensor and direction. `_term`'s
+    reading of the uses, inlined: this runs once per tensor next to a free vertex."""
+    s, name = key
+    if cg.types.get(name) != FLOAT:
+        return
+    kind, n, slot = cg.scopes[s].defs[name]
+    if kind == "initializer":
+        return
+    p = None
+    if kind == "node":
+        row = cg.writes[s][n]
+        p = row[slot] if row else None
+        if p is None and (s, n) in cg.constant_nodes:
+            return
+    loose = []
+    fixed_low = fixed_fp32 = False
+    reads = cg.reads
+    for use_scope, node, use_slot in cg.uses.get(key, ()):
+        if node < 0:
+            if keep_io_types or use_scope > 0:
+                fixed_fp32 = True
             continue
-        outs, ins = out_edges.get(v, {}), in_edges.get(v, {})
-        if to_s.get(v, 0) >= to_t.get(v, 0) + sum(outs.values()):
-            side[v] = True
-            for w, c in outs.items():
-                in_edges[w].pop(v)
-                to_s[w] = to_s.get(w, 0) + c
-                work.append(w)
-            for u in ins:
-                out_edges[u].pop(v)
-                work.append(u)
-        elif to_t.get(v, 0) >= to_s.get(v, 0) + sum(ins.values()):
-            side[v] = False
-            for u, c in ins.items():
-                out_edges[u].pop(v)
-                to_t[u] = to_t.get(u, 0) + c
-                work.append(u)
-            for w in outs:
-                in_edges[w].pop(v)
-                work.append(w)
+        row = reads[use_scope][node]
+        r = row[use_slot] if row else None
+        if r is None:
+            fixed_fp32 = True
+        elif r in free:
+            if r not in loose:
+                loose.append(r)
+        elif is_low(r):
+            fixed_low = True
         else:
-            continue
-        out_edges.pop(v, None)
-        in_edges.pop(v, None)
-    rest = {("s", b): c for b, c in to_s.items() if b not in side}
-    rest.update(((a, "t"), c) for a, c in to_t.items() if a not in side)
-    rest.update(((a, b), c) for a, outs in out_edges.items() if a not in side for b, c in outs.items())
-    return side, rest
-
-
-def _cut_edges(term: Term, free: set, is_low, key, add) -> None:
-    """Edges charging `term`'s casts; the source side of the cut is low precision."""
-    c = term.size * CAST_BYTES
-    p = term.producer
+            fixed_fp32 = True
+    size = cache.get(name)
+    c = (size if size is not None else elements(cg, name, cache)) * CAST_BYTES
     p_free = p is not None and p in free
     p_low = p is not None and not p_free and is_low(p)
-    loose = [r for r in term.readers if r in free]
-    fixed_low = any(r not in free and is_low(r) for r in term.readers)
-    fixed_fp32 = term.fp32_reader or any(r not in free and not is_low(r) for r in term.readers)
     if not p_low:  # a cast up, when some reader is low
         tail = p if p_free else "t"
         if fixed_low:
@@ -263,6 +245,85 @@ def _cut_edges(term: Term, free: set, is_low, key, add) -> None:
             for r in loose:
                 add(aux, r, INF)
             add(head, aux, c)
+
+
+class _Network:
+    """The cut's capacities as adjacency dicts: edges from s and to t apart (the persistency rule
+    of `reduce_terminal` reads them per vertex), the rest both ways."""
+
+    __slots__ = ("to_s", "to_t", "out", "into")
+
+    def __init__(self):
+        self.to_s, self.to_t, self.out, self.into = {}, {}, {}, {}
+
+    def add(self, a, b, c) -> None:
+        if a == "s":
+            self.to_s[b] = self.to_s.get(b, 0) + c
+        elif b == "t":
+            self.to_t[a] = self.to_t.get(a, 0) + c
+        else:
+            outs = self.out.get(a)
+            if outs is None:
+                self.out[a] = {b: c}
+            else:
+                outs[b] = outs.get(b, 0) + c
+            ins = self.into.get(b)
+            if ins is None:
+                self.into[b] = {a: c}
+            else:
+                ins[a] = ins.get(a, 0) + c
+
+
+def reduce_terminal(net: _Network) -> tuple[dict, dict]:
+    """Fix the vertices whose side no cut can improve on, before the flow (persistency): a vertex
+    whose edge from s outweighs all its outgoing edges is on the source side of some minimum cut
+    (moving it there cannot cost more); one whose edge to t outweighs all its incoming edges, on
+    the sink side. A fixed vertex merges into s or t, which may fix its neighbours: a worklist,
+    each edge moved once. Returns (vertex -> source side?, the remaining capacities)."""
+    to_s, to_t, out_edges, in_edges = net.to_s, net.to_t, net.out, net.into
+    for a in to_t:
+        both = min(to_t[a], to_s.get(a, 0))  # paid whichever side: a constant, not an edge
+        if both:
+            to_t[a] -= both
+            to_s[a] -= both
+    side: dict = {}
+    work = list(to_s)
+    work.extend(to_t)
+    work.extend(out_edges)
+    work.extend(in_edges)
+    empty: dict = {}
+    while work:
+        v = work.pop()
+        if v in side:
+            continue
+        outs, ins = out_edges.get(v, empty), in_edges.get(v, empty)
+        source, sink = to_s.get(v, 0), to_t.get(v, 0)
+        if source >= sink + sum(outs.values()):
+            side[v] = True
+            for w, c in outs.items():
+                del in_edges[w][v]
+                to_s[w] = to_s.get(w, 0) + c
+                work.append(w)
+            for u in ins:
+                del out_edges[u][v]
+                work.append(u)
+        elif sink >= source + sum(ins.values()):
+            side[v] = False
+            for u, c in ins.items():
+                del out_edges[u][v]
+                to_t[u] = to_t.get(u, 0) + c
+                work.append(u)
+            for w in outs:
+                del in_edges[w][v]
+                work.append(w)
+        else:
+            continue
+        out_edges.pop(v, None)
+        in_edges.pop(v, None)
+    rest = {("s", b): c for b, c in to_s.items() if b not in side}
+    rest.update(((a, "t"), c) for a, c in to_t.items() if a not in side)
+    rest.update(((a, b), c) for a, outs in out_edges.items() if a not in side for b, c in outs.items())
+    return side, rest
 
 
 def _regions(flow: nx.DiGraph, free: set) -> tuple[dict, int]:
