@@ -13,7 +13,7 @@ __all__ = ["RewriteOptions", "RewriteResult", "rewrite"]
 def rewrite(model, options: RewriteOptions | None = None, *, target: str = "float16", keep_io_types: bool = True,
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
-            annotate: bool = False, provider: str = "cuda", placement: str = "tf", scale_activations: bool = True,
+            annotate: bool = False, provider: str = "cuda", placement: str = "cost", scale_activations: bool = True,
             relax_margin: float = 16.0):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
@@ -25,9 +25,9 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     a deny op, and the report gives the reason. `annotate` writes each node's precision and reason
     into the result's doc strings (`report.annotate`). `provider` ("cuda", "cpu", "any") is where
     the model will run: a group that provider has no `target` kernel for stays float32
-    (analysis/kernels.py). `placement`: "tf" paints infer/clear ops low between allow ops (TF's
-    rule); "cost" colours those no deny op reaches by one minimum cut of the estimated bytes moved
-    (analysis/placement.py). `scale_activations` (with `calibration`): linear regions over the
+    (analysis/kernels.py). `placement`: "cost" (default) colours the infer/clear ops no deny op
+    reaches by one minimum cut of the estimated bytes moved (analysis/placement.py); "tf" paints
+    them low only between allow ops (TF's rule). `scale_activations` (with `calibration`): linear regions over the
     limit compute on values x 2^-k instead of staying float32 (transform/scaling.py);
     `relax_margin` (with `calibration`): elementwise range-deny ops measured within max/margin
     become infer ops (op_lists/range_relax.yaml; 0: never). `options` (a RewriteOptions) replaces all keyword

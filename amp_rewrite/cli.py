@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "kernels, checks on CUDA when it loads, else CPU; cpu: CPU's kernels and CPU; any: "
                         "no kernel check")
     p.add_argument("--placement", choices=("tf", "cost"), default=None,
-                   help="infer/clear ops no deny op reaches: tf (default) paints them low between allow ops "
-                        "(TensorFlow's rule); cost colours them by one minimum cut of the estimated bytes moved "
-                        "(fewer bytes on every model measured, but slower on very large graphs)")
+                   help="infer/clear ops no deny op reaches: cost (default) colours them by one minimum cut of "
+                        "the estimated bytes moved (fewer bytes on every model measured); tf paints them low "
+                        "only between allow ops (TensorFlow's rule, a little faster on very large graphs)")
     p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
     _add_check_arguments(p)
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
@@ -102,7 +102,7 @@ def rewrite_options(args) -> RewriteOptions:
                              allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
                              keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
                              annotate=args.annotate, provider=colouring_provider(args.provider),
-                             placement=args.placement or "tf", scale_activations=args.scale_activations,
+                             placement=args.placement or "cost", scale_activations=args.scale_activations,
                              relax_margin=args.relax_margin)
 
 

@@ -46,7 +46,7 @@ class RewriteOptions:
     calibration: object = None  # a checks.calibrate.CalibrationResult: measured deny roots
     annotate: bool = False  # each node's precision and reason written into the result (Netron shows them)
     provider: str = "cuda"  # where the model runs: groups without a target-type kernel there stay float32
-    placement: str = "tf"  # free infer/clear ops: TF's between-allow rule, or "cost" (one minimum cut)
+    placement: str = "cost"  # free infer/clear ops: one minimum cut of bytes moved, or "tf" (TF's between-allow rule)
     scale_activations: bool = True  # with calibration: linear regions over the limit run on values x 2^-k
     relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
 

@@ -99,12 +99,12 @@ def weights(rng, *shape, scale=0.3):
 
 
 def mlp(seed=0):
-    """MatMul -> Add -> Relu -> MatMul -> Softmax over [N, 8]: allow, infer, clear, allow, deny."""
+    """MatMul -> Add -> Relu -> MatMul -> LogSoftmax over [N, 8]: allow, infer, clear, allow, deny."""
     rng = np.random.default_rng(seed)
     return make_model(
         [node("MatMul", ["x", "W1"], ["h"], "mm1"), node("Add", ["h", "b1"], ["h2"], "add1"),
          node("Relu", ["h2"], ["r"], "relu"), node("MatMul", ["r", "W2"], ["y"], "mm2"),
-         node("Softmax", ["y"], ["p"], "sm", axis=-1)],
+         node("LogSoftmax", ["y"], ["p"], "sm", axis=-1)],
         [tensor("x", ["N", 8])], [tensor("p", ["N", 4])],
         [init("W1", weights(rng, 8, 16)), init("b1", weights(rng, 16)), init("W2", weights(rng, 16, 4))])
 

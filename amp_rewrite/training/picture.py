@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 
 from amp_rewrite.errors import TrainingError
-from amp_rewrite.training.step_graph import FLOAT32_REGIONS
+from amp_rewrite.training.step_graph import precision_options
 
 
 def step_report(step_model: onnx.ModelProto, precision: str, html=None, title: str = "training step",
@@ -25,8 +25,7 @@ def step_report(step_model: onnx.ModelProto, precision: str, html=None, title: s
     from amp_rewrite.io import atomic_write_bytes
     from amp_rewrite.report import html as html_report
 
-    result = rewrite(step_model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS,
-                     force_fp32=force_fp32)
+    result = rewrite(step_model, precision_options(precision, force_fp32))
     if html is not None:
         page = html_report.render(result.report, step_model, title)
         atomic_write_bytes(Path(html), page.encode())

@@ -241,6 +241,20 @@ def apply_precision(step: StepGraph, precision: str, force_fp32: dict[str, str] 
         return step
     from amp_rewrite.api import rewrite
 
-    result = rewrite(step.model, target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS,
-                     force_fp32=force_fp32)
+    result = rewrite(step.model, precision_options(precision, force_fp32))
     return dataclasses.replace(step, model=result.model, report=result.report)
+
+
+def precision_options(precision: str, force_fp32: dict[str, str] | None = None):
+    """The rewrite options of a step graph: the training region pinned float32, and the target's
+    training lists (op_lists/training_<target>.yaml, where shipped) over its inference lists."""
+    from amp_rewrite.analysis.oplists import shipped_path
+    from amp_rewrite.errors import OpListError
+    from amp_rewrite.options import RewriteOptions
+
+    try:
+        training_lists = (shipped_path(f"training_{precision}.yaml"),)
+    except OpListError:  # no training-only entries for this target
+        training_lists = ()
+    return RewriteOptions.of(target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS,
+                             force_fp32=force_fp32, op_lists=training_lists)

@@ -3,7 +3,7 @@
 Each model is built so that one pass decides the vertex under test. The colouring graph is built
 and painted as the pipeline does (analysis.graph.build, analysis.paint.colour); the test asserts
 the colour and the reason (the step, and the node it came through), then rewrites the model and
-checks that the rewritten tensors have the painted types and that ONNX Runtime (and
+checks (with placement="tf", whose passes these are) that the rewritten tensors have the painted types and that ONNX Runtime (and
 onnx.reference, which computes float16 in float16) gives the original's numbers.
 """
 
@@ -60,7 +60,7 @@ def output_types(model) -> dict:
 
 def check_rewrite(model, painted: dict, target="float16", rtol=2e-2, atol=2e-2):
     """Rewrite; every painted tensor inside the graph has its colour's type; numbers match the original."""
-    result = amp_rewrite.rewrite(model, target=target)
+    result = amp_rewrite.rewrite(model, target=target, placement="tf")  # the passes under test
     onnx.checker.check_model(result.model, full_check=True)
     types = output_types(result.model)
     low = {"float16": F16, "bfloat16": TensorProto.BFLOAT16}[target]
@@ -171,12 +171,12 @@ def test_clear_ops_take_low_precision_from_both_sides():
 
 def cast_model():
     """MatMul -> Cast(to=float) -> MatMul -> y (every reader low), and
-    MatMul -> Cast(to=float) -> Softmax (deny, a float32 reader) -> z."""
+    MatMul -> Cast(to=float) -> LogSoftmax (deny, a float32 reader) -> z."""
     rng = np.random.default_rng(4)
     return make_model(
         [node("MatMul", ["x", "W1"], ["m"], "mm1"),
          node("Cast", ["m"], ["c_low"], "cast_low", to=TensorProto.FLOAT), node("MatMul", ["c_low", "W2"], ["y"], "mm2"),
-         node("Cast", ["m"], ["c_f32"], "cast_f32", to=TensorProto.FLOAT), node("Softmax", ["c_f32"], ["z"], "softmax")],
+         node("Cast", ["m"], ["c_f32"], "cast_f32", to=TensorProto.FLOAT), node("LogSoftmax", ["c_f32"], ["z"], "softmax")],
         [tensor("x", [2, 4])], [tensor("y", [2, 4]), tensor("z", [2, 4])],
         [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))])
 

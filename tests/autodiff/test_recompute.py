@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from amp_rewrite.autodiff import build_gradient_graph
 from amp_rewrite.autodiff.recompute import COPY_SUFFIX, plan_of
 from amp_rewrite.errors import GradientError
+from amp_rewrite.training.step_graph import precision_options
 from helpers import IR_VERSION
 
 PER_LAYER = [r"layer\d+/.*"]
@@ -232,8 +233,9 @@ def test_mixed_precision_copies_coloured_like_originals_and_close():
 
     model = transformer()
     feeds = feeds_for(model, 3)
-    plain = amp_rewrite.rewrite(build_gradient_graph(model, "loss"), target="float16").model
-    result = amp_rewrite.rewrite(build_gradient_graph(model, "loss", recompute=PER_LAYER), target="float16")
+    options = precision_options("float16")  # a gradient graph: the training lists, as the Trainer uses them
+    plain = amp_rewrite.rewrite(build_gradient_graph(model, "loss"), options).model
+    result = amp_rewrite.rewrite(build_gradient_graph(model, "loss", recompute=PER_LAYER), options)
     precision = {n["name"]: n["precision"] for n in result.report.nodes}
     copies = [name for name in precision if name.endswith(COPY_SUFFIX)]
     assert len(copies) > 20 and "float16" in {precision[c] for c in copies}

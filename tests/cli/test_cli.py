@@ -51,7 +51,7 @@ def test_cli_dry_run_writes_nothing(model_file):
 
 def test_cli_flags_move_ops_and_pin_nodes(model_file, tmp_path):
     report = tmp_path / "r.json"
-    assert main([str(model_file), "--allow", "Softmax", "--keep-fp32-node", "mm2", "--report", str(report),
+    assert main([str(model_file), "--allow", "LogSoftmax", "--keep-fp32-node", "mm2", "--report", str(report),
                  "--dry-run", "--quiet"]) == 0
     precision = {n["name"]: n["precision"] for n in json.loads(report.read_text())["nodes"]}
     assert precision["sm"] == "float16" and precision["mm2"] == "float32"

@@ -174,17 +174,17 @@ def test_layout_layers_by_longest_path_and_orders_to_cut_crossings():
 def test_picture_data_folds_constants_and_places_every_cast():
     nodes = [node("Constant", [], ["c"], name="const", value=onnx.numpy_helper.from_array(np.float32(2.0))),
              node("Mul", ["x", "c"], ["h"], name="scale"), node("MatMul", ["h", "W"], ["m"], name="mm"),
-             node("Softmax", ["m"], ["s"], name="sm", axis=-1), node("MatMul", ["s", "W"], ["y"], name="mm2")]
+             node("LogSoftmax", ["m"], ["s"], name="sm", axis=-1), node("MatMul", ["s", "W"], ["y"], name="mm2")]
     model = make_model(nodes, [tensor("x", [2, 4])], [tensor("y", [2, 4])],
                        [init("W", np.random.default_rng(3).standard_normal((4, 4)).astype(np.float32))])
     result = rewrite(model)
     data = report_page.page_data(result.report, model)
-    assert [data["ops"][o] for o in data["op"]] == ["Mul", "MatMul", "Softmax", "MatMul"]
+    assert [data["ops"][o] for o in data["op"]] == ["Mul", "MatMul", "LogSoftmax", "MatMul"]
     assert data["weights"] == [1, 1, 0, 1]
     root = data["groups"][0]
     drawn = sum(e[2] for e in root["e"]) + sum(sum(s[1:]) for s in root["st"]) + data["loose"]
     assert drawn == data["casts"] == result.report.summary["casts_inserted"] > 0
-    assert any("Softmax 'sm' kept float32: deny list" in reason for _, reason in data["islands"])
+    assert any("LogSoftmax 'sm' kept float32: deny list" in reason for _, reason in data["islands"])
     assert data["measured"] == []
     pinned = rewrite(model, force_fp32={"mm2": "measured overflow"})
     assert report_page.page_data(pinned.report, model)["measured"] == [3]  # drawn with a red frame

@@ -9,7 +9,10 @@ import pytest
 from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 
+import amp_rewrite
 from amp_rewrite.training import Adam, Trainer
+from amp_rewrite.training.step_graph import precision_options
+from helpers import init, make_model, node, tensor, weights
 from training_models import classification_batches, softmax_regression, softmax_regression_gradient
 
 
@@ -68,3 +71,29 @@ def test_float16_gradient_overflow_is_caught_in_graph_and_leaves_state_bit_ident
     state["amp/loss_scale"] = np.array(2.0**10, np.float32)
     out = reference_step(trainer, classification_batches(count=1)[0], state)
     assert not bool(out["amp/skipped"])
+
+
+def test_training_keeps_layernorm_and_softmax_float32_in_float16_only():
+    """op_lists/training_float16.yaml: the inference evidence for float16 LayerNormalization and
+    Softmax does not cover their backward, so a float16 step keeps them float32; bfloat16 has no
+    training file and keeps its own lists."""
+    lists = precision_options("float16").lists()
+    for op in ("LayerNormalization", "Softmax"):
+        entry = lists.classify("", op)
+        assert entry.list == "deny" and "training step" in entry.reason
+    assert precision_options("bfloat16").lists().classify("", "LayerNormalization").list == "infer"
+    model = _ln_softmax_model()
+    assert amp_rewrite.rewrite(model, target="float16").report.node("ln")["precision"] == "float16"
+    kept = amp_rewrite.rewrite(model, precision_options("float16")).report.node("ln")
+    assert kept["precision"] == "float32" and kept["list"] == "deny"
+
+
+def _ln_softmax_model():
+    rng = np.random.default_rng(2)
+    return make_model(
+        [node("MatMul", ["x", "W0"], ["h"], "mm0"), node("LayerNormalization", ["h", "g", "b"], ["n"], "ln", axis=-1),
+         node("MatMul", ["n", "W1"], ["s"], "mm1"), node("Softmax", ["s"], ["p"], "sm", axis=-1),
+         node("MatMul", ["p", "W2"], ["y"], "mm2")],
+        [tensor("x", [2, 8])], [tensor("y", [2, 8])],
+        [init("W0", weights(rng, 8, 8)), init("g", np.ones(8, np.float32)), init("b", np.zeros(8, np.float32)),
+         init("W1", weights(rng, 8, 8)), init("W2", weights(rng, 8, 8))])

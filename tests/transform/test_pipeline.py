@@ -7,6 +7,7 @@ from onnx import TensorProto, helper
 
 import amp_rewrite
 from amp_rewrite.errors import UsageError
+from amp_rewrite.analysis.oplists import load_op_lists
 from helpers import (assert_close, check_both, init, make_model, mlp, node, random_feeds, run_ort, run_reference,
                      tensor, weights)
 
@@ -112,9 +113,20 @@ def attention_block():
     return make_model(nodes, [tensor("x", ["B", 4, d])], [tensor("y", ["B", 4, d])], inits)
 
 
-def test_attention_block_keeps_layernorm_and_softmax_float32():
+def test_attention_block_runs_in_float16_between_one_cast_in_and_one_out():
+    """LayerNormalization (statistics in float32 by the spec) and Softmax are infer ops: the cut
+    puts the whole block in float16, with a cast after the input and one before the output."""
     model = attention_block()
     result = amp_rewrite.rewrite(model)
+    assert {n["precision"] for n in result.report.nodes} == {"float16"}
+    assert "stash_type" in load_op_lists("float16").classify("", "LayerNormalization").reason
+    assert sorted((c.input[0], c.attribute[0].i) for c in casts(result.model)) == [("x", F16), ("y_fp16", TensorProto.FLOAT)]
+    check_both(model, result.model)
+
+
+def test_attention_block_with_layernorm_and_softmax_denied_under_tf_placement():
+    model = attention_block()
+    result = amp_rewrite.rewrite(model, deny=["LayerNormalization", "Softmax"], placement="tf")
     report = result.report
     for name in ("q", "k", "v", "qk", "pv", "out_proj", "q_heads", "q_t"):
         assert report.node(name)["precision"] == "float16", name
@@ -259,7 +271,7 @@ def test_if_subgraph_casts_land_inside_branches():
 
 def test_bfloat16_target_is_valid_and_accurate_in_reference():
     model = mlp()
-    result = amp_rewrite.rewrite(model, target="bfloat16")
+    result = amp_rewrite.rewrite(model, target="bfloat16", provider="any")  # CUDA has no bfloat16 LogSoftmax
     out = result.model
     onnx.checker.check_model(out, full_check=True)
     assert result.report.node("sm")["precision"] == "bfloat16"  # infer in the bfloat16 lists
