@@ -14,7 +14,7 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
             annotate: bool = False, provider: str = "cuda", placement: str = "cost", scale_activations: bool = True,
-            relax_margin: float = 16.0):
+            relax_margin: float = 16.0, dims=None):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -30,7 +30,9 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     them low only between allow ops (TF's rule). `scale_activations` (with `calibration`): linear regions over the
     limit compute on values x 2^-k instead of staying float32 (transform/scaling.py);
     `relax_margin` (with `calibration`): elementwise range-deny ops measured within max/margin
-    become infer ops (op_lists/range_relax.yaml; 0: never). `options` (a RewriteOptions) replaces all keyword
+    become infer ops (op_lists/range_relax.yaml; 0: never). `dims` ({symbolic dim: size}, of the
+    graph inputs) sizes those dims for shape inference: the size estimates (cost placement, bytes
+    moved, FLOPs) use them; the model's declarations do not change. `options` (a RewriteOptions) replaces all keyword
     options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
@@ -40,5 +42,5 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     node_block_list=node_block_list, force_fp32=force_fp32,
                                     calibration=calibration, annotate=annotate,
                                     provider=provider, placement=placement, scale_activations=scale_activations,
-                                    relax_margin=relax_margin)
+                                    relax_margin=relax_margin, dims=dims)
     return run(model, options)

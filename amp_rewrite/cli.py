@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="infer/clear ops no deny op reaches: cost (default) colours them by one minimum cut of "
                         "the estimated bytes moved (fewer bytes on every model measured); tf paints them low "
                         "only between allow ops (TensorFlow's rule, a little faster on very large graphs)")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                   help="size of the inputs' symbolic dim NAME (repeatable): shape inference uses it for the size "
+                        "estimates (cost placement, bytes moved, FLOPs) and --validate for synthesised inputs; "
+                        "the model's declared shapes are unchanged")
     p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
     _add_check_arguments(p)
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
@@ -81,7 +85,6 @@ def _add_check_arguments(p) -> None:
     g.add_argument("--tolerance", action="store_true",
                    help="after calibration, pin nodes float32 where the error enters until --rtol/--atol pass")
     g.add_argument("--inputs", metavar="FILE.npz", help="sample inputs: keys NAME, or I/NAME for sample I")
-    g.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help="size of a symbolic dim")
     g.add_argument("--samples", type=int, default=1, metavar="N", help="synthesised samples (default 1)")
     g.add_argument("--rtol", type=float, default=1e-2, help="relative tolerance (default 1e-2)")
     g.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
@@ -103,10 +106,11 @@ def rewrite_options(args) -> RewriteOptions:
                              keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
                              annotate=args.annotate, provider=colouring_provider(args.provider),
                              placement=args.placement or "cost", scale_activations=args.scale_activations,
-                             relax_margin=args.relax_margin)
+                             relax_margin=args.relax_margin, dims=validate.parse_dims(args.dim))
 
 
 def run(args) -> int:
+    options = rewrite_options(args)  # bad option values fail before anything is read
     source = Path(args.model)
     output = Path(args.output) if args.output else default_output(source, args.target)
     if args.explain is not None:
@@ -123,11 +127,11 @@ def run(args) -> int:
     runs_original = args.validate or args.calibrate or args.tolerance
     loaded = load(source, lazy_weights=not needs_weights, checker=bool(runs_original))
     checked = fallback.check(
-        loaded, inputs=args.inputs, dims=validate.parse_dims(args.dim), samples_count=args.samples,
+        loaded, inputs=args.inputs, dims=dict(options.dims), samples_count=args.samples,
         validate=args.validate, calibrate=args.calibrate or args.tolerance, tolerance=args.tolerance,
         provider=args.provider, rtol=args.rtol, atol=args.atol, safety=args.safety, max_runs=args.max_runs,
         reference={"auto": "auto", "always": True, "never": False}[args.reference], progress=args.progress,
-        options=rewrite_options(args), keep_original=bool(args.html))
+        options=options, keep_original=bool(args.html))
     result = checked.result
     if args.explain is not None:
         print(fallback.explain_text(result.report, args.explain))

@@ -49,6 +49,7 @@ class RewriteOptions:
     placement: str = "cost"  # free infer/clear ops: one minimum cut of bytes moved, or "tf" (TF's between-allow rule)
     scale_activations: bool = True  # with calibration: linear regions over the limit run on values x 2^-k
     relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
+    dims: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # symbolic dim -> size: size estimates only
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
@@ -61,6 +62,7 @@ class RewriteOptions:
         fields["deny"] = fields.get("deny", ()) + _as_tuple(op_block_list)
         fields["keep_fp32_nodes"] = fields.get("keep_fp32_nodes", ()) + _as_tuple(node_block_list)
         fields["force_fp32"] = MappingProxyType(dict(fields.get("force_fp32") or {}))
+        fields["dims"] = MappingProxyType(dict(fields.get("dims") or {}))
         options = cls(**fields)
         options.check_values()
         return options
@@ -76,6 +78,9 @@ class RewriteOptions:
             raise UsageError(f"relax margin {self.relax_margin:g} must be 0 (off) or at least 1")
         if self.placement not in PLACEMENTS:
             raise UsageError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        for name, size in self.dims.items():
+            if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise UsageError(f"dim {name!r}={size!r}: a symbolic dim's size must be a whole number of at least 1")
         for pattern in self.keep_fp32_nodes:
             try:
                 re.compile(pattern)

@@ -17,7 +17,9 @@ from amp_rewrite.analysis import schemas
 from amp_rewrite.analysis.graph import first_type, group_names, read_scopes
 from amp_rewrite.io.skeleton import inference_skeleton
 from amp_rewrite import onnx_facts
+from amp_rewrite.errors import UsageError
 from amp_rewrite.onnx_facts import TYPE_OF_STRING, all_graphs
+
 
 def _attribute_type(node: onnx.NodeProto) -> int | None:
     for attr in node.attribute:
@@ -76,14 +78,19 @@ def _template(node_domain: str, op_type: str, n_inputs: int, n_outputs: int, ops
     if sig is None:
         return None
     return [(group, _single_choice(sig, group.type_param)) for group in schemas.type_groups(sig, n_inputs, n_outputs)]
-def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict, graphs=None) -> None:
-    """Declared types and shapes of `graph` and its subgraphs (`graphs`, when the caller has them)."""
+def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict, graphs=None, *,
+                         replace: bool = False) -> None:
+    """Declared types and shapes of `graph` and its subgraphs (`graphs`, when the caller has them).
+    `replace`: these shapes win over ones already read (inferred with sized dims over declared)."""
     for g in graphs if graphs is not None else all_graphs(graph):
         for value in (*g.input, *g.output, *g.value_info):
             if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
                 types.setdefault(value.name, value.type.tensor_type.elem_type)
                 if value.type.tensor_type.HasField("shape"):
-                    shapes.setdefault(value.name, value.type.tensor_type.shape)
+                    if replace:
+                        shapes[value.name] = value.type.tensor_type.shape
+                    else:
+                        shapes.setdefault(value.name, value.type.tensor_type.shape)
         for tensor in g.initializer:
             types.setdefault(tensor.name, tensor.data_type)
 
@@ -93,14 +100,37 @@ def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict, grap
 SHAPE_INFERENCE_NODE_LIMIT = 20_000
 
 
-def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None, scopes=None):
+def sizes_dims(model: onnx.ModelProto) -> bool:
+    """Whether `tensor_types` feeds `dims` to shape inference: only where it always runs (up to
+    SHAPE_INFERENCE_NODE_LIMIT nodes), so the report can say plainly whether sizes used them."""
+    return len(model.graph.node) <= SHAPE_INFERENCE_NODE_LIMIT
+
+
+def symbolic_dims(graph: onnx.GraphProto) -> list:
+    """Names of the symbolic dims of the graph's inputs, in order of first use."""
+    return list(dict.fromkeys(d.dim_param for value in graph.input
+                              for d in value.type.tensor_type.shape.dim if d.dim_param))
+
+
+def check_dims(graph: onnx.GraphProto, dims) -> None:
+    """A size for a dim no input has is a typo, not a no-op: one line naming the dims there are."""
+    known = symbolic_dims(graph)
+    unknown = [name for name in dims if name not in known]
+    if unknown:
+        have = f"its inputs' symbolic dims are {', '.join(known)}" if known else "its inputs have no symbolic dims"
+        raise UsageError(f"dim {', '.join(map(repr, unknown))}: not a symbolic dim of the model's inputs ({have})")
+
+
+def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None, scopes=None, dims=None):
     """Element type and shape (when known) of every named tensor: (types, shapes).
 
     Types come from the declarations and the schemas (`elemtypes.propagate`); ONNX shape
     inference, on a skeleton so models of any size work, adds shapes and any type the schemas
     could not give. `shape_inference=None` runs it for models up to SHAPE_INFERENCE_NODE_LIMIT
     nodes, and beyond only when a type is missing. `scopes`: `analysis.graph.read_scopes(model.graph)`
-    when the caller has it already.
+    when the caller has it already. `dims` (name -> size, `sizes_dims` models only): the inputs'
+    symbolic dims of those names are sized for inference, so shapes are concrete (sizes only; the
+    model's declarations are not touched).
     """
     types: dict[str, int] = {}
     shapes: dict[str, object] = {}
@@ -110,9 +140,10 @@ def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None,
         shape_inference = not complete or len(model.graph.node) <= SHAPE_INFERENCE_NODE_LIMIT
     if not shape_inference:
         return types, shapes
+    dims = dims if dims and sizes_dims(model) else None
     try:
-        inferred = onnx.shape_inference.infer_shapes(inference_skeleton(model), strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(inference_skeleton(model, dims), strict_mode=False)
     except Exception:
         return types, shapes
-    _collect_value_infos(inferred.graph, types, shapes)
+    _collect_value_infos(inferred.graph, types, shapes, replace=bool(dims))
     return types, shapes

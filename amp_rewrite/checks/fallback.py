@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from amp_rewrite.analysis import kernels
-from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.analysis.elemtypes import check_dims, tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
@@ -265,11 +265,13 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
     if keep_original or validate or calibrate or tolerance:
         loaded = _shared(loaded)
     model = loaded.model
+    options = options or RewriteOptions.of(**rewrite_kwargs)
+    check_dims(model.graph, options.dims)  # a typo fails now, not after calibrating
+    dims = dict(options.dims) if dims is None else dims  # one size per dim: samples as estimates
     if samples is None and (validate or calibrate or tolerance):
         samples = (val.load_samples(inputs, model) if inputs is not None
                    else val.synthesise(model, dims=dims, count=samples_count))
     # `provider` is where the model runs: the rewrite respects its kernels and the checks run on it
-    options = options or RewriteOptions.of(**rewrite_kwargs)
     if provider != "auto":
         options = options.replace(provider=kernels.colouring_provider(provider))
     runs_on = kernels.session_provider(provider)

@@ -28,8 +28,10 @@ def checker_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return skeleton
 
 
-def inference_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with large initializers shown as typed inputs: cheap to shape-infer at any size."""
+def inference_skeleton(model: onnx.ModelProto, dims=None) -> onnx.ModelProto:
+    """The model with large initializers shown as typed inputs: cheap to shape-infer at any size.
+    `dims` (name -> size) sizes the inputs' symbolic dims of those names, on the skeleton's own
+    copies of the inputs (the model keeps its declarations), so inference gives concrete sizes."""
     skeleton = onnx.ModelProto()
     skeleton.ir_version = max(model.ir_version, 4)
     skeleton.opset_import.extend(model.opset_import)
@@ -39,6 +41,8 @@ def inference_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.name = source.name
     graph.node.extend(source.node)
     graph.input.extend(source.input)
+    if dims:
+        _size_dims(graph.input, dims)
     graph.output.extend(source.output)
     graph.value_info.extend(source.value_info)
     declared = {v.name for v in source.input}
@@ -53,6 +57,14 @@ def inference_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
                 types[key] = _tensor_type(tensor.data_type, dims)
             graph.input.add(name=tensor.name, type=types[key])
     return skeleton
+
+
+def _size_dims(values, dims) -> None:
+    """Give the symbolic dims named in `dims` their sizes (dim_value replaces dim_param: a oneof)."""
+    for value in values:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param in dims:
+                d.dim_value = dims[d.dim_param]
 
 
 def _tensor_type(elem_type: int, dims) -> onnx.TypeProto:

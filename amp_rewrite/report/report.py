@@ -99,8 +99,9 @@ class Report:
             f"model size: {s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB",
         ]
         if "bytes_moved" in s:
-            lines.insert(-1, f"estimated bytes moved ({s['placement']} placement): {s['bytes_moved_float32'] / 1e6:.3f} MB "
-                             f"in float32 -> {s['bytes_moved'] / 1e6:.3f} MB")
+            sized = "".join(f", {name}={size}" for name, size in s.get("dims", {}).items())
+            lines.insert(-1, f"estimated bytes moved ({s['placement']} placement{sized}): "
+                             f"{s['bytes_moved_float32'] / 1e6:.3f} MB in float32 -> {s['bytes_moved'] / 1e6:.3f} MB")
         if "low_by_list" in s:
             lines.insert(1, "low-precision nodes by list: " + (", ".join(
                 f"{k} {v}" for k, v in s["low_by_list"].items()) or "none"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from amp_rewrite.analysis import graph, paint
-from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.onnx_facts import sort_graphs
@@ -82,7 +82,9 @@ def read_scopes(w: Work) -> None:
 
 
 def infer_types(w: Work) -> None:
-    w.types, w.shapes = tensor_types(w.model, scopes=w.scopes)
+    """`dims` size the inputs' symbolic dims for shape inference: estimates only, never the model."""
+    check_dims(w.model.graph, w.options.dims)
+    w.types, w.shapes = tensor_types(w.model, scopes=w.scopes, dims=w.options.dims)
 
 
 def scale_activations(w: Work) -> None:
@@ -140,7 +142,10 @@ def report(w: Work) -> None:
                            bytes_after=byte_size(w.model, w.loaded.data_bytes + delta),
                            seconds=time.perf_counter() - w.started, weights_before=w.weights_before,
                            weights_after=w.weights_before + delta, node_flops=w.flops,
-                           moved=functools.partial(bytes_moved, w.cg, w.plan, w.options))
+                           moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model)))
+    if w.options.dims and not sizes_dims(w.model):
+        rep.notes.append(f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
+                         f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates")
     recompute = report_section(w.model)
     if recompute:
         rep.sections["recompute"] = recompute
@@ -212,13 +217,19 @@ def run(model, options: RewriteOptions) -> RewriteResult:
     return w.result
 
 
-def bytes_moved(cg, plan, options: RewriteOptions) -> dict:
-    """Estimated bytes moved (analysis.placement.estimate) all in float32 and as coloured, for the report."""
+def bytes_moved(cg, plan, options: RewriteOptions, dims_used: bool = True) -> dict:
+    """Estimated bytes moved (analysis.placement.estimate) all in float32 and as coloured, for the
+    report, with the symbolic dims the sizes used (`dims`: empty when none were)."""
     from amp_rewrite.analysis import placement
 
     low = {v for v, c in plan.colour.items() if c == paint.LOW}
     return {"placement": options.placement, "bytes_moved_float32": placement.estimate(cg, set(), options.keep_io_types),
-            "bytes_moved": placement.estimate(cg, low, options.keep_io_types)}
+            "bytes_moved": placement.estimate(cg, low, options.keep_io_types),
+            "dims": dict(options.dims) if dims_used else {}}
+
+
+def _dims_text(dims) -> str:
+    return ", ".join(f"{name}={size}" for name, size in dims.items())
 
 
 def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:

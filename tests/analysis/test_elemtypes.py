@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
-from amp_rewrite.analysis.elemtypes import propagate, tensor_types
+from amp_rewrite.analysis import elemtypes
+from amp_rewrite.analysis.elemtypes import check_dims, propagate, tensor_types
+from amp_rewrite.errors import UsageError
 from helpers import init, make_model, node, tensor
 
 
@@ -79,3 +82,36 @@ def test_what_the_schemas_leave_unknown_shape_inference_fills_in():
     assert types["mean"] == types["inv"] == TensorProto.FLOAT == inferred(model)["mean"]
     assert types["m16"] == TensorProto.FLOAT16 and types["idx10"] == TensorProto.INT64
     assert [d.dim_value for d in shapes["m"].dim] == [2, 4]
+
+
+def test_dims_size_shape_inference_without_touching_the_model(monkeypatch):
+    """`dims` size the inputs' symbolic dims for inference only: intermediate tensors, outputs and
+    declared value_info get concrete shapes; the model's own declarations stay symbolic."""
+    model = make_model([node("Relu", ["x"], ["h"], "relu"), node("Transpose", ["h"], ["y"], "t", perm=[1, 0, 2])],
+                       [tensor("x", ["batch", "seq", 4])], [tensor("y", ["seq", "batch", 4])])
+    model.graph.value_info.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, ["batch", "seq", 4]))
+    before = model.SerializeToString()
+
+    def dims_of(shapes, name):
+        return [d.dim_value or d.dim_param for d in shapes[name].dim]
+
+    _, shapes = tensor_types(model, dims={"batch": 3, "seq": 5})
+    assert dims_of(shapes, "x") == dims_of(shapes, "h") == [3, 5, 4] and dims_of(shapes, "y") == [5, 3, 4]
+    assert model.SerializeToString() == before
+    _, shapes = tensor_types(model)
+    assert dims_of(shapes, "h") == ["batch", "seq", 4]
+    monkeypatch.setattr(elemtypes, "SHAPE_INFERENCE_NODE_LIMIT", 1)  # above the limit: no inference, no sizes
+    assert not elemtypes.sizes_dims(model)
+    _, shapes = tensor_types(model, dims={"batch": 3, "seq": 5}, shape_inference=True)
+    assert dims_of(shapes, "h") == ["batch", "seq", 4]
+
+
+def test_a_dim_no_input_has_is_one_line_naming_those_it_has():
+    model = make_model([node("Relu", ["x"], ["y"], "relu")], [tensor("x", ["batch", "seq"])], [tensor("y", ["batch", "seq"])])
+    check_dims(model.graph, {"batch": 2, "seq": 3})
+    with pytest.raises(UsageError, match=r"dim 'bacth': not a symbolic dim of the model's inputs "
+                                         r"\(its inputs' symbolic dims are batch, seq\)"):
+        check_dims(model.graph, {"bacth": 2})
+    fixed = make_model([node("Relu", ["x"], ["y"], "relu")], [tensor("x", [2])], [tensor("y", [2])])
+    with pytest.raises(UsageError, match="its inputs have no symbolic dims"):
+        check_dims(fixed.graph, {"batch": 2})

@@ -63,6 +63,11 @@ def test_cli_flags_move_ops_and_pin_nodes(model_file, tmp_path):
     (["X", "--allow", "Softmax", "--deny", "Softmax"], 4, "both"),
     (["X", "--keep-fp32-node", "("], 2, "regular expression"),
     (["X", "--op-lists", "nope.yaml"], 4, "cannot read op list"),
+    (["X", "--dim", "N"], 2, "expected NAME=SIZE"),
+    (["X", "--dim", "N=-1"], 2, "expected NAME=SIZE"),
+    (["X", "--dim", "N=0"], 2, "at least 1"),
+    (["X", "--dim", "N=8", "--dim", "batch=8"], 2, "'batch': not a symbolic dim of the model's inputs (its inputs' "
+                                                  "symbolic dims are N)"),
 ])
 def test_cli_errors_are_one_line_with_exit_code(model_file, capsys, args, code, message):
     args = [str(model_file) if a == "X" else a for a in args]
@@ -93,3 +98,14 @@ def test_written_files_get_the_usual_permissions_not_mkstemps(model_file):
         os.umask(mask)
     for name in ("net.fp16.onnx", "r.json"):
         assert stat.S_IMODE((model_file.parent / name).stat().st_mode) == 0o644, name
+
+
+def test_cli_dim_sizes_the_estimates_not_the_model(model_file, tmp_path, capsys):
+    """--dim N=32: the report's figures use the size; under TF's placement (which reads no sizes)
+    the written model is the same bytes."""
+    plain, sized, report = tmp_path / "plain.onnx", tmp_path / "sized.onnx", tmp_path / "r.json"
+    assert main([str(model_file), "-o", str(plain), "--quiet", "--placement", "tf"]) == 0
+    assert main([str(model_file), "-o", str(sized), "--dim", "N=32", "--report", str(report), "--placement", "tf"]) == 0
+    assert "(tf placement, N=32)" in capsys.readouterr().out
+    assert plain.read_bytes() == sized.read_bytes()
+    assert json.loads(report.read_text())["summary"]["dims"] == {"N": 32}

@@ -21,12 +21,19 @@ def test_options_are_frozen_and_normalised():
         options.target = "bfloat16"
     changed = options.replace(target="bfloat16")
     assert changed.target == "bfloat16" and changed.deny == options.deny and options.target == "float16"
+    sized = RewriteOptions.of(dims={"batch": 8})
+    with pytest.raises(TypeError):
+        sized.dims["batch"] = 2
+    assert sized.replace(target="bfloat16").dims == {"batch": 8}
 
 
 @pytest.mark.parametrize("bad, message", [
     ({"target": "float8"}, "unknown target"),
     ({"keep_fp32_nodes": ["("]}, "not a valid regular expression"),
     ({"keep_io": True}, "unknown rewrite option"),
+    ({"dims": {"batch": 0}}, "at least 1"),
+    ({"dims": {"batch": 2.5}}, "at least 1"),
+    ({"dims": {"batch": True}}, "at least 1"),
 ])
 def test_bad_options_are_one_usage_error(bad, message):
     with pytest.raises(UsageError, match=message):
@@ -44,6 +51,8 @@ def test_cli_and_api_build_the_same_options_and_the_same_model(tmp_path):
     args = build_parser().parse_args(["m.onnx", "--deny", "Gelu", "--keep-fp32-node", "mm2", "--target", "bfloat16"])
     from_cli = rewrite_options(args)
     assert from_cli == RewriteOptions.of(target="bfloat16", deny=["Gelu"], keep_fp32_nodes=["mm2"])
+    sized = rewrite_options(build_parser().parse_args(["m.onnx", "--dim", "batch=8", "--dim", "seq=128"]))
+    assert sized == RewriteOptions.of(dims={"batch": 8, "seq": 128})
     by_options = amp_rewrite.rewrite(model, from_cli)
     by_keywords = amp_rewrite.rewrite(model, target="bfloat16", deny=["Gelu"], keep_fp32_nodes=["mm2"])
     assert by_options.model.SerializeToString() == by_keywords.model.SerializeToString()

@@ -333,3 +333,66 @@ def test_cast_of_an_integer_cast_reads_the_integer_directly():
     assert all(c.input[0] not in produced_by_cast for c in casts(out)), "cast chain"
     assert by_name["mm"].input[0] != "idf"
     check_both(model, out, {"ids": np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.int64)})
+
+
+def _symbolic_mlp():
+    """x [batch, seq, 16] -> MatMul(w [16, 16]) -> Relu -> y: every activation is batch*seq*16."""
+    rng = np.random.default_rng(3)
+    return make_model([node("MatMul", ["x", "w"], ["h"], name="mm"), node("Relu", ["h"], ["y"], name="relu")],
+                      [tensor("x", ["batch", "seq", 16])], [tensor("y", ["batch", "seq", 16])],
+                      [init("w", rng.standard_normal((16, 16)).astype(np.float32) / 4)])
+
+
+def test_dims_size_the_estimated_bytes_and_leave_the_model_alone():
+    """Bytes moved in float32, by hand: MatMul reads x and w and writes h, Relu reads h and writes y,
+    4 bytes each; a symbolic dim counts 1 without --dim, its size with it."""
+    model = _symbolic_mlp()
+    plain = amp_rewrite.rewrite(model, placement="tf")  # TF's rule reads no sizes: same decisions
+    sized = amp_rewrite.rewrite(model, placement="tf", dims={"batch": 8, "seq": 4})
+
+    def by_hand(batch, seq):
+        activation, weight = batch * seq * 16, 16 * 16
+        return 4 * ((activation + weight + activation) + (activation + activation))
+
+    assert plain.report.summary["bytes_moved_float32"] == by_hand(1, 1)
+    assert sized.report.summary["bytes_moved_float32"] == by_hand(8, 4)
+    assert sized.report.summary["dims"] == {"batch": 8, "seq": 4} and plain.report.summary["dims"] == {}
+    assert "(tf placement, batch=8, seq=4)" in sized.report.to_text()
+    assert sized.report.summary["flops_total"] == 2 * 8 * 4 * 16 * 16  # FLOPs are known with sizes
+    # sizes change no TF decision: the model is the same bytes, its declarations symbolic still
+    assert sized.model.SerializeToString() == plain.model.SerializeToString()
+    assert sized.model.graph.input == model.graph.input and sized.model.graph.output == model.graph.output
+
+
+def test_dims_move_the_cut_and_both_results_run():
+    """Add(h [4, 64], z [k, 1, 64]) writes y [k, 4, 64]. In float16 it pays a cast of z and one of
+    its k-times-wider output; in float32 one cast of h after the MatMul. Counting k as 1 the cut
+    keeps the Add low; at k=8 the cast after the MatMul is cheaper."""
+    rng = np.random.default_rng(5)
+    model = make_model([node("MatMul", ["x", "w"], ["h"], name="mm"), node("Add", ["h", "z"], ["y"], name="widen")],
+                       [tensor("x", [4, 64]), tensor("z", ["k", 1, 64])], [tensor("y", ["k", 4, 64])],
+                       [init("w", rng.standard_normal((64, 64)).astype(np.float32) / 8)])
+    plain = amp_rewrite.rewrite(model, placement="cost")
+    sized = amp_rewrite.rewrite(model, placement="cost", dims={"k": 8})
+    assert plain.report.node("widen")["precision"] == "float16"
+    assert sized.report.node("widen")["precision"] == "float32"
+    assert [n.input[0] for n in sized.model.graph.node if n.op_type == "Cast"] == ["x", "h"]
+    feeds = {"x": rng.standard_normal((4, 64)).astype(np.float32), "z": rng.standard_normal((8, 1, 64)).astype(np.float32)}
+    expected = run_ort(model, feeds)
+    for result in (plain, sized):
+        assert result.model.graph.input == model.graph.input and result.model.graph.output == model.graph.output
+        assert_close(run_ort(result.model, feeds)[0], expected[0], rtol=2e-2, atol=2e-2)
+
+
+def test_dims_above_the_shape_inference_limit_are_a_note(monkeypatch):
+    from amp_rewrite.analysis import elemtypes
+
+    monkeypatch.setattr(elemtypes, "SHAPE_INFERENCE_NODE_LIMIT", 1)
+    result = amp_rewrite.rewrite(_symbolic_mlp(), dims={"batch": 8})
+    assert result.report.summary["dims"] == {}
+    assert any("dims batch=8 not used" in n for n in result.report.notes)
+
+
+def test_a_dim_the_inputs_lack_is_a_usage_error():
+    with pytest.raises(UsageError, match="'bacth': not a symbolic dim .* are batch, seq"):
+        amp_rewrite.rewrite(_symbolic_mlp(), dims={"bacth": 8})
