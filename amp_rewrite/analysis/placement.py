@@ -278,8 +278,10 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
     """Fix the vertices whose side no cut can improve on, before the flow (persistency): a vertex
     whose edge from s outweighs all its outgoing edges is on the source side of some minimum cut
     (moving it there cannot cost more); one whose edge to t outweighs all its incoming edges, on
-    the sink side. A fixed vertex merges into s or t, which may fix its neighbours: a worklist,
-    each edge moved once. Returns (vertex -> source side?, the remaining capacities)."""
+    the sink side. An infinite edge to a tensor's auxiliary vertex weighs what that vertex can cost
+    (its own edges on the far side): moving the reader drags the auxiliary vertex along, no more.
+    A fixed vertex merges into s or t, which may fix its neighbours: a worklist, each edge moved
+    once. Returns (vertex -> source side?, the remaining capacities)."""
     to_s, to_t, out_edges, in_edges = net.to_s, net.to_t, net.out, net.into
     for a in to_t:
         both = min(to_t[a], to_s.get(a, 0))  # paid whichever side: a constant, not an edge
@@ -298,7 +300,9 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
             continue
         outs, ins = out_edges.get(v, empty), in_edges.get(v, empty)
         source, sink = to_s.get(v, 0), to_t.get(v, 0)
-        if source >= sink + sum(outs.values()):
+        if type(v) is tuple:  # an auxiliary vertex whose edges changed: its readers may now be fixed
+            work.extend(outs if v[0] == "down" else ins)
+        if source >= sink + _weight(outs, out_edges, to_t):
             side[v] = True
             for w, c in outs.items():
                 del in_edges[w][v]
@@ -307,7 +311,7 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
             for u in ins:
                 del out_edges[u][v]
                 work.append(u)
-        elif sink >= source + sum(ins.values()):
+        elif sink >= source + _weight(ins, in_edges, to_s):
             side[v] = False
             for u, c in ins.items():
                 del out_edges[u][v]
@@ -324,6 +328,17 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
     rest.update(((a, "t"), c) for a, c in to_t.items() if a not in side)
     rest.update(((a, b), c) for a, outs in out_edges.items() if a not in side for b, c in outs.items())
     return side, rest
+
+
+def _weight(edges: dict, onward: dict, terminal: dict) -> float:
+    """The most that putting a vertex on the far side of these edges costs: each finite edge, and
+    for an infinite one (to an auxiliary vertex) that vertex's own edges onward."""
+    total = 0
+    for w, c in edges.items():
+        if c == INF:
+            c = terminal.get(w, 0) + sum(onward.get(w, {}).values())
+        total += c
+    return total
 
 
 def _regions(flow: nx.DiGraph, free: set) -> tuple[dict, int]:
