@@ -390,13 +390,19 @@ def run_tool(tool: Tool, case: Case, base: dict, shapes: dict, expected) -> Row:
     try:
         row.figures.update(accuracy(out, case, expected))
     except Exception as exc:  # e.g. an output ORT refuses to load
-        row.accuracy_note = "ORT: " + _one_line(exc).rpartition(" : ")[2][:60]
+        row.accuracy_note = "ORT: " + _ort_message(exc)
     return row
 
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:80]}" if text else type(exc).__name__
+
+
+def _ort_message(exc: BaseException) -> str:
+    """ONNX Runtime's own words from its '[ONNXRuntimeError] : 1 : FAIL : <words>' line."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return lines[0].rpartition(" : ")[2][:70]
 
 
 def _last_error_line(text: str) -> str:
