@@ -32,6 +32,7 @@ graph inputs' symbolic dims set to those of the samples run (a shape still unkno
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import io
 import math
@@ -186,30 +187,36 @@ def export_hf(name: str, path: Path) -> Path:
 
 
 HF_EXPORTS = ("bert-base", "gpt2", "vit-s16")
+SMALL_DIMS = {"batch": 2, "seq": 16}  # symbolic dims of the small exports' samples
+HF_DIMS = {"batch": 1, "seq": 128}
 
 
 def cases(args, folder: Path):
-    """Cases in turn (each built when reached); an export that fails is a message, not a case."""
+    """(label, build) per case: build() -> Case, called when the case is reached (a failure is a row)."""
     count = args.samples
-    if args.exports != "none" and not exported.available():
+    exports = ((("bert (export)", exported.export_bert, SMALL_DIMS), ("cnn (export)", exported.export_cnn, SMALL_DIMS))
+               if args.exports != "none" else ())
+    exports += tuple((f"{name} (export)", functools.partial(export_hf, name), HF_DIMS)
+                     for name in (HF_EXPORTS if args.exports == "full" else ()))
+    if exports and not exported.available():
         print("torch is not installed: skipping the exported models", file=sys.stderr)
-    elif args.exports != "none":
-        for label, export in (("bert (export)", exported.export_bert), ("cnn (export)", exported.export_cnn)):
-            path = export(folder / f"{label.split()[0]}.onnx")
-            model = onnx.load(str(path))
-            yield Case(label, model, samples_for(model, {"batch": 2, "seq": 16}, count), folder, path)
-        for name in HF_EXPORTS if args.exports == "full" else ():
-            try:
-                path = export_hf(name, folder / f"{name}.onnx")
-            except Exception as exc:  # transformers missing or an exporter change: say so, go on
-                print(f"{name}: export failed: {_one_line(exc)}", file=sys.stderr)
-                continue
-            model = onnx.load(str(path))
-            yield Case(f"{name} (export)", model, samples_for(model, {"batch": 1, "seq": 128}, count), folder, path)
+        exports = ()
+    for label, export, dims in exports:
+        yield label, functools.partial(_exported_case, label, export, folder, dims, count)
     for size in bench_rewrite.parse_sizes(args.sizes):
-        model = synthetic.transformer_stack(size)
-        samples = [synthetic.sample_feeds(model, seed=seed) for seed in range(count)]
-        yield Case(f"stack {bench_rewrite.size_label(size)}", model, samples, folder)
+        yield f"stack {bench_rewrite.size_label(size)}", functools.partial(_stack_case, size, folder, count)
+
+
+def _exported_case(label: str, export, folder: Path, dims: dict, count: int) -> Case:
+    path = export(folder / f"{_slug(label.split()[0])}.onnx")
+    model = onnx.load(str(path))
+    return Case(label, model, samples_for(model, dims, count), folder, path)
+
+
+def _stack_case(size: int, folder: Path, count: int) -> Case:
+    model = synthetic.transformer_stack(size)
+    samples = [synthetic.sample_feeds(model, seed=seed) for seed in range(count)]
+    return Case(f"stack {bench_rewrite.size_label(size)}", model, samples, folder)
 
 
 # --- the tools -------------------------------------------------------------------------------------
@@ -474,8 +481,13 @@ def main(argv=None) -> int:
     tool_list = tools(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="amp_place_") as tmp:
-        for case in cases(args, Path(tmp)):
-            rows += bench_case(case, tool_list)
+        for label, build in cases(args, Path(tmp)):
+            try:
+                case = build()
+                rows += bench_case(case, tool_list)  # each tool's failure is already its row's cell
+            except Exception as exc:  # the export, or the float32 model itself, failed: one row says so
+                rows.append(Row(label, "float32 original", note="failed: " + _one_line(exc)))
+                print(" | ".join(cells(rows[-1], None)), file=sys.stderr, flush=True)
     print(table(rows, args.markdown))
     print(f"\nvalidate: ONNX Runtime CPU, rtol {RTOL:g} atol {ATOL:g}, {args.samples} sample(s) per model")
     return 0
