@@ -127,11 +127,8 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
     net = _Network()
     cache = sizes(cg)
     free_set = set(free)
-    keys = _free_tensors(cg, free, cache, net.to_s)
-    fixed_low = is_low
-    add = net.add
-    for key in keys:
-        _charge(cg, key, free_set, fixed_low, keep_io_types, cache, add)
+    for key, producer, size in _free_tensors(cg, free, free_set, cache, net.to_s):
+        _charge(cg, key, producer, size, free_set, is_low, keep_io_types, net.add)
     side, rest = reduce_terminal(net)
     flow = nx.DiGraph()
     flow.add_nodes_from(("s", "t"))
@@ -147,12 +144,14 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
 INF = float("inf")
 
 
-def _free_tensors(cg: ColouringGraph, free: list, cache: dict, to_s: dict) -> set:
-    """The (def scope, name) of every tensor a free vertex reads or writes; each vertex's edge from s
-    (the bytes it saves in low precision) on the way: one visit of each free vertex."""
-    keys: set = set()
+def _free_tensors(cg: ColouringGraph, free: list, free_set: set, cache: dict, to_s: dict) -> list:
+    """(key, producer vertex or None, elements) of every float tensor a free vertex writes or reads,
+    once each: a free vertex's outputs under it, the tensors it reads from other producers once.
+    Each vertex's edge from s (the bytes it saves in low precision) is set on the way."""
+    tensors = []
+    inputs_seen: set = set()
     saving = FP32_BYTES - LOW_BYTES
-    vertices, scopes = cg.vertices, cg.scopes
+    vertices, scopes, writes = cg.vertices, cg.scopes, cg.writes
     for v in free:
         vertex = vertices[v]
         s = vertex.scope
@@ -160,44 +159,52 @@ def _free_tensors(cg: ColouringGraph, free: list, cache: dict, to_s: dict) -> se
         defs = scope.defs
         inputs, outputs = scope.io[vertex.node]
         total = 0
-        for i in vertex.group.inputs:
-            x = inputs[i]
-            if x:
-                size = cache.get(x)
-                total += size if size is not None else elements(cg, x, cache)
-                if x in defs:  # the common case: defined in the same graph
-                    keys.add((s, x))
-                else:
-                    found = cg.resolve(s, x)
-                    if found is not None:
-                        keys.add((found[0], x))
         for i in vertex.group.outputs:
             x = outputs[i]
             if x:
                 size = cache.get(x)
-                total += size if size is not None else elements(cg, x, cache)
-                keys.add((s, x))
+                if size is None:
+                    size = elements(cg, x, cache)
+                total += size
+                tensors.append(((s, x), v, size))
+        for i in vertex.group.inputs:
+            x = inputs[i]
+            if not x:
+                continue
+            size = cache.get(x)
+            if size is None:
+                size = elements(cg, x, cache)
+            total += size
+            found = defs.get(x)
+            key = (s, x)
+            if found is None:  # captured from an enclosing graph
+                resolved = cg.resolve(s, x)
+                if resolved is None:
+                    continue
+                key, found = (resolved.scope, x), resolved.definition
+            kind, n, slot = found
+            if kind == "initializer" or key in inputs_seen:
+                continue
+            producer = None
+            if kind == "node":
+                row = writes[key[0]][n]
+                producer = row[slot] if row else None
+                if producer in free_set:  # charged with the producer's outputs
+                    continue
+                if producer is None and (key[0], n) in cg.constant_nodes:
+                    continue
+            inputs_seen.add(key)
+            tensors.append((key, producer, size))
         to_s[v] = total * saving
-    return keys
+    return tensors
 
 
-def _charge(cg: ColouringGraph, key, free: set, is_low, keep_io_types: bool, cache: dict, add) -> None:
-    """The edges charging tensor `key`'s casts; the source side of the cut is low precision. A cast up
-    (some reader low, the producer float32) and a cast down (the reverse) are each paid once per
-    tensor, whatever the number of readers: an auxiliary vertex per tensor and direction. `_term`'s
-    reading of the uses, inlined: this runs once per tensor next to a free vertex."""
-    s, name = key
-    if cg.types.get(name) != FLOAT:
-        return
-    kind, n, slot = cg.scopes[s].defs[name]
-    if kind == "initializer":
-        return
-    p = None
-    if kind == "node":
-        row = cg.writes[s][n]
-        p = row[slot] if row else None
-        if p is None and (s, n) in cg.constant_nodes:
-            return
+def _charge(cg: ColouringGraph, key, p, size: int, free: set, is_low, keep_io_types: bool, add) -> None:
+    """The edges charging tensor `key`'s casts (`p`: its producer vertex, None for a float32 source);
+    the source side of the cut is low precision. A cast up (some reader low, the producer float32)
+    and a cast down (the reverse) are each paid once per tensor, whatever the number of readers: an
+    auxiliary vertex per tensor and direction. `_term`'s reading of the uses, inlined: this runs
+    once per tensor next to a free vertex."""
     loose = []
     fixed_low = fixed_fp32 = False
     reads = cg.reads
@@ -217,8 +224,7 @@ def _charge(cg: ColouringGraph, key, free: set, is_low, keep_io_types: bool, cac
             fixed_low = True
         else:
             fixed_fp32 = True
-    size = cache.get(name)
-    c = (size if size is not None else elements(cg, name, cache)) * CAST_BYTES
+    c = size * CAST_BYTES
     p_free = p is not None and p in free
     p_low = p is not None and not p_free and is_low(p)
     if not p_low:  # a cast up, when some reader is low
@@ -289,10 +295,7 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
             to_t[a] -= both
             to_s[a] -= both
     side: dict = {}
-    work = list(to_s)
-    work.extend(to_t)
-    work.extend(out_edges)
-    work.extend(in_edges)
+    work = list(to_s.keys() | to_t.keys() | out_edges.keys() | in_edges.keys())
     empty: dict = {}
     while work:
         v = work.pop()
@@ -333,6 +336,9 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
 def _weight(edges: dict, onward: dict, terminal: dict) -> float:
     """The most that putting a vertex on the far side of these edges costs: each finite edge, and
     for an infinite one (to an auxiliary vertex) that vertex's own edges onward."""
+    total = sum(edges.values())
+    if total != INF:
+        return total
     total = 0
     for w, c in edges.items():
         if c == INF:
