@@ -4,7 +4,7 @@ For each model and each candidate op type (default: the deny ops the model holds
 - per node: the node's float32 inputs, captured from an ONNX Runtime run of the float32 model,
   are rounded to the target type and the node alone is run in `onnx.reference` (numpy: every step
   in the target type, the pessimistic reading) and, where the schema fixes an internal precision
-  (LayerNormalization's `stash_type`), as the spec says (statistics in float32). Its error is
+  (a `stash_type` attribute: LayerNormalization, RMSNormalization), as the spec says (statistics in float32). Its error is
   relative to the largest float32 output of that node: the worst node is shown;
 - whole model: the rewrite (cost placement) with that op type moved from deny to infer (the other
   candidates denied), then with all of them infer, run in ORT CPU against the float32 original:
@@ -24,39 +24,31 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 import amp_rewrite
+import bench_placement  # sibling script: the bench's seeded samples
+import bench_rewrite
 from amp_rewrite.analysis.oplists import load_op_lists
-from amp_rewrite.checks.validate import feed_inputs, parse_dims
+from amp_rewrite.checks import validate
+from amp_rewrite.checks.sessions import open_session
 
-LOW = {"float16": (np.float16, TensorProto.FLOAT16)}
+LOW_DTYPE = {"float16": np.float16}
 
 
-def feeds_for(model: onnx.ModelProto, dims: dict, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for value in feed_inputs(model):
-        t = value.type.tensor_type
-        shape = [d.dim_value or dims.get(d.dim_param, 1 if i == 0 else 64) for i, d in enumerate(t.shape.dim)]
-        if t.elem_type in (TensorProto.INT64, TensorProto.INT32):
-            dtype = np.int64 if t.elem_type == TensorProto.INT64 else np.int32
-            if "mask" in value.name:
-                array = np.ones(shape, dtype)
-                array[..., -1] = 0
-            else:
-                array = rng.integers(0, 1000, shape).astype(dtype)
-        else:
-            array = rng.standard_normal(shape).astype(np.float32)
-        feeds[value.name] = array
+def feeds_for(model: onnx.ModelProto, dims: dict) -> dict:
+    """bench_placement's seeded sample, unsized dims 1 (the first) and 64 (the rest), and the last
+    position of every mask masked, so the mask's large negative values reach the Softmax."""
+    sized = dict(dims)
+    for value in validate.feed_inputs(model):
+        for i, d in enumerate(value.type.tensor_type.shape.dim):
+            if d.dim_param:
+                sized.setdefault(d.dim_param, 1 if i == 0 else 64)
+    [feeds] = bench_placement.samples_for(model, sized, 1)
+    for name, array in feeds.items():
+        if "mask" in name:
+            array[..., -1] = 0
     return feeds
-
-
-def session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def capture(model: onnx.ModelProto, nodes: list, feeds: dict) -> dict:
@@ -67,19 +59,28 @@ def capture(model: onnx.ModelProto, nodes: list, feeds: dict) -> dict:
     wanted = {x for n in nodes for x in [*n.input, *n.output] if x and x not in have}
     probe.graph.output.extend(helper.make_empty_tensor_value_info(x) for x in sorted(wanted))
     names = [o.name for o in probe.graph.output]
-    values = dict(zip(names, session(probe).run(None, feeds)))
+    values = dict(zip(names, open_session(probe, "cpu")[0].run(None, feeds)))
     values.update(feeds)
     values.update((i.name, numpy_helper.to_array(i)) for i in model.graph.initializer)
     return values
 
 
-def node_error(node: onnx.NodeProto, values: dict, opsets, low_dtype, low_elem, spec: bool) -> float:
-    """Max |low - float32| / max |float32| of the node's first output, run alone in onnx.reference."""
+def stashes(op_type: str, domain: str, opsets: dict) -> bool:
+    """The op's schema computes its statistics in `stash_type` (float32 unless set) whatever the
+    input type (LayerNormalization, RMSNormalization): onnx.reference ignores it, so it is measured
+    both ways."""
+    version = opsets.get(domain or "")
+    return version is not None and "stash_type" in onnx.defs.get_schema(op_type, version, domain).attributes
+
+
+def node_error(node: onnx.NodeProto, values: dict, opsets, low_dtype, spec: bool) -> float:
+    """Max |low - float32| / max |float32| of the node's first output, run alone in onnx.reference;
+    `spec`: inputs rounded to the low type but the statistics computed in float32 (stash_type)."""
     from onnx.reference import ReferenceEvaluator
 
     inputs = [values[x] if x else None for x in node.input]
     low_inputs = [x.astype(low_dtype) if x is not None and x.dtype == np.float32 else x for x in inputs]
-    if spec and node.op_type == "LayerNormalization":  # statistics in stash_type (float32), as the spec says
+    if spec:
         low_inputs = [x.astype(np.float32) if x is not None and x.dtype == low_dtype else x for x in low_inputs]
     names = [f"i{k}" if x is not None else "" for k, x in enumerate(low_inputs)]
     one = helper.make_node(node.op_type, names, ["y"], domain=node.domain)
@@ -91,7 +92,7 @@ def node_error(node: onnx.NodeProto, values: dict, opsets, low_dtype, low_elem, 
     single = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     with np.errstate(all="ignore"):
         got = ReferenceEvaluator(single).run(None, {n: x for n, x in zip(names, low_inputs) if n})[0]
-    if spec and node.op_type == "LayerNormalization":
+    if spec:
         got = got.astype(low_dtype)  # the output is in the input's type
     expected = values[node.output[0]].astype(np.float64)
     got = got.astype(np.float64)
@@ -100,51 +101,55 @@ def node_error(node: onnx.NodeProto, values: dict, opsets, low_dtype, low_elem, 
     return float(np.max(np.abs(got - expected)) / (np.max(np.abs(expected)) or 1.0))
 
 
-def model_error(model: onnx.ModelProto, rewritten: onnx.ModelProto, feeds: dict) -> tuple[float, float]:
-    ref = [np.asarray(x, np.float64) for x in session(model).run(None, feeds)]
-    got = [np.asarray(x, np.float64) for x in session(rewritten).run(None, feeds)]
-    err = max(float(np.max(np.abs(g - r)) / (np.max(np.abs(r)) or 1.0)) for g, r in zip(got, ref))
-    cosine = min(float(np.dot(g.ravel(), r.ravel()) / (np.linalg.norm(g) * np.linalg.norm(r) or 1.0))
-                 for g, r in zip(got, ref))
-    return err, cosine
-
-
-def count_casts(model: onnx.ModelProto) -> int:
-    return sum(n.op_type == "Cast" for n in model.graph.node)
+def model_error(rewritten: onnx.ModelProto, expected, feeds: dict) -> tuple[float, float]:
+    """(max |error| / max |float32 output|, smallest cosine) over the outputs; `expected` is
+    `validate.reference_outputs` of the original, run once per model."""
+    names, [reference], _ = expected
+    [got] = validate.run_samples(open_session(rewritten, "cpu")[0], [feeds], outputs=names)
+    stats = [validate.compare([r], [g], rtol=0.0, atol=0.0) for r, g in zip(reference, got)]
+    err = max(st["max_abs"] / (float(np.max(np.abs(r))) or 1.0) for st, r in zip(stats, reference))
+    return err, min(st["cosine"] for st in stats)
 
 
 def evidence(path: Path, ops: list | None, dims: dict, target: str) -> list:
     model = onnx.load(str(path))
-    low_dtype, low_elem = LOW[target]
+    low_dtype = LOW_DTYPE[target]
     deny = set(load_op_lists(target).ops("deny"))
     present = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")})
     candidates = ops or [op for op in present if op in deny]
     feeds = feeds_for(model, dims)
     by_type = {op: [n for n in model.graph.node if n.op_type == op] for op in candidates}
     values = capture(model, [n for nodes in by_type.values() for n in nodes], feeds)
+    expected = validate.reference_outputs(model, [feeds], "cpu")
     opsets = list(model.opset_import)
+    versions = {o.domain or "": o.version for o in opsets}
+    casts_before = bench_rewrite.count_casts(model)
+
+    def casts_added(rewritten) -> str:
+        return str(bench_rewrite.count_casts(rewritten) - casts_before)
+
     rows = []
     base = amp_rewrite.rewrite(model, placement="cost", deny=candidates).model
-    base_err, base_cos = model_error(model, base, feeds)
-    rows.append([path.stem, "(all deny)", "", "", "", str(count_casts(base) - count_casts(model)),
+    base_err, base_cos = model_error(base, expected, feeds)
+    rows.append([path.stem, "(all deny)", "", "", "", casts_added(base),
                  f"{base_err:.2e}", f"{base_cos:.7f}"])
     for op in candidates:
         nodes = by_type[op]
         if not nodes:
             continue
-        numpy_worst = max(node_error(n, values, opsets, low_dtype, low_elem, spec=False) for n in nodes)
-        spec_worst = (max(node_error(n, values, opsets, low_dtype, low_elem, spec=True) for n in nodes)
-                      if op == "LayerNormalization" else None)
+        numpy_worst = max(node_error(n, values, opsets, low_dtype, spec=False) for n in nodes)
+        spec_worst = (max(node_error(n, values, opsets, low_dtype, spec=True) for n in nodes)
+                      if stashes(op, nodes[0].domain, versions) else None)
         others = [o for o in candidates if o != op]
         moved = amp_rewrite.rewrite(model, placement="cost", deny=others, infer=[op]).model
-        err, cos = model_error(model, moved, feeds)
+        err, cos = model_error(moved, expected, feeds)
         rows.append([path.stem, op, str(len(nodes)), f"{numpy_worst:.2e}",
-                     f"{spec_worst:.2e}" if spec_worst is not None else "", str(count_casts(moved) - count_casts(model)),
+                     f"{spec_worst:.2e}" if spec_worst is not None else "", casts_added(moved),
                      f"{err:.2e}", f"{cos:.7f}"])
     if len(candidates) > 1:
         together = amp_rewrite.rewrite(model, placement="cost", infer=candidates).model
-        err, cos = model_error(model, together, feeds)
-        rows.append([path.stem, "all of them", "", "", "", str(count_casts(together) - count_casts(model)),
+        err, cos = model_error(together, expected, feeds)
+        rows.append([path.stem, "all of them", "", "", "", casts_added(together),
                      f"{err:.2e}", f"{cos:.7f}"])
     return rows
 
@@ -158,10 +163,10 @@ def main(argv=None) -> int:
     p.add_argument("models", nargs="+", type=Path)
     p.add_argument("--ops", type=lambda s: [x.strip() for x in s.split(",") if x.strip()])
     p.add_argument("--dim", action="append", default=[])
-    p.add_argument("--target", default="float16", choices=sorted(LOW))
+    p.add_argument("--target", default="float16", choices=sorted(LOW_DTYPE))
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
-    rows = [row for path in args.models for row in evidence(path, args.ops, parse_dims(args.dim), args.target)]
+    rows = [row for path in args.models for row in evidence(path, args.ops, validate.parse_dims(args.dim), args.target)]
     if args.markdown:
         print("| " + " | ".join(HEAD) + " |\n|" + "---|" * len(HEAD))
         print("\n".join("| " + " | ".join(r) + " |" for r in rows))

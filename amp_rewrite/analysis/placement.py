@@ -296,7 +296,7 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
             to_s[a] -= both
     side: dict = {}
     work = list(to_s.keys() | to_t.keys() | out_edges.keys() | in_edges.keys())
-    empty: dict = {}
+    empty = _EMPTY
     while work:
         v = work.pop()
         if v in side:
@@ -307,22 +307,10 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
             work.extend(outs if v[0] == "down" else ins)
         if source >= sink + _weight(outs, out_edges, to_t):
             side[v] = True
-            for w, c in outs.items():
-                del in_edges[w][v]
-                to_s[w] = to_s.get(w, 0) + c
-                work.append(w)
-            for u in ins:
-                del out_edges[u][v]
-                work.append(u)
+            _merge(v, outs, in_edges, to_s, ins, out_edges, work)
         elif sink >= source + _weight(ins, in_edges, to_s):
             side[v] = False
-            for u, c in ins.items():
-                del out_edges[u][v]
-                to_t[u] = to_t.get(u, 0) + c
-                work.append(u)
-            for w in outs:
-                del in_edges[w][v]
-                work.append(w)
+            _merge(v, ins, out_edges, to_t, outs, in_edges, work)
         else:
             continue
         out_edges.pop(v, None)
@@ -331,6 +319,22 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
     rest.update(((a, "t"), c) for a, c in to_t.items() if a not in side)
     rest.update(((a, b), c) for a, outs in out_edges.items() if a not in side for b, c in outs.items())
     return side, rest
+
+
+def _merge(v, toward: dict, toward_back: dict, terminal: dict, away: dict, away_back: dict, work: list) -> None:
+    """Merge fixed vertex `v` into its terminal: its edges `toward` the other side now leave the
+    terminal (their capacities join `terminal`), its edges `away` from it are inside and vanish;
+    `*_back` are the same edges seen from their other end. Every neighbour is looked at again."""
+    for w, c in toward.items():
+        del toward_back[w][v]
+        terminal[w] = terminal.get(w, 0) + c
+        work.append(w)
+    for u in away:
+        del away_back[u][v]
+        work.append(u)
+
+
+_EMPTY: dict = {}
 
 
 def _weight(edges: dict, onward: dict, terminal: dict) -> float:
@@ -342,7 +346,7 @@ def _weight(edges: dict, onward: dict, terminal: dict) -> float:
     total = 0
     for w, c in edges.items():
         if c == INF:
-            c = terminal.get(w, 0) + sum(onward.get(w, {}).values())
+            c = terminal.get(w, 0) + sum(onward.get(w, _EMPTY).values())
         total += c
     return total
 

@@ -12,7 +12,7 @@ from onnx.reference import ReferenceEvaluator
 import amp_rewrite
 from amp_rewrite.training import Adam, Trainer
 from amp_rewrite.training.step_graph import precision_options
-from helpers import init, make_model, node, tensor, weights
+from helpers import assert_close, init, make_model, node, random_feeds, run_ort, tensor, weights
 from training_models import classification_batches, softmax_regression, softmax_regression_gradient
 
 
@@ -83,9 +83,14 @@ def test_training_keeps_layernorm_and_softmax_float32_in_float16_only():
         assert entry.list == "deny" and "training step" in entry.reason
     assert precision_options("bfloat16").lists().classify("", "LayerNormalization").list == "infer"
     model = _ln_softmax_model()
-    assert amp_rewrite.rewrite(model, target="float16").report.node("ln")["precision"] == "float16"
-    kept = amp_rewrite.rewrite(model, precision_options("float16")).report.node("ln")
+    inference = amp_rewrite.rewrite(model, target="float16")
+    training = amp_rewrite.rewrite(model, precision_options("float16"))
+    assert inference.report.node("ln")["precision"] == "float16"
+    kept = training.report.node("ln")
     assert kept["precision"] == "float32" and kept["list"] == "deny"
+    feeds = random_feeds(model, seed=4)
+    for result in (inference, training):
+        assert_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=1e-2, atol=1e-3)
 
 
 def _ln_softmax_model():
