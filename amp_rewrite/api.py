@@ -14,7 +14,7 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
             annotate: bool = False, provider: str = "cuda", placement: str = "cost", scale_activations: bool = True,
-            relax_margin: float = 16.0, dims=None):
+            relax_margin: float = 16.0, dims=None, pointwise_check: bool = True):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -42,5 +42,5 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     node_block_list=node_block_list, force_fp32=force_fp32,
                                     calibration=calibration, annotate=annotate,
                                     provider=provider, placement=placement, scale_activations=scale_activations,
-                                    relax_margin=relax_margin, dims=dims)
+                                    relax_margin=relax_margin, dims=dims, pointwise_check=pointwise_check)
     return run(model, options)

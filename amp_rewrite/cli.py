@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size of the inputs' symbolic dim NAME (repeatable): shape inference uses it for the size "
                         "estimates (cost placement, bytes moved, FLOPs) and --validate for synthesised inputs; "
                         "the model's declared shapes are unchanged")
+    p.add_argument("--pointwise-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="a range-deny op (Exp, Pow, Reciprocal, Sinh, Cosh) whose pointwise chain from one tensor "
+                        "agrees with float32 on every float16 value becomes an infer op, no data needed "
+                        "(default on; --no-pointwise-check: the lists alone decide)")
     p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
     _add_check_arguments(p)
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
@@ -106,7 +110,8 @@ def rewrite_options(args) -> RewriteOptions:
                              keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
                              annotate=args.annotate, provider=colouring_provider(args.provider),
                              placement=args.placement or "cost", scale_activations=args.scale_activations,
-                             relax_margin=args.relax_margin, dims=validate.parse_dims(args.dim))
+                             relax_margin=args.relax_margin, dims=validate.parse_dims(args.dim),
+                             pointwise_check=args.pointwise_check)
 
 
 def run(args) -> int:

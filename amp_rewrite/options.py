@@ -50,6 +50,7 @@ class RewriteOptions:
     scale_activations: bool = True  # with calibration: linear regions over the limit run on values x 2^-k
     relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
     dims: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # symbolic dim -> size: size estimates only
+    pointwise_check: bool = True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":

@@ -8,7 +8,7 @@ MatMul/unary/binary ops over [2, D] tensors), the fuzz tests (tests/transform/te
 float64, int64, bool), ops from `POOL` (elementwise, reductions, shape ops, normalisations, MatMul
 with shared weights, Where, Split, Concat, Casts, optional If subgraphs), with fan-out and shared
 constants. `check_rewrite` asserts: checker-valid output, loads and runs in ONNX Runtime, numbers
-within float16 tolerance of the original, deny ops never low precision, non-float32 tensors keep
+within float16 tolerance of the original, deny ops never low precision (unless relaxed with a reason), non-float32 tensors keep
 their types, idempotent, byte-identical reruns.
 
 Numerics are kept well-conditioned on purpose: magnitudes are tracked and bounded with Tanh,
@@ -490,7 +490,7 @@ def check_rewrite(model: onnx.ModelProto, keep_io_types: bool = True, seed: int 
     out = result.model
     onnx.checker.check_model(out, full_check=True)
     for entry in result.report.nodes:
-        if entry["op_type"] in DENY:
+        if entry["op_type"] in DENY and "relaxed" not in entry:  # relaxed: proved on every float16 value
             assert entry["precision"] == "float32", f"deny op low precision: {entry}"
     before, after = _types(model), _types(out)
     for name, type_ in before.items():  # only float32 tensors change type

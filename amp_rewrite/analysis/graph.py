@@ -58,6 +58,7 @@ class Scope:
     defs: dict = field(default_factory=dict)  # tensor name -> Def
     io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (cheaper than lists from upb), read once
     names: list = field(default_factory=list)  # per node: its name, read once
+    op_types: list = field(default_factory=list)  # per node: its op type, read once
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class Vertex:
     list_reason: str
     blocked: str | None  # why it may never be low precision, or None
     forced: str | None = None  # a deny root by measurement (calibration), with the deciding value
+    relaxed: str | None = None  # a deny op relaxed to infer (pointwise exhaustion or calibration): why
 
 
 @dataclass
@@ -139,9 +141,10 @@ def _record_defs(scope: Scope) -> None:
         defs[tensor.name] = _INITIALIZER
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
         defs[value.name] = _INPUT
-    rows = [(tuple(node.input), tuple(node.output), node.name) for node in scope.graph.node]  # one visit a node
+    rows = [(tuple(node.input), tuple(node.output), node.name, node.op_type) for node in scope.graph.node]  # one visit a node
     scope.io = [row[:2] for row in rows]
     scope.names = [row[2] for row in rows]
+    scope.op_types = [row[3] for row in rows]
     for n, (_, outputs) in enumerate(scope.io):
         for slot, name in enumerate(outputs):
             if name:
@@ -263,10 +266,13 @@ def build(
                     template = _template(sig, entry, tied, target, _kernel_of(kernel_check, sig, opsets, cg.notes))
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
+            relaxed = None
             if relax and op_list == "deny" and forced is None:
                 relaxed = relax.get(name or (outputs[0] if outputs else ""))
-                if relaxed is not None:
+                if relaxed is not None:  # now an infer op: the provider must have its kernel
                     op_list, list_reason = "infer", relaxed
+                    template = _template(sig, entry, tuple(group for group, _, _ in template), target,
+                                         _kernel_of(kernel_check, sig, opsets, cg.notes), check_deny=True)
             for group, fixed, late in template:
                 names = group_names(inputs, outputs, group)
                 if first_type(names, types) != FLOAT:
@@ -288,7 +294,7 @@ def build(
                     if refused:
                         blocked = f"schema {node.op_type}-{sig.since_version} inference refuses {target}: {refused}"
                 v = len(vertices)
-                vertices.append(Vertex(s, n, name, node.op_type, group, op_list, list_reason, blocked, forced))
+                vertices.append(Vertex(s, n, name, node.op_type, group, op_list, list_reason, blocked, forced, relaxed))
                 if reads[n] is None:
                     reads[n], writes[n] = [None] * len(inputs), [None] * len(outputs)
                 for i in group.inputs:
@@ -344,9 +350,10 @@ def _kernel_of(kernel_check, sig, opsets: dict, notes: list):
     return kernel_check.for_op(sig.domain, sig.op_type, opsets[sig.domain], notes)
 
 
-def _template(sig, entry, groups, target: str, kernel=None) -> list:
+def _template(sig, entry, groups, target: str, kernel=None, check_deny: bool = False) -> list:
     """(group, reason it is blocked whatever the node, reason after the user's) for each group:
-    what depends only on the op type and slot counts, worked out once per kind of node."""
+    what depends only on the op type and slot counts, worked out once per kind of node. Deny ops
+    skip the kernel check (they stay float32) unless `check_deny`: one relaxed to infer."""
     target_string = onnx_facts.TYPE_STRING[target]
     template = []
     for group in groups:
@@ -358,7 +365,7 @@ def _template(sig, entry, groups, target: str, kernel=None) -> list:
                      f"for {group.type_param.split('@')[0]}")
         elif sig.containers:
             late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
-        if fixed is None and kernel is not None and entry.list != "deny":  # deny stays float32 anyway
+        if fixed is None and kernel is not None and (check_deny or entry.list != "deny"):
             fixed = kernel(group.type_param)
         template.append((group, fixed, late))
     return template

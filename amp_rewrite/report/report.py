@@ -96,6 +96,8 @@ class Report:
             f"deny ops: {s['deny_ops']}, nodes they kept float32: {s['deny_blocked']}",
             *([f"nodes kept float32 for want of a {self.target} kernel on the provider: {s['kernel_blocked']}"]
               if s.get("kernel_blocked") else []),
+            *([f"deny ops relaxed to infer (every float16 value checked, or calibrated): {s['deny_relaxed']}"]
+              if s.get("deny_relaxed") else []),
             f"model size: {s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB",
         ]
         if "bytes_moved" in s:
@@ -139,7 +141,7 @@ class Report:
 
 def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> dict:
     first = cg.vertices[vs[0]]
-    return {
+    entry = {
         "name": first.name, "op_type": first.op_type, "scope": key[0], "index": key[1], "list": first.op_list,
         "precision": precision, "flops": flops,
         "because": sentence(cg, plan, vs[0]), "step": plan.reason[vs[0]].step.value,
@@ -148,6 +150,9 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> di
             "reason": explain(cg, plan, v), "because": sentence(cg, plan, v),
             "step": plan.reason[v].step.value} for v in vs},
     }
+    if first.relaxed:  # a deny op made an infer op: why
+        entry["relaxed"] = first.relaxed
+    return entry
 
 
 def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
@@ -215,6 +220,7 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
             "deny_ops": deny_roots,
             "deny_blocked": deny_blocked,
             "kernel_blocked": no_kernel,
+            "deny_relaxed": sum(1 for vs in by_node.values() if cg.vertices[vs[0]].relaxed),
             "bytes_before": bytes_before,
             "bytes_after": bytes_after,
             "seconds": round(seconds, 4),

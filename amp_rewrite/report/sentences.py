@@ -79,4 +79,6 @@ def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
         text = f"every consumer is low precision (e.g. {root})"
     else:
         text = reason.text
+    if vertex.relaxed:
+        text += f"; a deny-list op relaxed to infer: {vertex.relaxed}"
     return f"{_label(cg, v)} {verb}: {text}"

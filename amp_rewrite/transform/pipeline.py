@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from amp_rewrite.analysis import graph, paint
+from amp_rewrite.analysis import graph, paint, pointwise
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
-from amp_rewrite.onnx_facts import sort_graphs
+from amp_rewrite.onnx_facts import opsets, sort_graphs
 from amp_rewrite.report import flops, report as report_mod
 from amp_rewrite.transform import materialise as materialise_mod, scaling as scaling_mod, weights
 from amp_rewrite.transform.recompute_colours import follow_originals, report_section
@@ -99,9 +99,14 @@ def scale_activations(w: Work) -> None:
 
 
 def build_colouring_graph(w: Work) -> None:
+    """Deny ops relaxed to infer: by exhaustion of their pointwise chain (no data needed), and by
+    calibration's measured ranges (its reason wins where both apply)."""
+    relax = pointwise.relieved(w.scopes, w.lists, w.types, opsets(w.model), w.borrowed) \
+        if w.options.pointwise_check else {}
+    relax.update(w.options.relaxed_deny())
     w.cg = graph.build(w.model, w.lists, types=w.types, shapes=w.shapes, keep_fp32_nodes=w.options.keep_fp32_nodes,
                        force_fp32=w.options.deny_roots(w.scaling), borrowed=w.borrowed, scopes=w.scopes,
-                       kernel_check=w.options.kernel_check(), relax=w.options.relaxed_deny())
+                       kernel_check=w.options.kernel_check(), relax=relax)
 
 
 def scan_constants(w: Work) -> None:

@@ -39,8 +39,8 @@ def test_rewrite_invariants(model, keep_io_types):
     result = amp_rewrite.rewrite(model, keep_io_types=keep_io_types)
     out = result.model
     onnx.checker.check_model(out, full_check=True)
-    for entry in result.report.nodes:  # deny ops never low precision
-        if entry["op_type"] in DENY:
+    for entry in result.report.nodes:  # deny ops never low precision, unless proved on every float16 value
+        if entry["op_type"] in DENY and "relaxed" not in entry:
             assert entry["precision"] == "float32", entry
     casts = Counter((n.input[0], n.attribute[0].i) for n in out.graph.node if n.name.startswith("amp/"))
     assert all(count == 1 for count in casts.values()), casts  # one cast per tensor and direction

@@ -1,0 +1,290 @@
+"""Range-deny ops proved safe without data: the pointwise chain they sit in, run on every float16 value.
+
+Pow, Exp, Reciprocal, Sinh and Cosh are denied because their results may leave float16's range
+(`op_lists/range_relax.yaml`). Often the chain around them hands on only a bounded value: the
+tanh GELU of GPT-2 computes x**3, which overflows beyond |x| = 40, but tanh then saturates to the
+same +-1 float32 gives, so the whole chain is safe in float16 for any input. When everything the
+chain computes is a function of one tensor `x` (pointwise ops, `op_lists/pointwise.yaml`, whose
+other inputs are one-element constants), there are only 63,490 float16 values `x` can take
+(finite ones and +-inf): the chain is run on all of them, once in float32 and once with every op
+in float16 (the most rounding any colouring can give it), in `onnx.reference`. If every output
+agrees within the tolerance below, the deny op is relaxed to infer with the figures in its
+reason; placement then colours it like any infer op. No data, no sampling: a proof by
+exhaustion for that chain. float16 only (bfloat16 keeps float32's range).
+
+Agreement, per output value `e` (float32 chain) and `a` (float16 chain): |a - e| <= RTOL |e| +
+ATOL, or both NaN, or the same infinity; a finite `e` beyond float16's largest value fails (the
+float16 chain cannot hold it). RTOL is ten units in float16's last place; ATOL is float16's
+spacing at 1, the scale of normalised activations (the GELU's worst case, x = -3.586, is
+4.4e-4 off: tanh rounds to -1, the value is tiny). Linear: a chain is traced only from a deny
+node of a range_relax op, through at most MAX_CHAIN nodes, and each distinct chain (op types,
+attributes, wiring, constants) is run once per process.
+"""
+
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from amp_rewrite.analysis.oplists import OpLists, shipped_table
+from amp_rewrite.io import tensordata
+from amp_rewrite.onnx_facts import FLOAT
+
+RTOL, ATOL = 1e-2, 2.0 ** -10
+MAX_CHAIN = 64  # nodes; a longer pointwise chain is left to the lists
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+@lru_cache(maxsize=None)
+def pointwise_ops() -> frozenset:
+    return frozenset(shipped_table("pointwise.yaml")["pointwise"])
+
+
+@lru_cache(maxsize=None)
+def _range_ops() -> frozenset:
+    return frozenset(shipped_table("range_relax.yaml")["relax"]) & pointwise_ops()
+
+
+def relieved(scopes, lists: OpLists, types: dict, opsets: dict, borrowed=None) -> dict:
+    """{node key: reason} for the deny nodes of range ops whose chain passes on every float16 value
+    (node key: the node's name, else its first output, as `graph.build`'s `relax` expects)."""
+    if lists.target != "float16":
+        return {}
+    range_ops = [op for op in _range_ops() if (e := lists.classify("", op)) is not None and e.list == "deny"]
+    if not range_ops:
+        return {}
+    range_ops = frozenset(range_ops)
+    found = {}
+    for s, scope in enumerate(scopes):
+        candidates = [n for n, op_type in enumerate(scope.op_types)
+                      if op_type in range_ops and scope.graph.node[n].domain in ("", "ai.onnx")]
+        if candidates:
+            found.update(_relieved_in(_ScopeView(scope, borrowed if s == 0 else None), candidates, types, opsets))
+    return found
+
+
+class _ScopeView:
+    """What a chain needs of one graph, read lazily: its readers and its one-element constants."""
+
+    def __init__(self, scope, borrowed: dict):
+        self.scope, self.borrowed = scope, borrowed or {}
+        self._readers = self._initializers = None
+
+    def readers(self, name: str) -> list:
+        if self._readers is None:
+            self._readers = {}
+            for n, (inputs, _) in enumerate(self.scope.io):
+                for x in inputs:
+                    if x:
+                        self._readers.setdefault(x, []).append(n)
+            self._outputs = {o.name for o in self.scope.graph.output}
+        return self._readers.get(name, [])
+
+    def is_graph_output(self, name: str) -> bool:
+        self.readers(name)
+        return name in self._outputs
+
+    def scalar(self, name: str):
+        """A one-element constant's TensorProto, or None."""
+        found = self.scope.defs.get(name)
+        if found is None:
+            return None
+        if found.kind == "initializer":
+            if self._initializers is None:
+                self._initializers = {t.name: t for t in self.scope.graph.initializer}
+            tensor = self.borrowed.get(name, self._initializers.get(name))
+        elif found.kind == "node" and self.scope.graph.node[found.node].op_type == "Constant":
+            tensor = _constant_tensor(self.scope.graph.node[found.node])
+        else:
+            return None
+        if tensor is None or int(np.prod(tensor.dims)) != 1:
+            return None
+        return tensor
+
+
+def _constant_tensor(node: onnx.NodeProto):
+    for attr in node.attribute:
+        value = helper.get_attribute_value(attr)
+        if attr.name == "value":
+            return value
+        if attr.name in ("value_float", "value_int"):
+            return numpy_helper.from_array(np.array(value, np.float32 if attr.name == "value_float" else np.int64))
+        if attr.name in ("value_floats", "value_ints") and len(value) == 1:
+            return numpy_helper.from_array(np.array(value, np.float32 if attr.name == "value_floats" else np.int64))
+    return None
+
+
+def _relieved_in(view: _ScopeView, candidates: list, types: dict, opsets: dict) -> dict:
+    nodes, io = view.scope.graph.node, view.scope.io
+    found, candidate_set = {}, set(candidates)
+    for d in candidates:
+        inputs, outputs = io[d]
+        key = nodes[d].name or (outputs[0] if outputs else "")
+        if key in found:
+            continue
+        dynamic = [x for x in inputs if x and view.scalar(x) is None]
+        if len(dynamic) != 1 or types.get(dynamic[0]) != FLOAT:
+            continue
+        chain = _chain(view, dynamic[0])
+        if chain is None or d not in chain:
+            continue
+        ok, detail = _verdict(_describe(view, dynamic[0], chain), _opset_key(opsets))
+        if ok:
+            for n in chain:  # every range-deny op of the chain is proved by the same run
+                if n in candidate_set:
+                    found[nodes[n].name or io[n][1][0]] = (
+                        f"checked on every float16 value: the pointwise chain of {len(chain)} ops from "
+                        f"'{dynamic[0]}' agrees with float32 ({detail})")
+    return found
+
+
+def _chain(view: _ScopeView, x: str):
+    """The nodes computed from `x` alone by pointwise ops (one-output, one-element constants
+    beside), in node order; None when the graph is unsorted there or the chain is too long."""
+    ops = pointwise_ops()
+    nodes, io = view.scope.graph.node, view.scope.io
+    inside, chain, seen = {x}, [], set()
+    heap = list(view.readers(x))
+    heapq.heapify(heap)
+    while heap:
+        n = heapq.heappop(heap)
+        if n in seen:
+            continue
+        seen.add(n)
+        inputs, outputs = io[n]
+        node = nodes[n]
+        if node.op_type not in ops or node.domain not in ("", "ai.onnx") or len(outputs) != 1:
+            continue
+        if not all(not i or i in inside or view.scalar(i) is not None for i in inputs):
+            continue
+        for i in inputs:  # a cone input made later than the node: unsorted here, give up
+            found = view.scope.defs.get(i)
+            if i in inside and i != x and found.node > n:
+                return None
+        chain.append(n)
+        if len(chain) > MAX_CHAIN:
+            return None
+        inside.add(outputs[0])
+        for r in view.readers(outputs[0]):
+            if r not in seen:
+                heapq.heappush(heap, r)
+    return chain
+
+
+def _describe(view: _ScopeView, x: str, chain: list) -> tuple:
+    """The chain as a hashable, model-independent description: per node (op type, attributes,
+    inputs), inputs as "x", ("t", k) for node k's output, or ("c", constant bytes); then which
+    node outputs leave the chain."""
+    nodes, io = view.scope.graph.node, view.scope.io
+    index = {io[n][1][0]: k for k, n in enumerate(chain)}
+    rows, leaving = [], []
+    for k, n in enumerate(chain):
+        inputs, outputs = io[n]
+        refs = []
+        for i in inputs:
+            if not i:
+                refs.append(None)
+            elif i == x:
+                refs.append("x")
+            elif i in index:
+                refs.append(("t", index[i]))
+            else:
+                refs.append(("c", _tensor_key(view.scalar(i))))
+        node = nodes[n]
+        rows.append((node.op_type, tuple(a.SerializeToString() for a in node.attribute), tuple(refs)))
+        out = outputs[0]
+        if view.is_graph_output(out) or any(r not in chain for r in view.readers(out)):
+            leaving.append(k)
+    return tuple(rows), tuple(leaving)
+
+
+def _tensor_key(tensor: onnx.TensorProto) -> tuple:
+    data = tensordata.tensor_bytes(tensor) if tensor.HasField("raw_data") or tensordata.is_external(tensor) else \
+        numpy_helper.to_array(tensor).tobytes()
+    return tensor.data_type, tuple(tensor.dims), data
+
+
+def _opset_key(opsets: dict) -> tuple:
+    return tuple(sorted(opsets.items()))
+
+
+@lru_cache(maxsize=256)
+def _verdict(description: tuple, opsets: tuple) -> tuple[bool, str]:
+    """(agrees, the figures): the chain run on every float16 value in both precisions."""
+    from onnx.reference import ReferenceEvaluator
+
+    x16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    x16 = x16[~np.isnan(x16)]
+    try:
+        with np.errstate(all="ignore"):
+            e = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT)).run(None, {"x": x16.astype(np.float32)})
+            a = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT16)).run(None, {"x": x16})
+    except _OutOfRange as exc:
+        return False, str(exc)
+    except Exception as exc:  # noqa: BLE001 - an op onnx.reference cannot run: the list decides
+        return False, f"onnx.reference could not run it ({type(exc).__name__})"
+    worst = 0.0
+    with np.errstate(all="ignore"):
+        for e_out, a_out in zip(e, a):
+            ev, av, xs = e_out.astype(np.float32).reshape(-1), a_out.astype(np.float32).reshape(-1), x16
+            if ev.size != xs.size or av.size != xs.size:  # a constant broadcast it wider: not one value per x
+                return False, "its outputs are not one value per input value"
+            beyond = np.isfinite(ev) & (np.abs(ev) > FLOAT16_MAX)
+            if beyond.any():
+                i = int(np.argmax(beyond))
+                return False, f"float32 gives {ev[i]:.4g} at x = {float(xs[i]):.4g}, beyond float16's range"
+            allowed = RTOL * np.abs(ev) + ATOL
+            err = np.abs(av - ev)
+            agree = (err <= allowed) | (np.isnan(ev) & np.isnan(av)) | (np.isinf(ev) & (av == ev))
+            if not agree.all():
+                i = int(np.argmin(agree))
+                return False, f"float16 gives {av[i]:.4g} where float32 gives {ev[i]:.4g} at x = {float(xs[i]):.4g}"
+            finite = np.isfinite(ev)
+            if finite.any():
+                worst = max(worst, float(np.max(err[finite] / allowed[finite])))
+    return True, f"worst error {worst:.2f} of |a-e| <= {RTOL:g}|e| + {ATOL:.3g}"
+
+
+class _OutOfRange(ValueError):
+    pass
+
+
+def _model(description: tuple, opsets: tuple, elem: int) -> onnx.ModelProto:
+    """The chain as a model of one input `x` (shape [N]) in element type `elem`: float32 constants
+    are converted with it (one beyond float16's range fails the check)."""
+    rows, leaving = description
+    nodes, inits = [], []
+    for k, (op_type, attributes, refs) in enumerate(rows):
+        names = []
+        for j, ref in enumerate(refs):
+            if ref is None:
+                names.append("")
+            elif ref == "x":
+                names.append("x")
+            elif ref[0] == "t":
+                names.append(f"t{ref[1]}")
+            else:
+                names.append(f"c{k}_{j}")
+                inits.append(_constant(names[-1], ref[1], elem))
+        node = helper.make_node(op_type, names, [f"t{k}"])
+        for raw in attributes:
+            attr = node.attribute.add()
+            attr.ParseFromString(raw)
+        nodes.append(node)
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", elem, [None])],
+                              [helper.make_tensor_value_info(f"t{k}", elem, None) for k in leaving], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets], ir_version=8)
+
+
+def _constant(name: str, key: tuple, elem: int) -> onnx.TensorProto:
+    data_type, dims, data = key
+    values = np.frombuffer(data, dtype=helper.tensor_dtype_to_np_dtype(data_type)).reshape(dims)
+    if data_type == FLOAT and elem != FLOAT:
+        if np.any(np.abs(values) > FLOAT16_MAX):
+            raise _OutOfRange(f"constant {float(values.reshape(-1)[0]):.4g} is beyond float16's range")
+        values = values.astype(np.float16)
+    return numpy_helper.from_array(values, name)
