@@ -2,12 +2,18 @@
 (`analysis/pointwise.py`). Each model sits between two MatMuls (allow ops), so the chain's colour
 decides the casts; every rewrite runs in ONNX Runtime and onnx.reference against float32."""
 
+import json
+
 import numpy as np
+import onnx
 from helpers import check_both, init, make_model, node, tensor
 
 from amp_rewrite import rewrite
-from amp_rewrite.analysis import pointwise
+from amp_rewrite.analysis import graph, pointwise
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.cli import main
 from amp_rewrite.onnx_facts import opsets
+from amp_rewrite.options import RewriteOptions
 
 
 def _between_matmuls(chain_nodes, x="h", y="g", extra_inits=(), seed=0):
@@ -133,10 +139,6 @@ def test_the_check_fails_where_float16_disagrees_and_says_where():
                              extra_inits=[_scalar("two", 2.0), _scalar("tiny", 2.0 ** -16)])
     result = rewrite(model)
     assert _entry(result, "pow")["precision"] == "float32"
-    from amp_rewrite.analysis import graph
-    from amp_rewrite.analysis.elemtypes import tensor_types
-    from amp_rewrite.options import RewriteOptions
-
     scopes = graph.read_scopes(model.graph)
     types, _ = tensor_types(model, scopes=scopes)
     view = pointwise._ScopeView(scopes[0], None)
@@ -151,3 +153,14 @@ def test_bfloat16_keeps_the_lists():
     """bfloat16 has float32's range: the check is float16's; the lists decide there."""
     result = rewrite(gelu_tanh(), target="bfloat16")
     assert "relaxed" not in _entry(result, "pow")
+
+
+def test_cli_checks_by_default_and_can_leave_it_to_the_lists(tmp_path):
+    source = tmp_path / "gelu.onnx"
+    onnx.save(gelu_tanh(), source)
+    for flag, relaxed in (([], True), (["--no-pointwise-check"], False)):
+        report = tmp_path / f"report{len(flag)}.json"
+        assert main([str(source), "-o", str(tmp_path / f"out{len(flag)}.onnx"), "--quiet", "--report", str(report),
+                     *flag]) == 0
+        entry = next(n for n in json.loads(report.read_text())["nodes"] if n["name"] == "pow")
+        assert ("relaxed" in entry) is relaxed and entry["precision"] == ("float16" if relaxed else "float32")
