@@ -24,7 +24,7 @@ attributes, wiring, constants) is run once per process.
 from __future__ import annotations
 
 import heapq
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 import onnx
@@ -39,12 +39,12 @@ MAX_CHAIN = 64  # nodes; a longer pointwise chain is left to the lists
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
-@lru_cache(maxsize=None)
+@cache
 def pointwise_ops() -> frozenset:
     return frozenset(shipped_table("pointwise.yaml")["pointwise"])
 
 
-@lru_cache(maxsize=None)
+@cache
 def _range_ops() -> frozenset:
     return frozenset(shipped_table("range_relax.yaml")["relax"]) & pointwise_ops()
 
