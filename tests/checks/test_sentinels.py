@@ -143,6 +143,8 @@ def test_check_validates_and_the_fallback_does_not_blame_the_mask():
     assert checked.passed, checked.validation.to_text()
     assert checked.result.report.node("softmax")["precision"] == "float16"
     assert [s["tensor"] for s in checked.result.report.to_dict()["calibration"]["sentinels"]] == ["mask", "masked"]
+    assert ("2 tensor(s) held +-finfo(float32).max sentinels, not counted as overflow: 'mask', 'masked'"
+            in checked.result.report.to_text())
     # a tolerance float16 cannot meet: the fallback pins where rounding enters, never the masked sum
     fitted = accuracy.check(model, samples=feeds, calibrate=True, tolerance=True, reference=True, rtol=1e-6,
                             atol=1e-7, max_runs=3)
