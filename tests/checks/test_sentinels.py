@@ -9,12 +9,11 @@ Numbers are checked under ONNX Runtime and onnx.reference (float16 arithmetic).
 
 import numpy as np
 import pytest
+from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor
 
 from amp_rewrite import rewrite
 from amp_rewrite.checks import calibrate
 from amp_rewrite.checks import fallback as accuracy
-from amp_rewrite.checks import validate
-from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor
 
 F32 = np.float32
 MIN = np.finfo(F32).min
@@ -157,7 +156,7 @@ def test_check_validates_and_the_fallback_does_not_blame_the_mask():
 def _expected(arrays, flush):
     """The figures of calibrate._accumulate, value by value in plain Python/numpy."""
     big = float(np.finfo(F32).max)
-    out = dict(count=0, nonfinite=0, sentinels=0, sentinel_rows=0, max_abs=0.0, nonzero=0, flushed=0)
+    out = {"count": 0, "nonfinite": 0, "sentinels": 0, "sentinel_rows": 0, "max_abs": 0.0, "nonzero": 0, "flushed": 0}
     for a in arrays:
         flat = np.abs(a.astype(np.float64)).ravel()
         out["count"] += flat.size
