@@ -10,6 +10,21 @@ default) the nodes of linear regions are exempt: they compute on values x 2^-k i
 
 This decides from measured float32 ranges, not from running the rewritten model: ONNX Runtime's
 CPU provider computes most float16 ops in float32 and would hide the overflow.
+
+Sentinels are not overflow. Exporters write "as large as the type allows" as finfo(float32).min
+or .max (the dynamo exports' attention mask is `Where(keep, 0, -3.4028235e38)`; float32 then
+absorbs it: `s + -3.4e38 == -3.4e38`, so every `scores + mask` holds it too), and float32 itself
+makes +-inf. Values exactly +-finfo(float32).max are counted per tensor (`sentinels`), left out
+of its largest |x| and so of the overflow test and of scaling; +-inf already were (`nonfinite`).
+What the rewrite then does with them is what it does without data: a constant holding one is out
+of float16's range, so its readers stay float32 (transform.weights), and the Cast after them
+turns the sentinel into -inf, which behaves as float32's sentinel does (s + -inf = -inf, exp of
+it is 0) with one exception: a row made only of sentinels. float32 subtracts equal sentinels to 0
+(a fully masked Softmax row is uniform), float16 subtracts -inf from -inf, NaN. So a tensor with
+such a row along its last axis (`sentinel_rows`, e.g. a query that may see no key) still forces
+its producer and readers float32, as overflow did, and power-of-two scaling does not exempt them.
+A relaxable deny op (`relaxed`) that reads or writes sentinels is not relaxed. Calibration's
+figures name the tensors that held sentinels (`to_dict()["sentinels"]`, `to_text`).
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from amp_rewrite.transform.weights import LIMITS
 # Non-zero values below half the smallest subnormal round to zero.
 FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2,
          "bfloat16": 9.183549615799121e-41 / 2}
+SENTINEL = float(np.finfo(np.float32).max)  # +-this: "as large as float32 allows", see above
 DEFAULT_SAFETY = 4.0
 DEFAULT_RELAX_MARGIN = 16.0
 
@@ -51,6 +67,8 @@ class TensorRange:
     nonzero: int = 0
     flushed: int = 0  # non-zero values that become 0 in the target type
     nonfinite: int = 0  # already NaN/Inf in float32
+    sentinels: int = 0  # values exactly +-finfo(float32).max: not in max_abs, not overflow
+    sentinel_rows: int = 0  # slices along the last axis made only of sentinels (and +-inf), one finite
 
     @property
     def flushed_share(self) -> float:
@@ -59,7 +77,7 @@ class TensorRange:
     def to_dict(self) -> dict:
         return {"tensor": self.name, "producer": self.producer, "op_type": self.op_type,
                 "max_abs": self.max_abs, "flushed_share": round(self.flushed_share, 6),
-                "nonfinite": self.nonfinite}
+                "nonfinite": self.nonfinite, "sentinels": self.sentinels, "sentinel_rows": self.sentinel_rows}
 
 
 @dataclass
@@ -81,9 +99,14 @@ class CalibrationResult:
         limit = LIMITS[target or self.target] / self.safety
         return sorted((r for r in self.ranges.values() if r.max_abs > limit), key=lambda r: -r.max_abs)
 
+    def with_sentinels(self) -> list[TensorRange]:
+        """Tensors that held +-finfo(float32).max sentinels, in measuring order."""
+        return [r for r in self.ranges.values() if r.sentinels]
+
     def force_fp32(self, target: str | None = None, exempt=frozenset()) -> dict:
         """{node key: reason} for producers and readers of tensors over the limit, but those in
-        `exempt` (nodes of regions that power-of-two scaling runs on scaled values)."""
+        `exempt` (nodes of regions that power-of-two scaling runs on scaled values), and of tensors
+        with rows of sentinels only (exempt or not: float16 would make those rows NaN)."""
         target = target or self.target
         limit = LIMITS[target] / self.safety
         bound = f"{limit:.6g} ({LIMITS[target]:.6g}/{self.safety:g})"
@@ -93,11 +116,22 @@ class CalibrationResult:
                 forced.setdefault(r.producer, f"calibrated: output {r.name!r} reaches {r.max_abs:.4g} > {bound}")
             for key, _ in self.consumers.get(r.name, []):
                 forced.setdefault(key, f"calibrated: input {r.name!r} reaches {r.max_abs:.4g} > {bound}")
-        return {key: reason for key, reason in forced.items() if key not in exempt} if exempt else forced
+        if exempt:
+            forced = {key: reason for key, reason in forced.items() if key not in exempt}
+        for r in self.with_sentinels():
+            if not r.sentinel_rows:
+                continue
+            said = (f"has {r.sentinel_rows} row(s) of only +-{SENTINEL:.8g} sentinels (fully masked): "
+                    f"in {target} they are inf and such a row becomes NaN (-inf - -inf)")
+            if r.producer is not None:
+                forced.setdefault(r.producer, f"calibrated: output {r.name!r} {said}")
+            for key, _ in self.consumers.get(r.name, []):
+                forced.setdefault(key, f"calibrated: input {r.name!r} {said}")
+        return forced
 
     def relaxed(self, target: str | None = None, margin: float = DEFAULT_RELAX_MARGIN) -> dict:
         """{node key: (reason, measured maxima)} for range-deny ops (`relaxable_ops`) whose every
-        measured input and output stays within LIMIT/margin, none flushed to zero or non-finite."""
+        measured input and output stays within LIMIT/margin, none flushed to zero, non-finite or a sentinel."""
         if not margin or margin <= 0:
             return {}
         bound = LIMITS[target or self.target] / margin
@@ -113,7 +147,8 @@ class CalibrationResult:
         for key, (op_type, measured) in seen.items():
             if not any(role == "output" for role, _ in measured):
                 continue
-            if all(r.count and r.max_abs <= bound and not r.flushed and not r.nonfinite for _, r in measured):
+            if all(r.count and r.max_abs <= bound and not r.flushed and not r.nonfinite and not r.sentinels
+                   for _, r in measured):
                 maxima = {f"{role} {r.name!r}": r.max_abs for role, r in measured}
                 said = ", ".join(f"{k} reaches {v:.4g}" for k, v in maxima.items())
                 relaxed[key] = (f"calibrated: {op_type} relaxed from deny to infer, {said} <= {bound:.6g} "
@@ -134,6 +169,7 @@ class CalibrationResult:
                 "relaxed": [{"node": k, "reason": v[0], "maxima": v[1]} for k, v in relaxed.items()]} if relax_margin else {}),
             "largest": [r.to_dict() for r in largest],
             "flush_to_zero": [r.to_dict() for r in flushing],
+            "sentinels": [r.to_dict() for r in self.with_sentinels()],
             "notes": self.notes,
         }
 
@@ -142,6 +178,13 @@ class CalibrationResult:
                  f"limit {self.threshold:.6g}"]
         for r in self.culprits()[:20]:
             lines.append(f"  {r.name!r} from {r.op_type} '{r.producer}' reaches {r.max_abs:.4g}")
+        held = self.with_sentinels()
+        if held:
+            lines.append(f"sentinels (+-{SENTINEL:.8g}, not overflow) in {len(held)} tensor(s):")
+            for r in held[:20]:
+                rows = f", {r.sentinel_rows} row(s) of only sentinels: kept float32" if r.sentinel_rows else ""
+                lines.append(f"  {r.name!r} from {r.op_type} '{r.producer}': {r.sentinels} value(s), "
+                             f"others reach {r.max_abs:.4g}{rows}")
         return "\n".join(lines)
 
 
@@ -197,15 +240,27 @@ def calibrate(model, samples=None, *, target: str = "float16", safety: float = D
 
 
 def _accumulate(r: TensorRange, array: np.ndarray, flush: float) -> None:
+    """Add one sample's values of `r`'s tensor: largest finite |x| but sentinels, counts."""
     if array.dtype != np.float32 or not array.size:
         return
     a = np.abs(array)
     finite = np.isfinite(a)
     r.count += a.size
-    r.nonfinite += int(a.size - finite.sum())
-    values = a[finite] if r.nonfinite else a
+    nonfinite = int(a.size - np.count_nonzero(finite))
+    r.nonfinite += nonfinite
+    values = a[finite] if nonfinite else a
+    top = float(values.max()) if values.size else 0.0
+    if top == SENTINEL:  # rare: only then a second look
+        sentinel = values == SENTINEL
+        r.sentinels += int(np.count_nonzero(sentinel))
+        values = values[~sentinel]
+        top = float(values.max()) if values.size else 0.0
+        rows = a.reshape(-1, a.shape[-1] if a.ndim else 1)
+        finite_sentinel = rows == SENTINEL
+        r.sentinel_rows += int(np.count_nonzero((finite_sentinel | np.isinf(rows)).all(axis=1)
+                                                & finite_sentinel.any(axis=1)))
     if values.size:
-        r.max_abs = max(r.max_abs, float(values.max()))
+        r.max_abs = max(r.max_abs, top)
         nonzero = values > 0
         r.nonzero += int(nonzero.sum())
         r.flushed += int((nonzero & (values < flush)).sum())

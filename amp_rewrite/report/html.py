@@ -88,6 +88,11 @@ def _checks(report) -> str:
         out.append(f"<h2>Calibration</h2><p>{cal['samples']} sample(s) on {_e(cal['provider'])}, "
                    f"{cal['tensors']} float tensors measured; limit {cal['threshold']:.6g} "
                    f"(largest finite value / {cal['safety']:g}). {len(cal['forced'])} node(s) forced float32.</p>")
+        held = cal.get("sentinels", ())
+        if held:
+            names = ", ".join(f"<code>{_e(s['tensor'])}</code>" for s in held[:10]) + (", ..." if len(held) > 10 else "")
+            out.append(f"<p>{len(held)} tensor(s) held ±finfo(float32).max sentinels (masks), not counted as "
+                       f"overflow: {names}.</p>")
         if rows:
             out.append("<table><tr><th class=l>tensor over the limit</th><th class=l>produced by</th><th>max |x|</th>"
                        f"</tr>{rows}</table>")

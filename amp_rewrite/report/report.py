@@ -117,6 +117,10 @@ class Report:
             lines.append(f"calibration: {cal['samples']} sample(s), {cal['tensors']} tensors measured, "
                          f"{len(cal['forced'])} node(s) forced float32")
             lines += [f"  {f['node']}: {f['reason']}" for f in cal["forced"]]
+            held = [s["tensor"] for s in cal.get("sentinels", ())]
+            if held:
+                lines.append(f"calibration: {len(held)} tensor(s) held +-finfo(float32).max sentinels, not counted as "
+                             f"overflow: {', '.join(map(repr, held[:5]))}{', ...' if len(held) > 5 else ''}")
             if cal.get("relaxed"):
                 lines.append(f"calibration relaxed {len(cal['relaxed'])} deny op(s) to infer "
                              f"(margin {cal['relax_margin']:g})")
