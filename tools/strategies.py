@@ -87,14 +87,7 @@ class Builder:
     def partner(self, name, shape=None):
         """A float32 tensor whose shape broadcasts with `name`'s (or with `shape`)."""
         shape = self.tensors[name][1] if shape is None else shape
-        options = []
-        for other in self.floats():
-            try:
-                np.broadcast_shapes(shape, self.tensors[other][1])
-                options.append(other)
-            except ValueError:
-                pass
-        return self.draw(st.sampled_from(options))
+        return self.draw(st.sampled_from([other for other in self.floats() if _fits(shape, self.tensors[other][1])]))
 
 
 def _unary(op, bound_of=lambda b: b, **attrs):
@@ -373,10 +366,10 @@ def _other_types(g):
         a = g.bounded(g.draw(st.sampled_from(g.floats(F16))), 4.0)
         op = g.draw(st.sampled_from(["Relu", "Sigmoid", "Neg"]))
         return g.add(op, [a], F16, g.tensors[a][1], g.tensors[a][2])
-    if kind == "i64":
-        a = g.draw(st.sampled_from(g.floats(I64)))
-        return g.add(g.draw(st.sampled_from(["Add", "Mul", "Sub"])), [a, "k"], I64, g.tensors[a][1],
-                     min(g.tensors[a][2] * 4, 1e6))
+    if kind == "i64":  # with k: a Shape's output (3,) does not broadcast with k's (2, 3, 4)
+        a = g.draw(st.sampled_from([t for t in g.floats(I64) if _fits(g.tensors[t][1], (2, 3, 4))]))
+        return g.add(g.draw(st.sampled_from(["Add", "Mul", "Sub"])), [a, "k"], I64,
+                     np.broadcast_shapes(g.tensors[a][1], (2, 3, 4)), min(g.tensors[a][2] * 4, 1e6))
     if kind == "bool":
         op = g.draw(st.sampled_from(["And", "Or", "Xor"]))
         return g.add(op, ["m", g.draw(st.sampled_from(g.floats(BOOL)))], BOOL, (2, 3, 4), 1)
