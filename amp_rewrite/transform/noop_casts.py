@@ -11,9 +11,11 @@ and its readers read the value it was given when, in the rewritten model,
   float16: a round trip. The widening Cast goes too when nothing else reads it.
 
 Readers in subgraphs (outer-scope reads) are rewired like any other. Kept: a Cast whose output
-is a graph output, the main graph's or a body's (output names stay), and one with a reader in a
-subgraph that would see another tensor under the replacement's name (a shadowing name, which
-onnx.checker refuses anyway). Only float Casts are looked at (those with a type group in the
+is a graph output, the main graph's or a body's (output names stay; but a main output renamed at
+its producer for keep_io_types=False is written by an inserted Cast, which then reads the
+replacement), one whose removal would give a tensor two inserted Casts to one type in one graph,
+and one with a reader in a subgraph that would see another tensor under the replacement's name
+(a shadowing name, which onnx.checker refuses anyway). Only float Casts are looked at (those with a type group in the
 colouring graph: int64 -> int64 is not ours to tidy), and a model the rewrite leaves unchanged
 (no allow op) keeps its Casts. Linear: one visit of each of the model's Casts and of their
 readers, the inserted Casts indexed once by what they read.
@@ -96,17 +98,21 @@ class _Folder:
         gone = self.removed.get(scope)
         return gone is not None and node in gone
 
-    def readers(self, scope: int, name: str):
-        """(use, node) of each live node reading `name` (defined in `scope`) under that name, and
-        the inserted Casts reading it; None when a graph output reads it."""
+    def readers(self, scope: int, name: str, current: str | None = None):
+        """(use, node) of each live node reading `name` (defined in `scope`) under its `current`
+        name (a main-graph output renamed at its producer: the graph output reads an inserted Cast
+        of it, not counted here); None when a graph output reads it under that name."""
         cg, found = self.cg, []
+        current = current or name
         for use in cg.uses.get((scope, name), ()):
             if use.node < 0:
-                return None
+                if current == name:
+                    return None
+                continue
             if self.is_removed(use.scope, use.node):
                 continue
             node = cg.node(use.scope, use.node)
-            if node.input[use.slot] == name:  # else it reads an inserted Cast of it
+            if node.input[use.slot] == current:  # else it reads an inserted Cast of it
                 found.append((use, node))
         return found
 
@@ -131,9 +137,10 @@ class _Folder:
     def fold(self, key) -> None:
         s, n = key
         node = self.candidates[key]
-        source, out = node.input[0], node.output[0]
-        if (s, out) in self.m.renamed:  # a main-graph output, renamed at this Cast
-            return
+        source, out = node.input[0], self.cg.scopes[s].io[n][1][0]  # the output's name as read
+        # a main-graph output renamed at this Cast (another type): an inserted Cast writes the output
+        # from the new name, and reads the replacement instead; the output keeps its name
+        current = self.m.renamed.get((s, out), out)
         to = next((a.i for a in node.attribute if a.name == "to"), None)
         elem = self.elem(s, source)
         widened = None
@@ -153,26 +160,35 @@ class _Folder:
                 return
             reason = (f"converts nothing: with Cast '{first.name}' it takes '{replacement}' from "
                       f"{_type_name(to)} to {_type_name(elem)} and back, exactly")
-        if not self.rewire(s, out, replacement):
+        if not self.rewire(s, out, current, replacement):
             return
         self.remove(s, n, node, replacement, reason)
         if widened is not None:
             self.drop_if_dead(widened, node.name, to)
 
-    def rewire(self, s: int, out: str, replacement: str) -> bool:
-        """Every reader of `out` reads `replacement` instead; False (nothing changed) if one cannot."""
-        readers = self.readers(s, out)
+    def rewire(self, s: int, out: str, current: str, replacement: str) -> bool:
+        """Every reader of `out` (named `current` now) reads `replacement` instead; False (nothing
+        changed) if one cannot."""
+        readers = self.readers(s, out, current)
         if readers is None:
             return False
-        inserted = self.inserted_readers.get(out, ())
+        inserted = self.inserted_readers.get(current, ())
         if not all(self.visible(s, use.scope, replacement) for use, _ in readers):
             return False
-        if not all(self.visible(s, self.m.result.casts[self.inserted_index[c.output[0]]][0], replacement)
-                   for c in inserted):
-            return False
+        casts = self.m.result.casts
+        made = set()  # (graph, type) of the inserted Casts of `replacement`
+        for c in self.inserted_readers.get(replacement, ()):
+            scope, _, _, elem, _ = casts[self.inserted_index[c.output[0]]]
+            made.add((scope, elem))
+        for c in inserted:
+            scope, _, _, elem, _ = casts[self.inserted_index[c.output[0]]]
+            if not self.visible(s, scope, replacement):
+                return False
+            if (scope, elem) in made and (scope, c.output[0]) not in self.m.main_outputs:
+                return False  # `replacement` has that Cast already: two would be one too many (one
+                # writing a main-graph output is a node of its own whatever it reads)
         for use, reader in readers:
             reader.input[use.slot] = replacement
-        casts = self.m.result.casts
         for cast in inserted:
             cast.input[0] = replacement
             i = self.inserted_index[cast.output[0]]
@@ -180,7 +196,7 @@ class _Folder:
             casts[i] = (scope, name, replacement, elem, output)
         if inserted:
             self.inserted_readers.setdefault(replacement, []).extend(inserted)
-            del self.inserted_readers[out]
+            del self.inserted_readers[current]
         return True
 
     def drop_if_dead(self, key, back: str, to: int) -> None:
@@ -189,7 +205,7 @@ class _Folder:
         if self.is_removed(s, n):
             return
         node = self.candidates[key]
-        out = node.output[0]
+        out = self.cg.scopes[s].io[n][1][0]
         if (s, out) in self.m.renamed or self.inserted_readers.get(out):
             return
         readers = self.readers(s, out)

@@ -11,6 +11,8 @@ full, and runs both models in ONNX Runtime and onnx.reference.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 import pytest
@@ -201,3 +203,42 @@ def test_annotate_skips_removed_casts():
     assert all(n.doc_string.startswith("amp-rewrite: ") for n in result.model.graph.node if n.op_type == "MatMul")
     assert_close(run_reference(result.model, {"x": np.ones((2, 4, 8), np.float32)}),
                  run_ort(model, {"x": np.ones((2, 4, 8), np.float32)}), 3e-2, 3e-2)
+
+
+def _inserted_casts(graph):
+    return Counter((n.input[0], n.attribute[0].i) for n in graph.node if n.name.startswith("amp/"))
+
+
+def test_a_noop_cast_renamed_for_a_main_output_goes_and_the_output_keeps_its_name():
+    """Found by hypothesis (test_properties): without keep_io_types the outputs are float16, so the
+    no-op Casts writing them are renamed and an inserted Cast writes each output from the new
+    name. The no-op goes, the inserted Cast reads its input, the output keeps its name; left in,
+    a second rewrite would remove it (not idempotent)."""
+    model = make_model([node("Cast", ["x"], ["t0"], "n0", to=FLOAT), node("Cast", ["x"], ["t1"], "n1", to=FLOAT)],
+                       [tensor("x", [2, 4])], [tensor("t0", [2, 4]), tensor("t1", [2, 4])])
+    result = rewrite(model, keep_io_types=False)  # no allow op: the Casts read x as float32 (one inserted Cast)
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    assert not {"n0", "n1"} & set(_casts(out.graph)) and result.report.summary["casts_removed"] == 2
+    assert [(o.name, o.type.tensor_type.elem_type) for o in out.graph.output] == [("t0", F16), ("t1", F16)]
+    assert rewrite(out, keep_io_types=False).model.SerializeToString() == out.SerializeToString()
+    x = random_feeds(model)["x"]
+    assert_close(run_ort(out, {"x": x.astype(np.float16)}), run_ort(model, {"x": x}))
+
+
+def test_a_noop_cast_whose_removal_would_duplicate_an_inserted_cast_stays():
+    """e = Exp(x) (deny, float32) feeds a low MatMul (one inserted Cast of e to float16) and a
+    no-op Cast(to=FLOAT) whose output feeds a low MatMul and a float32 Log: removing it would
+    leave two Casts of e to float16. It stays (one cast per tensor and direction). Under tf: cost
+    placement colours the Cast's input float16 and so makes it a real conversion."""
+    rng = np.random.default_rng(4)
+    model = make_model(
+        [node("Exp", ["x"], ["e"], "exp"), node("Cast", ["e"], ["c"], "cast", to=FLOAT),
+         node("MatMul", ["e", "W"], ["y0"], "mm0"), node("MatMul", ["c", "W"], ["y1"], "mm1"),
+         node("Log", ["c"], ["y2"], "log")],
+        [tensor("x", [2, 4])], [tensor("y0", [2, 4]), tensor("y1", [2, 4]), tensor("y2", [2, 4])],
+        [init("W", weights(rng, 4, 4))])
+    result = rewrite(model, placement="tf")
+    check_both(model, result.model)
+    assert _casts(result.model.graph)["cast"] == ("e", FLOAT) and result.report.summary["casts_removed"] == 0
+    assert all(count == 1 for count in _inserted_casts(result.model.graph).values())
