@@ -26,7 +26,7 @@ graph inputs' symbolic dims set to those of the samples run (a shape still unkno
 - seconds: the conversion, plus the calibration run for calibrated amp-rewrite rows; AutoCast's
   is its subprocess (Python start and imports included).
 
-    python tools/bench_placement.py [--exports none|small|full] [--sizes 1k,10k] [--markdown]
+    python tools/bench_placement.py [--exports none|small|full] [--sizes 1k,10k] [--tools PREFIX] [--markdown]
 """
 
 from __future__ import annotations
@@ -291,6 +291,8 @@ def tools(args) -> list[Tool]:
     for calibrated in (False, True):
         found.append(Tool(AUTOCAST + (" +calibrate" if calibrated else ""),
                           _autocast(python, args.autocast_timeout, calibrated), missing=missing))
+    if args.tools:  # only the rows asked for, e.g. --tools amp-rewrite
+        found = [tool for tool in found if tool.name.startswith(tuple(args.tools))]
     return found
 
 
@@ -472,6 +474,9 @@ def parse_args(argv):
     p.add_argument("--modelopt-python", default=None,
                    help="Python of a venv with nvidia-modelopt (default: $AMP_MODELOPT_PYTHON; unset: no AutoCast)")
     p.add_argument("--autocast-timeout", type=int, default=900, help="seconds one AutoCast run may take")
+    p.add_argument("--tools", action="append", metavar="PREFIX",
+                   help="only the tools whose row name starts with PREFIX (repeatable), e.g. 'amp-rewrite' for "
+                        "our five rows (default: every tool)")
     p.add_argument("--markdown", action="store_true")
     return p.parse_args(argv)
 

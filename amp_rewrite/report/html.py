@@ -58,6 +58,7 @@ def _summary(report) -> str:
         _card(f"{s['nodes_low']}/{s['nodes_float']}", f"float nodes in {report.target}"),
         _card(s["nodes_float32"], "float nodes kept float32"),
         _card(s["casts_inserted"], "casts inserted"),
+        *([_card(s["casts_removed"], "model's casts removed (converting nothing)")] if s.get("casts_removed") else []),
         _card(f"{100 * s['allow_share']:.0f}%", f"compute-heavy ops in {report.target} ({s['allow_ops_low']}/{s['allow_ops']})"),
         _card(f"{s['deny_ops']} / {s['deny_blocked']}", "deny ops / nodes they kept float32"),
     ]

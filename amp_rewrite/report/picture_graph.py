@@ -94,7 +94,7 @@ def _topological(inputs: list, producer: dict) -> list[int]:
 
 
 def _kind(entry, target: str) -> int:
-    if entry is None:
+    if entry is None or entry.get("removed"):  # a Cast removed as converting nothing computes nothing
         return OTHER
     p = entry["precision"]
     return LOW if p == target else (MIXED if p == "mixed" else FLOAT32)

@@ -17,7 +17,7 @@ from amp_rewrite.analysis.paint import LOW, Plan, Step
 
 from amp_rewrite.report import picture_graph
 from amp_rewrite.report.flops import HEAVY
-from amp_rewrite.report.sentences import explain, sentence
+from amp_rewrite.report.sentences import explain, removed, sentence
 
 
 @dataclass
@@ -54,9 +54,12 @@ class Report:
         return out
 
     def op_table(self) -> list[dict]:
-        """Per op type: node count and how many are low precision, mixed, float32."""
+        """Per op type: node count and how many are low precision, mixed, float32 (nodes of the
+        result: removed Casts left out)."""
         rows: dict = {}
         for n in self.nodes:
+            if n.get("removed"):  # not in the result
+                continue
             row = rows.setdefault(n["op_type"], {"op_type": n["op_type"], "list": n["list"], "nodes": 0,
                                                  self.target: 0, "mixed": 0, "float32": 0})
             row["nodes"] += 1
@@ -89,8 +92,9 @@ class Report:
         lines = [
             f"target {self.target}: {s['nodes_low']} of {s['nodes_float']} float nodes in {self.target}"
             f" ({s['nodes_mixed']} mixed), {s['groups_low']} of {s['groups']} type groups",
-            f"casts inserted: {s['casts_inserted']}; constants converted {s['constants_converted']},"
-            f" duplicated {s['constants_duplicated']}",
+            f"casts inserted: {s['casts_inserted']}"
+            + (f", the model's own removed (converting nothing): {s['casts_removed']}" if s.get("casts_removed") else "")
+            + f"; constants converted {s['constants_converted']}, duplicated {s['constants_duplicated']}",
             f"compute-heavy ops (allow list) in {self.target}: {s['allow_ops_low']}/{s['allow_ops']}"
             f" ({100 * s['allow_share']:.1f}%)",
             f"deny ops: {s['deny_ops']}, nodes they kept float32: {s['deny_blocked']}",
@@ -143,7 +147,8 @@ class Report:
         return "\n".join(lines)
 
 
-def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> dict:
+def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops, gone: str | None = None) -> dict:
+    """`gone`: why the node was removed (a Cast of the model that converts nothing), else None."""
     first = cg.vertices[vs[0]]
     entry = {
         "name": first.name, "op_type": first.op_type, "scope": key[0], "index": key[1], "list": first.op_list,
@@ -156,6 +161,8 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops) -> di
     }
     if first.relaxed:  # a deny op made an infer op: why
         entry["relaxed"] = first.relaxed
+    if gone is not None:  # its groups keep their colours' reasons; the node says it is gone
+        entry.update(removed=True, because=removed(cg, vs[0], gone), step=Step.REMOVED_NO_OP.value)
     return entry
 
 
@@ -177,6 +184,7 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
                 by_node[key] = [v]
         precisions = {}
         flops_of = {}
+        gone = {(s, n) for s, n, *_ in materialised.removed_casts}  # not in the result: not counted
         precision_counts = Counter()
         allow_ops = allow_low = 0
         low_by_list = Counter()
@@ -187,6 +195,8 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
             lows = [colour[v] == LOW for v in vs if colour[v] == LOW or not vertices[v].group.output_only]
             precision = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
             precisions[key] = precision
+            if gone and key in gone:
+                continue
             precision_counts[precision] += 1
             if precision != "float32":
                 low_by_list[first.op_list or "none"] += 1
@@ -205,11 +215,12 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
         summary = {
             "groups": len(cg.vertices),
             "groups_low": sum(1 for c in plan.colour.values() if c == LOW),
-            "nodes_float": len(by_node),
+            "nodes_float": len(by_node) - len(gone),
             "nodes_low": precision_counts[cg.target],
             "nodes_mixed": precision_counts["mixed"],
             "nodes_float32": precision_counts["float32"],
             "casts_inserted": len(materialised.casts),
+            "casts_removed": len(materialised.removed_casts),  # the model's own, converting nothing
             "constants_converted": materialised.converted_constants,
             "constants_duplicated": materialised.duplicated_constants,
             "values_clamped": materialised.clamped_values,
@@ -239,7 +250,9 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
 
     def make_nodes():
         _, by_node, precisions, flops_of = figures()
-        return [_node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key)) for key, vs in by_node.items()]
+        gone = {(s, n): why for s, n, _, _, _, why in materialised.removed_casts}
+        return [_node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key), gone.get(key))
+                for key, vs in by_node.items()]
 
     return Report(cg.target, lambda: figures()[0], make_nodes, [f"{label}: {text}" for label, text in cg.notes],
                   casts=materialised.casts, picture_facts=functools.partial(picture_graph.facts, cg, materialised))

@@ -82,3 +82,10 @@ def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
     if vertex.relaxed:
         text += f"; a deny-list op relaxed to infer: {vertex.relaxed}"
     return f"{_label(cg, v)} {verb}: {text}"
+
+
+def removed(cg: ColouringGraph, v: int, detail: str) -> str:
+    """The sentence of a node removed after colouring (`Step.REMOVED_NO_OP`): the model's own Cast
+    that converts nothing in the result, e.g. "Cast 'c' removed: converts nothing: its input 's' is
+    float16 already"."""
+    return f"{_label(cg, v)} removed: {detail}"

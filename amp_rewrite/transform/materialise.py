@@ -9,7 +9,9 @@ Rules, all decided per tensor in one pass over its uses:
 - initializers and Constant nodes are free: converted in place when only low-precision groups
   read them, duplicated when both kinds do (no runtime Cast on weights);
 - main-graph inputs and outputs keep their names; with keep_io_types they keep float32 too: an
-  output made in low precision is renamed at its producer and a Cast writes the original name.
+  output made in low precision is renamed at its producer and a Cast writes the original name;
+- the model's own Casts that convert nothing in the result (to = their input's type, or back from
+  an exact widening) are removed, their readers reading what they read (noop_casts.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from amp_rewrite.io import restore_borrowed
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT
 from amp_rewrite.transform.casts import place_casts
 from amp_rewrite.transform.constants import place_constant
+from amp_rewrite.transform.noop_casts import fold_noop_casts
 from amp_rewrite.transform.retype import retarget_attribute_typed_outputs, retype_io_and_value_info
 from amp_rewrite.transform.splice import emit_nodes
 from amp_rewrite.transform.state import Materialisation, Materialised, source_elem
@@ -44,6 +47,7 @@ def _run(m: Materialisation) -> Materialised:
             place_casts(m, s, name, d, src, uses)
     retarget_attribute_typed_outputs(m)
     retype_io_and_value_info(m)
+    fold_noop_casts(m)
     emit_nodes(m)
     restore_borrowed(m.cg.scopes[0].graph, m.cg.borrowed, m.replaced)
     m.constants.converted.clear()  # what stays float32 was converted for nothing: free it

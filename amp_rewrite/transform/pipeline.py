@@ -156,7 +156,7 @@ def report(w: Work) -> None:
         rep.sections["recompute"] = recompute
     if w.scaling is not None and w.scaling.regions:
         scaling_mod.add_to_report(rep, w.scaling)
-    changed = bool(w.materialised.casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values()
+    changed = bool(w.materialised.casts or w.materialised.removed_casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values()
                    or (w.scaling is not None and bool(w.scaling.regions)))
     w.result = RewriteResult(w.model, rep, changed)
 

@@ -1,7 +1,7 @@
 """The materialiser's shared state: what each tensor is and what each use needs.
 
 `Materialisation` is built once per rewrite; the jobs (casts.py, constants.py, retype.py,
-splice.py) read and extend it, and materialise.py runs them in order.
+noop_casts.py, splice.py) read and extend it, and materialise.py runs them in order.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ class Materialised:
 
     casts: list = field(default_factory=list)  # (scope, cast node name, tensor, to, output)
     cast_uses: dict = field(default_factory=dict)  # Cast output -> the uses reading it (the report's picture)
+    # the model's own Casts removed as converting nothing (noop_casts.py):
+    # (scope, node index, node name, its output, the tensor its readers read instead or None, why)
+    removed_casts: list = field(default_factory=list)
     converted_constants: int = 0
     duplicated_constants: int = 0
     clamped_values: int = 0
@@ -47,6 +50,7 @@ class Materialisation:
     casts: dict = field(default_factory=dict)  # (def scope, name, elem, use scope) -> cast output name
     after: dict = field(default_factory=dict)  # (scope, node index) -> nodes to emit right after it
     top: dict = field(default_factory=dict)  # scope -> nodes to emit first
+    removed: dict = field(default_factory=dict)  # scope -> indices of the model's nodes not emitted
     renamed: dict = field(default_factory=dict)  # (def scope, name) -> new producer output name
     low_names: set = field(default_factory=set)  # (scope, name) whose final type is low precision
     initializers_by_scope: dict = field(default_factory=dict)

@@ -148,3 +148,39 @@ def test_exported_model(name, opset, dynamo, target):
     for a, e in zip(got, expected):
         scale = float(np.max(np.abs(e)))
         np.testing.assert_allclose(a, e, rtol=tol, atol=tol * scale)
+
+
+def test_eager_vit_export_loses_its_softmax_casts():
+    """transformers' eager attention exports `softmax(..., dtype=float32).to(query.dtype)`: two
+    Cast(to=FLOAT) on float32 tensors after each Softmax (ViT-S/16 holds 24). With Softmax in
+    float16 they would take it to float32 and back: both are removed (transform/noop_casts.py), so
+    the rewrite holds fewer Casts than the export (as bench_placement measures on ViT-S/16)."""
+    tr = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tr.ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=64, attn_implementation="eager")
+    vit = tr.ViTModel(config, add_pooling_layer=False).eval()
+
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vit = vit
+
+        def forward(self, x):
+            return self.vit(x, return_dict=False)[0]
+
+    example = torch.randn(2, 1, 8, 8)
+    model = _export(Hidden().eval(), example, 17, dynamo=False)
+    before = [n for n in model.graph.node if n.op_type == "Cast"]
+    assert len(before) == 2 * config.num_hidden_layers  # the export's own, Cast(to=FLOAT) on float32
+    result = rewrite(model)
+    onnx.checker.check_model(result.model, full_check=True)
+    after = [n for n in result.model.graph.node if n.op_type == "Cast"]
+    s = result.report.summary
+    assert s["casts_removed"] == len(before) and {n.name for n in after}.isdisjoint(n.name for n in before)
+    assert len(after) - len(before) == s["casts_inserted"] - s["casts_removed"] < 0
+    feeds = {model.graph.input[0].name: example.numpy()}
+    expected = run_ort(model, feeds)
+    for got in (run_ort(result.model, feeds), run_reference(result.model, feeds)):
+        for a, e in zip(got, expected):
+            np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2 * float(np.max(np.abs(e))))

@@ -33,6 +33,16 @@ def test_small_exports_without_modelopt(monkeypatch, capsys):
             assert rows[model, tool][2].startswith("not installed")
 
 
+def test_tools_option_keeps_the_rows_asked_for(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    bench = load_tool("bench_placement", needs=("exported", "synthetic", "bench_rewrite"))
+    assert [tool.name for tool in bench.tools(bench.parse_args(["--tools", "amp-rewrite"]))] == list(AMP_ROWS)
+    chosen = bench.tools(bench.parse_args(["--tools", "amp-rewrite cost", "--tools", "modelopt autocast"]))
+    assert [tool.name for tool in chosen] == ["amp-rewrite cost", "amp-rewrite cost +calibrate", "modelopt autocast",
+                                             "modelopt autocast +calibrate"]
+    assert len(bench.tools(bench.parse_args([]))) == len(AMP_ROWS) + 4  # two converters, AutoCast twice
+
+
 def _markdown_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip().strip("|").split("|")]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model ")]
