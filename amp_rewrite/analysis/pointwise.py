@@ -59,19 +59,34 @@ def relieved(scopes, lists: OpLists, types: dict, opsets: dict, borrowed=None) -
         return {}
     range_ops = frozenset(range_ops)
     found = {}
+    read_inside = _read_by_bodies(scopes)
     for s, scope in enumerate(scopes):
         candidates = [n for n, op_type in enumerate(scope.op_types)
                       if op_type in range_ops and scope.graph.node[n].domain in ("", "ai.onnx")]
         if candidates:
-            found.update(_relieved_in(_ScopeView(scope, borrowed if s == 0 else None), candidates, types, opsets))
+            view = _ScopeView(scope, borrowed if s == 0 else None, read_inside[s])
+            found.update(_relieved_in(view, candidates, types, opsets))
     return found
+
+
+def _read_by_bodies(scopes) -> list:
+    """Per scope: the names its nodes' bodies (If/Loop/Scan subgraphs, at any depth) read or
+    return, any of which may be one of its tensors: a chain tensor read there leaves the chain."""
+    read = [set() for _ in scopes]
+    for s in range(len(scopes) - 1, 0, -1):  # children come after their parents
+        scope = scopes[s]
+        names = read[s] | {o.name for o in scope.graph.output}
+        for inputs, _ in scope.io:
+            names.update(inputs)
+        read[scope.parent] |= names
+    return read
 
 
 class _ScopeView:
     """What a chain needs of one graph, read lazily: its readers and its one-element constants."""
 
-    def __init__(self, scope, borrowed: dict):
-        self.scope, self.borrowed = scope, borrowed or {}
+    def __init__(self, scope, borrowed: dict | None, read_inside: set):
+        self.scope, self.borrowed, self.read_inside = scope, borrowed or {}, read_inside
         self._readers = self._initializers = None
 
     def readers(self, name: str) -> list:
@@ -84,9 +99,10 @@ class _ScopeView:
             self._outputs = {o.name for o in self.scope.graph.output}
         return self._readers.get(name, [])
 
-    def is_graph_output(self, name: str) -> bool:
+    def leaves_the_graph(self, name: str) -> bool:
+        """A graph output, or read by a body of one of the graph's nodes."""
         self.readers(name)
-        return name in self._outputs
+        return name in self._outputs or name in self.read_inside
 
     def scalar(self, name: str):
         """A one-element constant's TensorProto, or None."""
@@ -197,7 +213,7 @@ def _describe(view: _ScopeView, x: str, chain: list) -> tuple:
         node = nodes[n]
         rows.append((node.op_type, tuple(a.SerializeToString() for a in node.attribute), tuple(refs)))
         out = outputs[0]
-        if view.is_graph_output(out) or any(r not in chain for r in view.readers(out)):
+        if view.leaves_the_graph(out) or any(r not in chain for r in view.readers(out)):
             leaving.append(k)
     return tuple(rows), tuple(leaving)
 

@@ -141,7 +141,7 @@ def test_the_check_fails_where_float16_disagrees_and_says_where():
     assert _entry(result, "pow")["precision"] == "float32"
     scopes = graph.read_scopes(model.graph)
     types, _ = tensor_types(model, scopes=scopes)
-    view = pointwise._ScopeView(scopes[0], None)
+    view = pointwise._ScopeView(scopes[0], None, set())
     chain = pointwise._chain(view, "h")
     assert [model.graph.node[n].name for n in chain] == ["pow", "tiny"]
     ok, detail = pointwise._verdict(pointwise._describe(view, "h", chain), pointwise._opset_key(opsets(model)))
@@ -164,3 +164,23 @@ def test_cli_checks_by_default_and_can_leave_it_to_the_lists(tmp_path):
                      *flag]) == 0
         entry = next(n for n in json.loads(report.read_text())["nodes"] if n["name"] == "pow")
         assert ("relaxed" in entry) is relaxed and entry["precision"] == ("float16" if relaxed else "float32")
+
+
+def test_a_chain_tensor_read_by_an_if_branch_is_checked_too():
+    """x**3 feeds tanh (safe) and an If branch: the branch would see inf, so the check fails."""
+    from onnx import helper
+
+    then_branch = helper.make_graph([node("Mul", ["cube", "k"], ["then_out"], "then_mul")], "then", [],
+                                    [tensor("then_out", None)])
+    else_branch = helper.make_graph([node("Identity", ["t"], ["else_out"], "else_id")], "else", [],
+                                    [tensor("else_out", None)])
+    model = _between_matmuls(
+        [node("Pow", ["h", "three"], ["cube"], "pow"), node("Tanh", ["cube"], ["t"], "tanh"),
+         node("ReduceMax", ["h"], ["hm"], "hmax", keepdims=0), node("Greater", ["hm", "zero"], ["c"], "cond"),
+         node("If", ["c"], ["branch"], "if", then_branch=then_branch, else_branch=else_branch),
+         node("Add", ["t", "branch"], ["g"], "add")],
+        extra_inits=[_scalar("three", 3.0), _scalar("k", 1e-4), _scalar("zero", 0.0)])
+    result = rewrite(model)
+    assert _entry(result, "pow")["precision"] == "float32"
+    assert "relaxed" not in _entry(result, "pow")
+    check_both(model, result.model, {"x": (np.random.default_rng(4).standard_normal((4, 16)) * 3).astype(np.float32)})
