@@ -127,8 +127,7 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
     net = _Network()
     cache = sizes(cg)
     free_set = set(free)
-    for key, producer, size in _free_tensors(cg, free, free_set, cache, net.to_s):
-        _charge(cg, key, producer, size, free_set, is_low, keep_io_types, net.add)
+    _build(cg, free, free_set, cache, is_low, keep_io_types, net)
     side, rest = reduce_terminal(net)
     flow = nx.DiGraph()
     flow.add_nodes_from(("s", "t"))
@@ -144,30 +143,61 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
 INF = float("inf")
 
 
-def _free_tensors(cg: ColouringGraph, free: list, free_set: set, cache: dict, to_s: dict) -> list:
-    """(key, producer vertex or None, elements) of every float tensor a free vertex writes or reads,
-    once each: a free vertex's outputs under it, the tensors it reads from other producers once.
-    Each vertex's edge from s (the bytes it saves in low precision) is set on the way."""
-    tensors = []
-    inputs_seen: set = set()
+def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, keep_io_types: bool,
+           net: "_Network") -> None:
+    """The network, in one visit of each free vertex: its edge from s (the bytes it saves in low
+    precision) and the edges charging the casts of every float tensor it writes or reads, each
+    tensor once (a free vertex's outputs under it, the tensors it reads from other producers once).
+
+    A tensor's casts: a cast up (some reader low, the producer float32) and a cast down (the
+    reverse) are each paid once per tensor, whatever the number of readers: an auxiliary vertex
+    per tensor and direction; the source side of the cut is low precision. This is `_term`'s
+    reading of the uses, inlined, with the edges added in place (a call per edge cost more than
+    the edge): it runs once per tensor next to a free vertex, 100k times at 100k nodes."""
     saving = FP32_BYTES - LOW_BYTES
-    vertices, scopes, writes = cg.vertices, cg.scopes, cg.writes
+    vertices, scopes, writes, reads, uses = cg.vertices, cg.scopes, cg.writes, cg.reads, cg.uses
+    constant_nodes = cg.constant_nodes
+    to_s, to_t, out_edges, in_edges = net.to_s, net.to_t, net.out, net.into
+    to_s.update(dict.fromkeys(free, 0))  # every free vertex has an edge from s, in `free`'s order
+    inputs_seen: set = set()
     for v in free:
         vertex = vertices[v]
         s = vertex.scope
         scope = scopes[s]
-        defs = scope.defs
         inputs, outputs = scope.io[vertex.node]
+        group = vertex.group
         total = 0
-        for i in vertex.group.outputs:
+        for i in group.outputs:  # made here: the producer is v, free
             x = outputs[i]
-            if x:
-                size = cache.get(x)
-                if size is None:
-                    size = elements(cg, x, cache)
-                total += size
-                tensors.append(((s, x), v, size))
-        for i in vertex.group.inputs:
+            if not x:
+                continue
+            size = cache.get(x)
+            if size is None:
+                size = elements(cg, x, cache)
+            total += size
+            key = (s, x)
+            loose, fixed_low, fixed_fp32 = _readers(uses.get(key, ()), reads, free_set, is_low, keep_io_types)
+            c = size * CAST_BYTES
+            if fixed_low:  # a cast up whenever v is float32
+                to_s[v] += c
+            elif len(loose) == 1:
+                _edge(out_edges, in_edges, loose[0], v, c)
+            elif loose:
+                aux = ("up", key)
+                for r in loose:
+                    _edge(out_edges, in_edges, r, aux, INF)
+                _edge(out_edges, in_edges, aux, v, c)
+            if fixed_fp32:  # a cast down whenever v is low
+                to_t[v] = to_t.get(v, 0) + c
+            elif len(loose) == 1:
+                _edge(out_edges, in_edges, v, loose[0], c)
+            elif loose:
+                aux = ("down", key)
+                for r in loose:
+                    _edge(out_edges, in_edges, aux, r, INF)
+                _edge(out_edges, in_edges, v, aux, c)
+        defs = scope.defs
+        for i in group.inputs:
             x = inputs[i]
             if not x:
                 continue
@@ -185,30 +215,43 @@ def _free_tensors(cg: ColouringGraph, free: list, free_set: set, cache: dict, to
             kind, n, slot = found
             if kind == "initializer" or key in inputs_seen:
                 continue
-            producer = None
+            p = None
             if kind == "node":
                 row = writes[key[0]][n]
-                producer = row[slot] if row else None
-                if producer in free_set:  # charged with the producer's outputs
+                p = row[slot] if row else None
+                if p in free_set:  # charged with the producer's outputs
                     continue
-                if producer is None and (key[0], n) in cg.constant_nodes:
+                if p is None and (key[0], n) in constant_nodes:
                     continue
             inputs_seen.add(key)
-            tensors.append((key, producer, size))
-        to_s[v] = total * saving
-    return tensors
+            loose, fixed_low, fixed_fp32 = _readers(uses.get(key, ()), reads, free_set, is_low, keep_io_types)
+            c = size * CAST_BYTES
+            if p is not None and is_low(p):  # a cast down, when some reader is float32
+                if fixed_fp32:
+                    pass
+                elif len(loose) == 1:
+                    to_s[loose[0]] += c
+                elif loose:
+                    aux = ("down", key)
+                    for r in loose:
+                        _edge(out_edges, in_edges, aux, r, INF)
+                    to_s[aux] = to_s.get(aux, 0) + c
+            elif not fixed_low:  # a cast up from a float32 source, when some reader is low
+                if len(loose) == 1:
+                    to_t[loose[0]] = to_t.get(loose[0], 0) + c
+                elif loose:
+                    aux = ("up", key)
+                    for r in loose:
+                        _edge(out_edges, in_edges, r, aux, INF)
+                    to_t[aux] = to_t.get(aux, 0) + c
+        to_s[v] += total * saving
 
 
-def _charge(cg: ColouringGraph, key, p, size: int, free: set, is_low, keep_io_types: bool, add) -> None:
-    """The edges charging tensor `key`'s casts (`p`: its producer vertex, None for a float32 source);
-    the source side of the cut is low precision. A cast up (some reader low, the producer float32)
-    and a cast down (the reverse) are each paid once per tensor, whatever the number of readers: an
-    auxiliary vertex per tensor and direction. `_term`'s reading of the uses, inlined: this runs
-    once per tensor next to a free vertex."""
+def _readers(tensor_uses, reads, free: set, is_low, keep_io_types: bool) -> tuple:
+    """(free readers in first-use order, some reader fixed low, some reader fixed float32)."""
     loose = []
     fixed_low = fixed_fp32 = False
-    reads = cg.reads
-    for use_scope, node, use_slot in cg.uses.get(key, ()):
+    for use_scope, node, use_slot in tensor_uses:
         if node < 0:
             if keep_io_types or use_scope > 0:
                 fixed_fp32 = True
@@ -224,33 +267,21 @@ def _charge(cg: ColouringGraph, key, p, size: int, free: set, is_low, keep_io_ty
             fixed_low = True
         else:
             fixed_fp32 = True
-    c = size * CAST_BYTES
-    p_free = p is not None and p in free
-    p_low = p is not None and not p_free and is_low(p)
-    if not p_low:  # a cast up, when some reader is low
-        tail = p if p_free else "t"
-        if fixed_low:
-            if p_free:
-                add("s", p, c)
-        elif len(loose) == 1:
-            add(loose[0], tail, c)
-        elif loose:
-            aux = ("up", key)
-            for r in loose:
-                add(r, aux, INF)
-            add(aux, tail, c)
-    if p_low or p_free:  # a cast down, when some reader is float32
-        head = p if p_free else "s"
-        if fixed_fp32:
-            if p_free:
-                add(p, "t", c)
-        elif len(loose) == 1:
-            add(head, loose[0], c)
-        elif loose:
-            aux = ("down", key)
-            for r in loose:
-                add(aux, r, INF)
-            add(head, aux, c)
+    return loose, fixed_low, fixed_fp32
+
+
+def _edge(out_edges: dict, in_edges: dict, a, b, c) -> None:
+    """Capacity c more on the edge a -> b, between two non-terminal vertices."""
+    outs = out_edges.get(a)
+    if outs is None:
+        out_edges[a] = {b: c}
+    else:
+        outs[b] = outs.get(b, 0) + c
+    ins = in_edges.get(b)
+    if ins is None:
+        in_edges[b] = {a: c}
+    else:
+        ins[a] = ins.get(a, 0) + c
 
 
 class _Network:
