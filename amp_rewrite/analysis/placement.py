@@ -155,7 +155,8 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
     reading of the uses, inlined, with the edges added in place (a call per edge cost more than
     the edge): it runs once per tensor next to a free vertex, 100k times at 100k nodes."""
     saving = FP32_BYTES - LOW_BYTES
-    vertices, scopes, writes, reads, uses = cg.vertices, cg.scopes, cg.writes, cg.reads, cg.uses
+    vertices, scopes, writes, reads = cg.vertices, cg.scopes, cg.writes, cg.reads
+    uses_get, cache_get, shapes_get = cg.uses.get, cache.get, cg.shapes.get
     constant_nodes = cg.constant_nodes
     to_s, to_t, out_edges, in_edges = net.to_s, net.to_t, net.out, net.into
     to_s.update(dict.fromkeys(free, 0))  # every free vertex has an edge from s, in `free`'s order
@@ -171,13 +172,34 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
             x = outputs[i]
             if not x:
                 continue
-            size = cache.get(x)
-            if size is None:
-                size = elements(cg, x, cache)
+            size = cache_get(x)
+            if size is None:  # elements(), inlined
+                shape = shapes_get(x)
+                size = cache[x] = 1 if shape is None else math.prod(d.dim_value if d.dim_value > 0 else 1
+                                                                    for d in shape.dim)
             total += size
             key = (s, x)
-            loose, fixed_low, fixed_fp32 = _readers(uses.get(key, ()), reads, free_set, is_low, keep_io_types)
+            tensor_uses = uses_get(key, ())
             c = size * CAST_BYTES
+            if len(tensor_uses) == 1:  # the common case: one reader (_readers, inlined)
+                use_scope, node, use_slot = tensor_uses[0]
+                if node < 0:
+                    if keep_io_types or use_scope > 0:
+                        to_t[v] = to_t.get(v, 0) + c  # a cast down whenever v is low
+                    continue
+                row = reads[use_scope][node]
+                r = row[use_slot] if row else None
+                if r is None:
+                    to_t[v] = to_t.get(v, 0) + c
+                elif r in free_set:  # a cast either way when r and v differ
+                    _edge(out_edges, in_edges, r, v, c)
+                    _edge(out_edges, in_edges, v, r, c)
+                elif is_low(r):
+                    to_s[v] += c
+                else:
+                    to_t[v] = to_t.get(v, 0) + c
+                continue
+            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, keep_io_types)
             if fixed_low:  # a cast up whenever v is float32
                 to_s[v] += c
             elif len(loose) == 1:
@@ -196,35 +218,38 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
                 for r in loose:
                     _edge(out_edges, in_edges, aux, r, INF)
                 _edge(out_edges, in_edges, v, aux, c)
-        defs = scope.defs
+        defs_get = scope.defs.get
         for i in group.inputs:
             x = inputs[i]
             if not x:
                 continue
-            size = cache.get(x)
+            size = cache_get(x)
             if size is None:
                 size = elements(cg, x, cache)
             total += size
-            found = defs.get(x)
-            key = (s, x)
+            found = defs_get(x)
+            ds = s
             if found is None:  # captured from an enclosing graph
                 resolved = cg.resolve(s, x)
                 if resolved is None:
                     continue
-                key, found = (resolved.scope, x), resolved.definition
+                ds, found = resolved.scope, resolved.definition
             kind, n, slot = found
-            if kind == "initializer" or key in inputs_seen:
+            if kind == "initializer":
                 continue
             p = None
             if kind == "node":
-                row = writes[key[0]][n]
+                row = writes[ds][n]
                 p = row[slot] if row else None
                 if p in free_set:  # charged with the producer's outputs
                     continue
-                if p is None and (key[0], n) in constant_nodes:
+                if p is None and (ds, n) in constant_nodes:
                     continue
+            key = (ds, x)
+            if key in inputs_seen:
+                continue
             inputs_seen.add(key)
-            loose, fixed_low, fixed_fp32 = _readers(uses.get(key, ()), reads, free_set, is_low, keep_io_types)
+            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, keep_io_types)
             c = size * CAST_BYTES
             if p is not None and is_low(p):  # a cast down, when some reader is float32
                 if fixed_fp32:
@@ -328,24 +353,34 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
     side: dict = {}
     work = list(to_s.keys() | to_t.keys() | out_edges.keys() | in_edges.keys())
     empty = _EMPTY
+    pop, s_get, t_get, out_get, in_get = work.pop, to_s.get, to_t.get, out_edges.get, in_edges.get
     while work:
-        v = work.pop()
+        v = pop()
         if v in side:
             continue
-        outs, ins = out_edges.get(v, empty), in_edges.get(v, empty)
-        source, sink = to_s.get(v, 0), to_t.get(v, 0)
+        outs, ins = out_get(v, empty), in_get(v, empty)
+        source, sink = s_get(v, 0), t_get(v, 0)
         if type(v) is tuple:  # an auxiliary vertex whose edges changed: its readers may now be fixed
             work.extend(outs if v[0] == "down" else ins)
-        if source >= sink + _weight(outs, out_edges, to_t):
+        weight = sum(outs.values()) if outs else 0  # _weight's common case, inlined
+        if weight == INF:
+            weight = _weight(outs, out_edges, to_t)
+        if source >= sink + weight:
             side[v] = True
             _merge(v, outs, in_edges, to_s, ins, out_edges, work)
-        elif sink >= source + _weight(ins, in_edges, to_s):
-            side[v] = False
-            _merge(v, ins, out_edges, to_t, outs, in_edges, work)
         else:
-            continue
-        out_edges.pop(v, None)
-        in_edges.pop(v, None)
+            weight = sum(ins.values()) if ins else 0
+            if weight == INF:
+                weight = _weight(ins, in_edges, to_s)
+            if sink >= source + weight:
+                side[v] = False
+                _merge(v, ins, out_edges, to_t, outs, in_edges, work)
+            else:
+                continue
+        if outs:
+            del out_edges[v]
+        if ins:
+            del in_edges[v]
     rest = {("s", b): c for b, c in to_s.items() if b not in side}
     rest.update(((a, "t"), c) for a, c in to_t.items() if a not in side)
     rest.update(((a, b), c) for a, outs in out_edges.items() if a not in side for b, c in outs.items())
@@ -410,11 +445,21 @@ def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, keep_io_types: b
     done = place(cg, free, allow.__contains__, keep_io_types)
     low = dict(allow)
     kept = {}
+    fixed = "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)"
+    # most vertices are fixed before the cut: their two reasons are made once and shared (immutable)
+    fixed_low = Reason(Step.COST_PLACEMENT, None, f"{fixed} (fewer bytes moved in {cg.target})")
+    fixed_fp32 = Reason(Step.COST_PLACEMENT, None, f"{fixed} (fewer bytes moved in float32)")
+    regions, chosen = done.region, done.low
     for v in free:
-        region = done.region.get(v)
-        where = (f"cost placement: min cut of region {region} of {done.regions}" if region else
-                 "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)")
-        if v in done.low:
+        region = regions.get(v)
+        if region is None:
+            if v in chosen:
+                low[v] = fixed_low
+            else:
+                kept[v] = fixed_fp32
+            continue
+        where = f"cost placement: min cut of region {region} of {done.regions}"
+        if v in chosen:
             low[v] = Reason(Step.COST_PLACEMENT, None, f"{where} (fewer bytes moved in {cg.target})")
         else:
             kept[v] = Reason(Step.COST_PLACEMENT, None, f"{where} (fewer bytes moved in float32)")
