@@ -283,11 +283,23 @@ def build(
                 if relaxed is not None:
                     op_list, list_reason = "infer", relaxed
             for group, fixed, late in template:
-                names = group_names(inputs, outputs, group)
-                if first_type(names, types) != FLOAT:
+                names = []  # group_names and first_type, inlined: this runs for every group of every node
+                for i in group.inputs:
+                    if inputs[i]:
+                        names.append(inputs[i])
+                for i in group.outputs:
+                    if outputs[i]:
+                        names.append(outputs[i])
+                for x in names:
+                    if x in types:
+                        break
+                else:
+                    continue
+                if types[x] != FLOAT:
                     continue
                 for x in names:  # the schema ties them: fill types inference could not give
-                    types.setdefault(x, FLOAT)
+                    if x not in types:
+                        types[x] = FLOAT
                 blocked = fixed
                 if blocked is None:
                     if kept:

@@ -144,7 +144,7 @@ INF = float("inf")
 
 
 def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, keep_io_types: bool,
-           net: "_Network") -> None:
+           net: _Network) -> None:
     """The network, in one visit of each free vertex: its edge from s (the bytes it saves in low
     precision) and the edges charging the casts of every float tensor it writes or reads, each
     tensor once (a free vertex's outputs under it, the tensors it reads from other producers once).
