@@ -124,7 +124,7 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
     """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour."""
     if not free:
         return Placement(set(), [], {}, 0)
-    net = _Network()
+    net = _Network(len(cg.vertices))
     cache = sizes(cg)
     free_set = set(free)
     _build(cg, free, free_set, cache, is_low, keep_io_types, net)
@@ -205,7 +205,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
             elif len(loose) == 1:
                 _edge(out_edges, in_edges, loose[0], v, c)
             elif loose:
-                aux = ("up", key)
+                aux = net.auxiliary(False)
                 for r in loose:
                     _edge(out_edges, in_edges, r, aux, INF)
                 _edge(out_edges, in_edges, aux, v, c)
@@ -214,7 +214,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
             elif len(loose) == 1:
                 _edge(out_edges, in_edges, v, loose[0], c)
             elif loose:
-                aux = ("down", key)
+                aux = net.auxiliary(True)
                 for r in loose:
                     _edge(out_edges, in_edges, aux, r, INF)
                 _edge(out_edges, in_edges, v, aux, c)
@@ -257,7 +257,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
                 elif len(loose) == 1:
                     to_s[loose[0]] += c
                 elif loose:
-                    aux = ("down", key)
+                    aux = net.auxiliary(True)
                     for r in loose:
                         _edge(out_edges, in_edges, aux, r, INF)
                     to_s[aux] = to_s.get(aux, 0) + c
@@ -265,7 +265,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
                 if len(loose) == 1:
                     to_t[loose[0]] = to_t.get(loose[0], 0) + c
                 elif loose:
-                    aux = ("up", key)
+                    aux = net.auxiliary(False)
                     for r in loose:
                         _edge(out_edges, in_edges, r, aux, INF)
                     to_t[aux] = to_t.get(aux, 0) + c
@@ -311,29 +311,25 @@ def _edge(out_edges: dict, in_edges: dict, a, b, c) -> None:
 
 class _Network:
     """The cut's capacities as adjacency dicts: edges from s and to t apart (the persistency rule
-    of `reduce_terminal` reads them per vertex), the rest both ways."""
+    of `reduce_terminal` reads them per vertex), the rest both ways. Auxiliary vertices are
+    numbered on from the colouring graph's vertices (`first_aux`), in the order they are made:
+    ints hash in no time and iterate in the same order in every process (tuples of names moved
+    with the hash seed, and with them which of several equal cuts persistency found)."""
 
-    __slots__ = ("to_s", "to_t", "out", "into")
+    __slots__ = ("down", "first_aux", "into", "next_aux", "out", "to_s", "to_t")
 
-    def __init__(self):
+    def __init__(self, first_aux: int):
         self.to_s, self.to_t, self.out, self.into = {}, {}, {}, {}
+        self.first_aux = self.next_aux = first_aux
+        self.down = set()  # auxiliary vertices of casts down (the rest are of casts up)
 
-    def add(self, a, b, c) -> None:
-        if a == "s":
-            self.to_s[b] = self.to_s.get(b, 0) + c
-        elif b == "t":
-            self.to_t[a] = self.to_t.get(a, 0) + c
-        else:
-            outs = self.out.get(a)
-            if outs is None:
-                self.out[a] = {b: c}
-            else:
-                outs[b] = outs.get(b, 0) + c
-            ins = self.into.get(b)
-            if ins is None:
-                self.into[b] = {a: c}
-            else:
-                ins[a] = ins.get(a, 0) + c
+    def auxiliary(self, down: bool) -> int:
+        """A new auxiliary vertex: of one tensor's cast down (`down`) or up."""
+        aux = self.next_aux
+        self.next_aux += 1
+        if down:
+            self.down.add(aux)
+        return aux
 
 
 def reduce_terminal(net: _Network) -> tuple[dict, dict]:
@@ -353,6 +349,7 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
     side: dict = {}
     work = list(to_s.keys() | to_t.keys() | out_edges.keys() | in_edges.keys())
     empty = _EMPTY
+    first_aux, down = net.first_aux, net.down
     pop, s_get, t_get, out_get, in_get = work.pop, to_s.get, to_t.get, out_edges.get, in_edges.get
     while work:
         v = pop()
@@ -360,8 +357,8 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
             continue
         outs, ins = out_get(v, empty), in_get(v, empty)
         source, sink = s_get(v, 0), t_get(v, 0)
-        if type(v) is tuple:  # an auxiliary vertex whose edges changed: its readers may now be fixed
-            work.extend(outs if v[0] == "down" else ins)
+        if v >= first_aux:  # an auxiliary vertex whose edges changed: its readers may now be fixed
+            work.extend(outs if v in down else ins)
         weight = sum(outs.values()) if outs else 0  # _weight's common case, inlined
         if weight == INF:
             weight = _weight(outs, out_edges, to_t)
