@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite.analysis import schemas
-from amp_rewrite.analysis.graph import first_type, group_names, read_scopes
+from amp_rewrite.analysis.graph import read_scopes
 from amp_rewrite.io.skeleton import inference_skeleton
 from amp_rewrite import onnx_facts
 from amp_rewrite.errors import UsageError
@@ -56,8 +56,18 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
                 templates[shape_key] = _template(*shape_key, opsets)
             template = templates[shape_key]
             for group, single_choice in template or ():
-                names = group_names(inputs, outputs, group)
-                known = first_type(names, types)
+                names = []  # group_names and first_type, inlined: this runs for every group of every node
+                for i in group.inputs:
+                    if inputs[i]:
+                        names.append(inputs[i])
+                for i in group.outputs:
+                    if outputs[i]:
+                        names.append(outputs[i])
+                known = None
+                for x in names:
+                    if x in types:
+                        known = types[x]
+                        break
                 if known is None:
                     known = single_choice
                 if known is None and group.output_only:
@@ -65,7 +75,8 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
                 if known is None:
                     continue
                 for x in names:
-                    types.setdefault(x, known)
+                    if x not in types:
+                        types[x] = known
             complete = complete and all(not x or x in types for x in outputs)
     return complete
 

@@ -74,7 +74,7 @@ class Plan:
 
 
 def reach(adjacencies, roots, enter) -> dict:
-    """Multi-source BFS over adjacency mappings (`_Masks.succ`, `.pred`, or both): vertex ->
+    """Multi-source BFS over neighbour lists (`_Masks.succ`, `.pred`, or both): vertex ->
     the vertex it was reached from (None for roots). `enter[w]` says whether w may be entered."""
     parent = dict.fromkeys(roots)
     queue = deque(parent)
@@ -90,13 +90,13 @@ def reach(adjacencies, roots, enter) -> dict:
 
 class _Masks:
     """Per-vertex facts the passes test millions of times, computed once as plain lists, and the
-    graph's own neighbour dicts (networkx's `adjacency()`): its views cost a Python call per visit."""
+    graph's neighbour lists (a neighbour may repeat: every pass asks only what is next to what)."""
 
     def __init__(self, cg: ColouringGraph):
         self.lists = [vx.op_list for vx in cg.vertices]
         self.paintable = [vx.blocked is None and not vx.group.output_only for vx in cg.vertices]
-        self.succ = dict(cg.graph.adjacency())
-        self.pred = dict(cg.graph.reverse(copy=False).adjacency())
+        self.succ = cg.succ
+        self.pred = cg.pred
 
     def inside(self, reached: dict, left_out: dict) -> list[bool]:
         """Per vertex: in `reached` and not in `left_out` (a comprehension, not a call per vertex)."""
@@ -155,7 +155,6 @@ def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny
 
 def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: set) -> dict:
     """Output groups typed by an attribute (Cast) whose every consumer is low precision."""
-    g = cg.graph
     painted = {}
     for v, vertex in enumerate(cg.vertices):
         if not vertex.group.output_only or vertex.blocked is not None or vertex.op_list is None:
@@ -165,7 +164,7 @@ def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: 
             continue
         if any((vertex.scope, node.output[i]) in graph_outputs for i in vertex.group.outputs):
             continue
-        consumers = list(g.succ[v])
+        consumers = cg.succ[v]
         if consumers and all(c in low for c in consumers) and _only_vertex_uses(cg, vertex, node):
             painted[v] = Reason(Step.ALL_CONSUMERS_LOW, consumers[0])
     return painted

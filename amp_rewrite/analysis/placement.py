@@ -124,11 +124,10 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
     """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour."""
     if not free:
         return Placement(set(), [], {}, 0)
-    net = _Network()
+    net = _Network(len(cg.vertices))
     cache = sizes(cg)
     free_set = set(free)
-    for key, producer, size in _free_tensors(cg, free, free_set, cache, net.to_s):
-        _charge(cg, key, producer, size, free_set, is_low, keep_io_types, net.add)
+    _build(cg, free, free_set, cache, is_low, keep_io_types, net)
     side, rest = reduce_terminal(net)
     flow = nx.DiGraph()
     flow.add_nodes_from(("s", "t"))
@@ -144,71 +143,140 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
 INF = float("inf")
 
 
-def _free_tensors(cg: ColouringGraph, free: list, free_set: set, cache: dict, to_s: dict) -> list:
-    """(key, producer vertex or None, elements) of every float tensor a free vertex writes or reads,
-    once each: a free vertex's outputs under it, the tensors it reads from other producers once.
-    Each vertex's edge from s (the bytes it saves in low precision) is set on the way."""
-    tensors = []
-    inputs_seen: set = set()
+def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, keep_io_types: bool,
+           net: _Network) -> None:
+    """The network, in one visit of each free vertex: its edge from s (the bytes it saves in low
+    precision) and the edges charging the casts of every float tensor it writes or reads, each
+    tensor once (a free vertex's outputs under it, the tensors it reads from other producers once).
+
+    A tensor's casts: a cast up (some reader low, the producer float32) and a cast down (the
+    reverse) are each paid once per tensor, whatever the number of readers: an auxiliary vertex
+    per tensor and direction; the source side of the cut is low precision. This is `_term`'s
+    reading of the uses, inlined, with the edges added in place (a call per edge cost more than
+    the edge): it runs once per tensor next to a free vertex, 100k times at 100k nodes."""
     saving = FP32_BYTES - LOW_BYTES
-    vertices, scopes, writes = cg.vertices, cg.scopes, cg.writes
+    vertices, scopes, writes, reads = cg.vertices, cg.scopes, cg.writes, cg.reads
+    uses_get, cache_get, shapes_get = cg.uses.get, cache.get, cg.shapes.get
+    constant_nodes = cg.constant_nodes
+    to_s, to_t, out_edges, in_edges = net.to_s, net.to_t, net.out, net.into
+    to_s.update(dict.fromkeys(free, 0))  # every free vertex has an edge from s, in `free`'s order
+    inputs_seen: set = set()
     for v in free:
         vertex = vertices[v]
         s = vertex.scope
         scope = scopes[s]
-        defs = scope.defs
         inputs, outputs = scope.io[vertex.node]
+        group = vertex.group
         total = 0
-        for i in vertex.group.outputs:
+        for i in group.outputs:  # made here: the producer is v, free
             x = outputs[i]
-            if x:
-                size = cache.get(x)
-                if size is None:
-                    size = elements(cg, x, cache)
-                total += size
-                tensors.append(((s, x), v, size))
-        for i in vertex.group.inputs:
+            if not x:
+                continue
+            size = cache_get(x)
+            if size is None:  # elements(), inlined
+                shape = shapes_get(x)
+                size = cache[x] = 1 if shape is None else math.prod(d.dim_value if d.dim_value > 0 else 1
+                                                                    for d in shape.dim)
+            total += size
+            key = (s, x)
+            tensor_uses = uses_get(key, ())
+            c = size * CAST_BYTES
+            if len(tensor_uses) == 1:  # the common case: one reader (_readers, inlined)
+                use_scope, node, use_slot = tensor_uses[0]
+                if node < 0:
+                    if keep_io_types or use_scope > 0:
+                        to_t[v] = to_t.get(v, 0) + c  # a cast down whenever v is low
+                    continue
+                row = reads[use_scope][node]
+                r = row[use_slot] if row else None
+                if r is None:
+                    to_t[v] = to_t.get(v, 0) + c
+                elif r in free_set:  # a cast either way when r and v differ
+                    _edge(out_edges, in_edges, r, v, c)
+                    _edge(out_edges, in_edges, v, r, c)
+                elif is_low(r):
+                    to_s[v] += c
+                else:
+                    to_t[v] = to_t.get(v, 0) + c
+                continue
+            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, keep_io_types)
+            if fixed_low:  # a cast up whenever v is float32
+                to_s[v] += c
+            elif len(loose) == 1:
+                _edge(out_edges, in_edges, loose[0], v, c)
+            elif loose:
+                aux = net.auxiliary(False)
+                for r in loose:
+                    _edge(out_edges, in_edges, r, aux, INF)
+                _edge(out_edges, in_edges, aux, v, c)
+            if fixed_fp32:  # a cast down whenever v is low
+                to_t[v] = to_t.get(v, 0) + c
+            elif len(loose) == 1:
+                _edge(out_edges, in_edges, v, loose[0], c)
+            elif loose:
+                aux = net.auxiliary(True)
+                for r in loose:
+                    _edge(out_edges, in_edges, aux, r, INF)
+                _edge(out_edges, in_edges, v, aux, c)
+        defs_get = scope.defs.get
+        for i in group.inputs:
             x = inputs[i]
             if not x:
                 continue
-            size = cache.get(x)
+            size = cache_get(x)
             if size is None:
                 size = elements(cg, x, cache)
             total += size
-            found = defs.get(x)
-            key = (s, x)
+            found = defs_get(x)
+            ds = s
             if found is None:  # captured from an enclosing graph
                 resolved = cg.resolve(s, x)
                 if resolved is None:
                     continue
-                key, found = (resolved.scope, x), resolved.definition
+                ds, found = resolved.scope, resolved.definition
             kind, n, slot = found
-            if kind == "initializer" or key in inputs_seen:
+            if kind == "initializer":
                 continue
-            producer = None
+            p = None
             if kind == "node":
-                row = writes[key[0]][n]
-                producer = row[slot] if row else None
-                if producer in free_set:  # charged with the producer's outputs
+                row = writes[ds][n]
+                p = row[slot] if row else None
+                if p in free_set:  # charged with the producer's outputs
                     continue
-                if producer is None and (key[0], n) in cg.constant_nodes:
+                if p is None and (ds, n) in constant_nodes:
                     continue
+            key = (ds, x)
+            if key in inputs_seen:
+                continue
             inputs_seen.add(key)
-            tensors.append((key, producer, size))
-        to_s[v] = total * saving
-    return tensors
+            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, keep_io_types)
+            c = size * CAST_BYTES
+            if p is not None and is_low(p):  # a cast down, when some reader is float32
+                if fixed_fp32:
+                    pass
+                elif len(loose) == 1:
+                    to_s[loose[0]] += c
+                elif loose:
+                    aux = net.auxiliary(True)
+                    for r in loose:
+                        _edge(out_edges, in_edges, aux, r, INF)
+                    to_s[aux] = to_s.get(aux, 0) + c
+            elif not fixed_low:  # a cast up from a float32 source, when some reader is low
+                if len(loose) == 1:
+                    to_t[loose[0]] = to_t.get(loose[0], 0) + c
+                elif loose:
+                    aux = net.auxiliary(False)
+                    for r in loose:
+                        _edge(out_edges, in_edges, r, aux, INF)
+                    to_t[aux] = to_t.get(aux, 0) + c
+        to_s[v] += total * saving
 
 
-def _charge(cg: ColouringGraph, key, p, size: int, free: set, is_low, keep_io_types: bool, add) -> None:
-    """The edges charging tensor `key`'s casts (`p`: its producer vertex, None for a float32 source);
-    the source side of the cut is low precision. A cast up (some reader low, the producer float32)
-    and a cast down (the reverse) are each paid once per tensor, whatever the number of readers: an
-    auxiliary vertex per tensor and direction. `_term`'s reading of the uses, inlined: this runs
-    once per tensor next to a free vertex."""
+def _readers(tensor_uses, reads, free: set, is_low, keep_io_types: bool) -> tuple:
+    """(free readers in first-use order, some reader fixed low, some reader fixed float32)."""
     loose = []
     fixed_low = fixed_fp32 = False
-    reads = cg.reads
-    for use_scope, node, use_slot in cg.uses.get(key, ()):
+    for use_scope, node, use_slot in tensor_uses:
         if node < 0:
             if keep_io_types or use_scope > 0:
                 fixed_fp32 = True
@@ -224,60 +292,44 @@ def _charge(cg: ColouringGraph, key, p, size: int, free: set, is_low, keep_io_ty
             fixed_low = True
         else:
             fixed_fp32 = True
-    c = size * CAST_BYTES
-    p_free = p is not None and p in free
-    p_low = p is not None and not p_free and is_low(p)
-    if not p_low:  # a cast up, when some reader is low
-        tail = p if p_free else "t"
-        if fixed_low:
-            if p_free:
-                add("s", p, c)
-        elif len(loose) == 1:
-            add(loose[0], tail, c)
-        elif loose:
-            aux = ("up", key)
-            for r in loose:
-                add(r, aux, INF)
-            add(aux, tail, c)
-    if p_low or p_free:  # a cast down, when some reader is float32
-        head = p if p_free else "s"
-        if fixed_fp32:
-            if p_free:
-                add(p, "t", c)
-        elif len(loose) == 1:
-            add(head, loose[0], c)
-        elif loose:
-            aux = ("down", key)
-            for r in loose:
-                add(aux, r, INF)
-            add(head, aux, c)
+    return loose, fixed_low, fixed_fp32
+
+
+def _edge(out_edges: dict, in_edges: dict, a, b, c) -> None:
+    """Capacity c more on the edge a -> b, between two non-terminal vertices."""
+    outs = out_edges.get(a)
+    if outs is None:
+        out_edges[a] = {b: c}
+    else:
+        outs[b] = outs.get(b, 0) + c
+    ins = in_edges.get(b)
+    if ins is None:
+        in_edges[b] = {a: c}
+    else:
+        ins[a] = ins.get(a, 0) + c
 
 
 class _Network:
     """The cut's capacities as adjacency dicts: edges from s and to t apart (the persistency rule
-    of `reduce_terminal` reads them per vertex), the rest both ways."""
+    of `reduce_terminal` reads them per vertex), the rest both ways. Auxiliary vertices are
+    numbered on from the colouring graph's vertices (`first_aux`), in the order they are made:
+    ints hash in no time and iterate in the same order in every process (tuples of names moved
+    with the hash seed, and with them which of several equal cuts persistency found)."""
 
-    __slots__ = ("to_s", "to_t", "out", "into")
+    __slots__ = ("down", "first_aux", "into", "next_aux", "out", "to_s", "to_t")
 
-    def __init__(self):
+    def __init__(self, first_aux: int):
         self.to_s, self.to_t, self.out, self.into = {}, {}, {}, {}
+        self.first_aux = self.next_aux = first_aux
+        self.down = set()  # auxiliary vertices of casts down (the rest are of casts up)
 
-    def add(self, a, b, c) -> None:
-        if a == "s":
-            self.to_s[b] = self.to_s.get(b, 0) + c
-        elif b == "t":
-            self.to_t[a] = self.to_t.get(a, 0) + c
-        else:
-            outs = self.out.get(a)
-            if outs is None:
-                self.out[a] = {b: c}
-            else:
-                outs[b] = outs.get(b, 0) + c
-            ins = self.into.get(b)
-            if ins is None:
-                self.into[b] = {a: c}
-            else:
-                ins[a] = ins.get(a, 0) + c
+    def auxiliary(self, down: bool) -> int:
+        """A new auxiliary vertex: of one tensor's cast down (`down`) or up."""
+        aux = self.next_aux
+        self.next_aux += 1
+        if down:
+            self.down.add(aux)
+        return aux
 
 
 def reduce_terminal(net: _Network) -> tuple[dict, dict]:
@@ -297,24 +349,35 @@ def reduce_terminal(net: _Network) -> tuple[dict, dict]:
     side: dict = {}
     work = list(to_s.keys() | to_t.keys() | out_edges.keys() | in_edges.keys())
     empty = _EMPTY
+    first_aux, down = net.first_aux, net.down
+    pop, s_get, t_get, out_get, in_get = work.pop, to_s.get, to_t.get, out_edges.get, in_edges.get
     while work:
-        v = work.pop()
+        v = pop()
         if v in side:
             continue
-        outs, ins = out_edges.get(v, empty), in_edges.get(v, empty)
-        source, sink = to_s.get(v, 0), to_t.get(v, 0)
-        if type(v) is tuple:  # an auxiliary vertex whose edges changed: its readers may now be fixed
-            work.extend(outs if v[0] == "down" else ins)
-        if source >= sink + _weight(outs, out_edges, to_t):
+        outs, ins = out_get(v, empty), in_get(v, empty)
+        source, sink = s_get(v, 0), t_get(v, 0)
+        if v >= first_aux:  # an auxiliary vertex whose edges changed: its readers may now be fixed
+            work.extend(outs if v in down else ins)
+        weight = sum(outs.values()) if outs else 0  # _weight's common case, inlined
+        if weight == INF:
+            weight = _weight(outs, out_edges, to_t)
+        if source >= sink + weight:
             side[v] = True
             _merge(v, outs, in_edges, to_s, ins, out_edges, work)
-        elif sink >= source + _weight(ins, in_edges, to_s):
-            side[v] = False
-            _merge(v, ins, out_edges, to_t, outs, in_edges, work)
         else:
-            continue
-        out_edges.pop(v, None)
-        in_edges.pop(v, None)
+            weight = sum(ins.values()) if ins else 0
+            if weight == INF:
+                weight = _weight(ins, in_edges, to_s)
+            if sink >= source + weight:
+                side[v] = False
+                _merge(v, ins, out_edges, to_t, outs, in_edges, work)
+            else:
+                continue
+        if outs:
+            del out_edges[v]
+        if ins:
+            del in_edges[v]
     rest = {("s", b): c for b, c in to_s.items() if b not in side}
     rest.update(((a, "t"), c) for a, c in to_t.items() if a not in side)
     rest.update(((a, b), c) for a, outs in out_edges.items() if a not in side for b, c in outs.items())
@@ -379,11 +442,21 @@ def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, keep_io_types: b
     done = place(cg, free, allow.__contains__, keep_io_types)
     low = dict(allow)
     kept = {}
+    fixed = "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)"
+    # most vertices are fixed before the cut: their two reasons are made once and shared (immutable)
+    fixed_low = Reason(Step.COST_PLACEMENT, None, f"{fixed} (fewer bytes moved in {cg.target})")
+    fixed_fp32 = Reason(Step.COST_PLACEMENT, None, f"{fixed} (fewer bytes moved in float32)")
+    regions, chosen = done.region, done.low
     for v in free:
-        region = done.region.get(v)
-        where = (f"cost placement: min cut of region {region} of {done.regions}" if region else
-                 "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)")
-        if v in done.low:
+        region = regions.get(v)
+        if region is None:
+            if v in chosen:
+                low[v] = fixed_low
+            else:
+                kept[v] = fixed_fp32
+            continue
+        where = f"cost placement: min cut of region {region} of {done.regions}"
+        if v in chosen:
             low[v] = Reason(Step.COST_PLACEMENT, None, f"{where} (fewer bytes moved in {cg.target})")
         else:
             kept[v] = Reason(Step.COST_PLACEMENT, None, f"{where} (fewer bytes moved in float32)")
