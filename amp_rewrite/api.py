@@ -14,7 +14,7 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
             annotate: bool = False, provider: str = "cuda", placement: str = "cost", scale_activations: bool = True,
-            relax_margin: float = 16.0, dims=None, pointwise_check: bool = True):
+            relax_margin: float = 16.0, dims=None, pointwise_check: bool = True, fold_noop_casts: bool = True):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -32,8 +32,11 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     `relax_margin` (with `calibration`): elementwise range-deny ops measured within max/margin
     become infer ops (op_lists/range_relax.yaml; 0: never). `dims` ({symbolic dim: size}, of the
     graph inputs) sizes those dims for shape inference: the size estimates (cost placement, bytes
-    moved, FLOPs) use them; the model's declarations do not change. `options` (a RewriteOptions) replaces all keyword
-    options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
+    moved, FLOPs) use them; the model's declarations do not change. `pointwise_check`: a range-deny
+    op (Exp, Pow, ...) whose pointwise chain from one tensor agrees with float32 on every float16
+    value becomes an infer op, no data needed (analysis/pointwise.py). `fold_noop_casts`: the
+    model's own Casts that convert nothing in the result are removed (transform/noop_casts.py).
+    `options` (a RewriteOptions) replaces all keyword options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
         options = RewriteOptions.of(target=target, keep_io_types=keep_io_types, op_lists=op_lists, allow=allow,
@@ -42,5 +45,6 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     node_block_list=node_block_list, force_fp32=force_fp32,
                                     calibration=calibration, annotate=annotate,
                                     provider=provider, placement=placement, scale_activations=scale_activations,
-                                    relax_margin=relax_margin, dims=dims, pointwise_check=pointwise_check)
+                                    relax_margin=relax_margin, dims=dims, pointwise_check=pointwise_check,
+                                    fold_noop_casts=fold_noop_casts)
     return run(model, options)

@@ -51,6 +51,7 @@ class RewriteOptions:
     relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
     dims: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # symbolic dim -> size: size estimates only
     pointwise_check: bool = True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
+    fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":

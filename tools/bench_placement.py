@@ -70,6 +70,7 @@ NOT_COMPUTE = {"Cast", "Constant", "Identity", "Shape", "Reshape", "Unsqueeze", 
 _VALIDATE_DEFAULTS = inspect.signature(val.validate).parameters
 RTOL, ATOL = _VALIDATE_DEFAULTS["rtol"].default, _VALIDATE_DEFAULTS["atol"].default
 OLD_DENY = ("LayerNormalization", "Softmax")  # moved out of deny after bf991a5
+OLD_BEHAVIOUR = {"pointwise_check": False, "fold_noop_casts": False}  # both came after bf991a5 too
 BASELINE = "amp-rewrite tf, old lists"
 AUTOCAST = "modelopt autocast"
 MAX_IR_VERSION = 10  # ONNX Runtime 1.31 refuses newer
@@ -234,7 +235,8 @@ def _amp(placement: str, calibrated: bool = False, deny=()):
 
     def convert(case: Case) -> onnx.ModelProto:
         calibration = case.calibration() if calibrated else None
-        return amp_rewrite.rewrite(case.model, placement=placement, deny=deny, calibration=calibration).model
+        return amp_rewrite.rewrite(case.model, placement=placement, deny=deny, calibration=calibration,
+                                   **(OLD_BEHAVIOUR if deny else {})).model
     return convert
 
 

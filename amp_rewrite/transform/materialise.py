@@ -34,7 +34,7 @@ from amp_rewrite.transform.weights import CAST_OPSET, Scan
 __all__ = ["Materialised", "materialise"]
 
 
-def _run(m: Materialisation) -> Materialised:
+def _run(m: Materialisation, fold_casts: bool = True) -> Materialised:
     cg = m.cg
     for (s, name), uses in cg.uses.items():
         if cg.types.get(name) != FLOAT:
@@ -47,7 +47,8 @@ def _run(m: Materialisation) -> Materialised:
             place_casts(m, s, name, d, src, uses)
     retarget_attribute_typed_outputs(m)
     retype_io_and_value_info(m)
-    fold_noop_casts(m)
+    if fold_casts:
+        fold_noop_casts(m)
     emit_nodes(m)
     restore_borrowed(m.cg.scopes[0].graph, m.cg.borrowed, m.replaced)
     m.constants.converted.clear()  # what stays float32 was converted for nothing: free it
@@ -55,9 +56,10 @@ def _run(m: Materialisation) -> Materialised:
 
 
 def materialise(model: onnx.ModelProto, cg: ColouringGraph, plan: Plan, constants: Scan, *,
-                keep_io_types: bool = True, clamp: bool = False) -> Materialised:
-    """Apply `plan` to `model` (the proto `cg` was built from) in place; `constants` is the scan."""
-    result = _run(Materialisation.start(model, cg, plan, constants, keep_io_types, clamp))
+                keep_io_types: bool = True, clamp: bool = False, fold_casts: bool = True) -> Materialised:
+    """Apply `plan` to `model` (the proto `cg` was built from) in place; `constants` is the scan.
+    `fold_casts`: the model's own Casts that convert nothing in the result are removed (noop_casts)."""
+    result = _run(Materialisation.start(model, cg, plan, constants, keep_io_types, clamp), fold_casts)
     if (result.casts or result.duplicated_constants) and not any(o.domain in DEFAULT_DOMAINS for o in model.opset_import):
         # e.g. a model of ai.onnx.ml ops only: our Cast/Constant nodes need the default domain
         model.opset_import.append(helper.make_opsetid("", CAST_OPSET))

@@ -127,7 +127,8 @@ def estimate_flops(w: Work) -> None:
 
 def materialise(w: Work) -> None:
     w.materialised = materialise_mod.materialise(w.model, w.cg, w.plan, w.constants,
-                                                 keep_io_types=w.options.keep_io_types, clamp=w.options.clamp)
+                                                 keep_io_types=w.options.keep_io_types, clamp=w.options.clamp,
+                                                 fold_casts=w.options.fold_noop_casts)
 
 
 def sort(w: Work) -> None:

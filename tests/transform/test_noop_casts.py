@@ -242,3 +242,13 @@ def test_a_noop_cast_whose_removal_would_duplicate_an_inserted_cast_stays():
     check_both(model, result.model)
     assert _casts(result.model.graph)["cast"] == ("e", FLOAT) and result.report.summary["casts_removed"] == 0
     assert all(count == 1 for count in _inserted_casts(result.model.graph).values())
+
+
+def test_fold_noop_casts_false_keeps_the_models_casts():
+    """The toggle (bench_placement's bf991a5 baseline uses it): every Cast of the model stays."""
+    model = attention()
+    result = rewrite(model, fold_noop_casts=False)
+    check_both(model, result.model, rtol=3e-2, atol=3e-2)
+    own = {n for n in _casts(result.model.graph) if not n.startswith("amp/")}
+    assert own == {"cast", "cast_1"}
+    assert result.report.summary["casts_removed"] == 0 and rewrite(model).report.summary["casts_removed"] == 2
