@@ -24,6 +24,12 @@ from amp_rewrite.io import tensordata
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, LOW_ELEM, np_dtype
 
 LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
+# float32's largest value, as exporters write attention masks (finfo(float32).min): "as large as the
+# type allows". A constant whose values beyond the target's range are all this takes the target's
+# largest value there (+-65504), its meaning in that type, instead of keeping its readers float32:
+# not inf, so 0 x mask stays 0 (a masked-out (1 - m) * finfo.min would be NaN) and a fully masked
+# Softmax row stays finite. Any other out-of-range value still keeps its readers float32.
+SENTINEL = float(np.finfo(np.float32).max)
 CHUNK_BYTES = 1 << 20  # float32 values read, checked and converted at once
 ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats the cost of a session call
 CAST_OPSET = 13  # the first default-domain opset whose Cast takes bfloat16
@@ -35,6 +41,7 @@ class Scan:
 
     out_of_range: dict = field(default_factory=dict)  # -> largest finite |value| the target cannot hold
     converted: dict = field(default_factory=dict)  # -> (bytes in the target type, values clamped)
+    sentinels: dict = field(default_factory=dict)  # -> how many +-SENTINEL values became the target's largest
 
     def take(self, key) -> tuple | None:
         """The converted bytes of `key`, once, or None."""
@@ -159,10 +166,17 @@ def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, 
     """One chunk of (key, float32 bytes): joined into one array, checked, converted, split."""
     whole = np.frombuffer(b"".join(data for _, data in chunk), "<f4")
     bounds = np.cumsum([0] + [len(data) // 4 for _, data in chunk]).tolist()
+    sentinels = False
     if not clamp and largest_finite(whole) > limit:  # rare: name the tensors over the limit
         for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
-            if (largest := largest_finite(whole[start:end])) > limit:
-                result.out_of_range[key] = largest
+            part = whole[start:end]
+            if (largest := largest_finite(part)) > limit:
+                beyond = np.abs(part[np.isfinite(part)])
+                beyond = beyond[beyond > limit]
+                if np.all(beyond == SENTINEL):
+                    result.sentinels[key] = sentinels = int(beyond.size)
+                else:
+                    result.out_of_range[key] = largest
     if convert_to is None:
         return
     over = np.isfinite(whole) & (np.abs(whole) > limit) if clamp else None
@@ -170,6 +184,8 @@ def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, 
         whole = np.clip(whole, -limit, limit)
     else:
         over = None
+    if sentinels:  # exactly +-SENTINEL -> +-limit; inf and everything else as they are
+        whole = np.where(np.abs(whole) == SENTINEL, np.copysign(np.float32(limit), whole), whole)
     with np.errstate(over="ignore"):  # values beyond the range are in out_of_range: never used
         low = cast_values(whole, convert_to)
     for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
@@ -184,6 +200,9 @@ def scan_constants(cg: ColouringGraph, clamp: bool) -> Scan:
     may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
     found = scan(cg.scopes, cg.borrowed, cg.target, clamp=clamp, convert_to=LOW_ELEM[cg.target] if may_go_low else None,
                  constant_nodes=cg.has_constant_nodes)
+    for key, count in found.sentinels.items():
+        cg.notes.append((f"constant {key[1]!r}", f"its {count} value(s) +-{SENTINEL:.4g} (float32's largest, a mask "
+                                                 f"sentinel) become +-{LIMITS[cg.target]:g}, {cg.target}'s largest"))
     for key, value in found.out_of_range.items():
         for s, n, slot in cg.uses.get(key, ()):
             v = cg.input_vertex(s, n, slot)

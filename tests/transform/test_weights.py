@@ -4,7 +4,7 @@ out-of-range constants (and --clamp), many-chunk weights converted once.
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import amp_rewrite
 from helpers import big_weights_model, check_both, init, make_model, node, tensor, weights
@@ -108,3 +108,28 @@ def test_weights_over_many_chunks_convert_once_and_run_the_same():
     assert result.report.summary["constants_converted"] == len(converted)
     assert result.report.summary["constants_duplicated"] == 0
     check_both(model, result.model, rtol=5e-2, atol=5e-2)
+
+
+def test_mask_sentinel_constant_becomes_float16s_largest_and_zero_times_it_stays_zero():
+    """BERT's additive mask, (1 - m) * finfo(float32).min: the constant's only out-of-range values
+    are float32's largest, so it is -65504 in float16 and the Mul goes low; a kept position is
+    0 x -65504 = 0 (with -inf it would be NaN). A constant holding 1e6 as well keeps its reader."""
+    rng = np.random.default_rng(5)
+    model = make_model(
+        [node("MatMul", ["x", "W"], ["s"], "scores"), node("Sub", ["one", "m"], ["inv"], "inv"),
+         node("Mul", ["inv", "fill"], ["mask"], "mask"), node("Add", ["s", "mask"], ["masked"], "add"),
+         node("Softmax", ["masked"], ["p"], "softmax", axis=-1), node("MatMul", ["p", "V"], ["y"], "out"),
+         node("Mul", ["x", "other"], ["o"], "other_mul")],
+        [tensor("x", [2, 8]), tensor("m", [2, 8])], [tensor("y", [2, 4]), tensor("o", [2, 8])],
+        [init("W", weights(rng, 8, 8)), init("V", weights(rng, 8, 4)), init("one", np.array(1.0, np.float32)),
+         init("fill", np.array(np.finfo(np.float32).min, np.float32)),
+         init("other", np.array([np.finfo(np.float32).max, 1e6, np.inf, 1, 1, 1, 1, 1], np.float32))])
+    result = amp_rewrite.rewrite(model)
+    assert result.report.node("mask")["precision"] == "float16"
+    assert result.report.node("other_mul")["precision"] == "float32"  # 1e6 is a value, not a sentinel
+    fill = next(t for t in result.model.graph.initializer if t.name == "fill")
+    assert numpy_helper.to_array(fill) == np.float16(-65504)
+    feeds = {"x": rng.standard_normal((2, 8)).astype(np.float32),
+             "m": (rng.random((2, 8)) > 0.3).astype(np.float32)}
+    feeds["m"][:, 0] = 1  # every row keeps a key
+    check_both(model, result.model, feeds)
