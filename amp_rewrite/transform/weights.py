@@ -201,8 +201,9 @@ def scan_constants(cg: ColouringGraph, clamp: bool) -> Scan:
     found = scan(cg.scopes, cg.borrowed, cg.target, clamp=clamp, convert_to=LOW_ELEM[cg.target] if may_go_low else None,
                  constant_nodes=cg.has_constant_nodes)
     for key, count in found.sentinels.items():
-        cg.notes.append((f"constant {key[1]!r}", f"its {count} value(s) +-{SENTINEL:.4g} (float32's largest, a mask "
-                                                 f"sentinel) become +-{LIMITS[cg.target]:g}, {cg.target}'s largest"))
+        said = (f"its {count} value(s) +-{SENTINEL:.4g} (float32's largest, a mask sentinel) become "
+                f"+-{LIMITS[cg.target]:g}, {cg.target}'s largest")
+        cg.notes.append((f"constant {key[1]!r}", said))
     for key, value in found.out_of_range.items():
         for s, n, slot in cg.uses.get(key, ()):
             v = cg.input_vertex(s, n, slot)

@@ -4,10 +4,18 @@ out-of-range constants (and --clamp), many-chunk weights converted once.
 
 import numpy as np
 import onnx
+from helpers import (
+    big_weights_model,
+    check_both,
+    init,
+    make_model,
+    node,
+    tensor,
+    weights,
+)
 from onnx import TensorProto, helper, numpy_helper
 
 import amp_rewrite
-from helpers import big_weights_model, check_both, init, make_model, node, tensor, weights
 
 F16 = TensorProto.FLOAT16
 
