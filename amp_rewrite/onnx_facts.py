@@ -10,7 +10,7 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.errors import ModelError
 
@@ -45,6 +45,21 @@ def np_dtype(elem: int) -> np.dtype:
 
 
 # --- opsets --------------------------------------------------------------------------------------
+
+
+def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """A Constant node's value as a TensorProto (value_float(s) and value_int(s) made into one);
+    None for the kinds that hold no tensor (sparse, strings)."""
+    for attr in node.attribute:
+        if attr.name == "value":
+            return attr.t
+        if attr.name in ("value_float", "value_floats"):
+            return numpy_helper.from_array(np.array(list(attr.floats) if attr.name == "value_floats" else attr.f,
+                                                    np.float32))
+        if attr.name in ("value_int", "value_ints"):
+            return numpy_helper.from_array(np.array(list(attr.ints) if attr.name == "value_ints" else attr.i,
+                                                    np.int64))
+    return None
 
 
 def opsets(model: onnx.ModelProto) -> dict[str, int]:

@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite.io import tensordata
-from amp_rewrite.onnx_facts import FLOAT
+from amp_rewrite.onnx_facts import FLOAT, constant_tensor
 
 RTOL, ATOL = 1e-2, 2.0 ** -10
 MAX_CHAIN = 64  # nodes; a longer pointwise chain is left to the lists
@@ -114,24 +114,12 @@ class _ScopeView:
                 self._initializers = {t.name: t for t in self.scope.graph.initializer}
             tensor = self.borrowed.get(name, self._initializers.get(name))
         elif found.kind == "node" and self.scope.graph.node[found.node].op_type == "Constant":
-            tensor = _constant_tensor(self.scope.graph.node[found.node])
+            tensor = constant_tensor(self.scope.graph.node[found.node])
         else:
             return None
         if tensor is None or int(np.prod(tensor.dims)) != 1:
             return None
         return tensor
-
-
-def _constant_tensor(node: onnx.NodeProto):
-    for attr in node.attribute:
-        value = helper.get_attribute_value(attr)
-        if attr.name == "value":
-            return value
-        if attr.name in ("value_float", "value_int"):
-            return numpy_helper.from_array(np.array(value, np.float32 if attr.name == "value_float" else np.int64))
-        if attr.name in ("value_floats", "value_ints") and len(value) == 1:
-            return numpy_helper.from_array(np.array(value, np.float32 if attr.name == "value_floats" else np.int64))
-    return None
 
 
 def _relieved_in(view: _ScopeView, candidates: list, types: dict, opsets: dict) -> dict:

@@ -8,7 +8,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from amp_rewrite.io import tensordata
-from amp_rewrite.onnx_facts import ELEMENT_SIZE, FLOAT, TAG
+from amp_rewrite.onnx_facts import ELEMENT_SIZE, FLOAT, TAG, constant_tensor
 from amp_rewrite.transform import weights
 from amp_rewrite.transform.state import Materialisation, needed_types, set_input
 
@@ -74,7 +74,7 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
             m.result.duplicated_constants += 1
         return
     node = m.cg.node(s, d.node)
-    tensor = weights.constant_tensor(node)
+    tensor = constant_tensor(node)
     data = converted_bytes(m, (s, name), tensor, elem)
     m.result.weight_bytes_delta += size_change(data, elem, in_place)
     converted = onnx.TensorProto(data_type=elem, dims=tensor.dims, raw_data=data)

@@ -17,11 +17,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from amp_rewrite.analysis.graph import ColouringGraph
 from amp_rewrite.io import tensordata
-from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, LOW_ELEM, np_dtype
+from amp_rewrite.onnx_facts import (
+    DEFAULT_DOMAINS,
+    FLOAT,
+    LOW_ELEM,
+    constant_tensor,
+    np_dtype,
+)
 
 LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
 # float32's largest value, as exporters write attention masks (finfo(float32).min): "as large as the
@@ -56,17 +62,6 @@ def value_holder(borrowed: dict, scope: int, tensor: onnx.TensorProto) -> onnx.T
 
 def is_constant(node: onnx.NodeProto) -> bool:
     return node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS
-
-
-def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
-    """A Constant node's value as a TensorProto (value_float(s) made into one)."""
-    for attr in node.attribute:
-        if attr.name == "value":
-            return attr.t
-        if attr.name in ("value_float", "value_floats"):
-            values = [attr.f] if attr.name == "value_float" else list(attr.floats)
-            return numpy_helper.from_array(np.array(values if attr.name == "value_floats" else values[0], np.float32))
-    return None
 
 
 def float_constants(scopes, borrowed: dict, constant_nodes: bool = True):
