@@ -247,9 +247,9 @@ def build(
     templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups with their fixed reasons
     vertices = cg.vertices
     for s, scope in enumerate(scopes):
-        reads, writes = cg.reads[s], cg.writes[s]
+        reads, writes, op_types = cg.reads[s], cg.writes[s], scope.op_types
         for n, node in enumerate(scope.graph.node):
-            key = (node.domain, node.op_type)
+            key = (node.domain, op_types[n])  # the op type as read_scopes read it: one read a node
             info = op_info.get(key)
             if info is None:
                 info = op_info[key] = _describe_op(*key, opsets, local_functions, op_lists)
@@ -321,7 +321,7 @@ def build(
                     if refused:
                         blocked = f"schema {node.op_type}-{sig.since_version} inference refuses {target}: {refused}"
                 v = len(vertices)
-                vertices.append(Vertex(s, n, name, node.op_type, group, op_list, list_reason, blocked, forced, relaxed))
+                vertices.append(Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed))
                 if reads[n] is None:
                     reads[n], writes[n] = [None] * len(inputs), [None] * len(outputs)
                 for i in group.inputs:

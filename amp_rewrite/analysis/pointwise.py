@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite.io import tensordata
-from amp_rewrite.onnx_facts import FLOAT, constant_tensor
+from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, constant_tensor
 
 RTOL, ATOL = 1e-2, 2.0 ** -10
 MAX_CHAIN = 64  # nodes; a longer pointwise chain is left to the lists
@@ -58,12 +58,12 @@ def relieved(scopes, lists: OpLists, types: dict, opsets: dict, borrowed=None) -
     if not range_ops:
         return {}
     range_ops = frozenset(range_ops)
-    found = {}
-    read_inside = _read_by_bodies(scopes)
+    found, read_inside = {}, None
     for s, scope in enumerate(scopes):
         candidates = [n for n, op_type in enumerate(scope.op_types)
-                      if op_type in range_ops and scope.graph.node[n].domain in ("", "ai.onnx")]
+                      if op_type in range_ops and scope.graph.node[n].domain in DEFAULT_DOMAINS]
         if candidates:
+            read_inside = read_inside or _read_by_bodies(scopes)  # only where a chain is traced
             view = _ScopeView(scope, borrowed if s == 0 else None, read_inside[s])
             found.update(_relieved_in(view, candidates, types, opsets))
     return found
@@ -113,7 +113,7 @@ class _ScopeView:
             if self._initializers is None:
                 self._initializers = {t.name: t for t in self.scope.graph.initializer}
             tensor = self.borrowed.get(name, self._initializers.get(name))
-        elif found.kind == "node" and self.scope.graph.node[found.node].op_type == "Constant":
+        elif found.kind == "node" and self.scope.op_types[found.node] == "Constant":
             tensor = constant_tensor(self.scope.graph.node[found.node])
         else:
             return None
@@ -161,7 +161,7 @@ def _chain(view: _ScopeView, x: str):
         seen.add(n)
         inputs, outputs = io[n]
         node = nodes[n]
-        if node.op_type not in ops or node.domain not in ("", "ai.onnx") or len(outputs) != 1:
+        if node.op_type not in ops or node.domain not in DEFAULT_DOMAINS or len(outputs) != 1:
             continue
         if not all(not i or i in inside or view.scalar(i) is not None for i in inputs):
             continue
@@ -207,9 +207,7 @@ def _describe(view: _ScopeView, x: str, chain: list) -> tuple:
 
 
 def _tensor_key(tensor: onnx.TensorProto) -> tuple:
-    data = tensordata.tensor_bytes(tensor) if tensor.HasField("raw_data") or tensordata.is_external(tensor) else \
-        numpy_helper.to_array(tensor).tobytes()
-    return tensor.data_type, tuple(tensor.dims), data
+    return tensor.data_type, tuple(tensor.dims), tensordata.tensor_bytes(tensor)
 
 
 def _opset_key(opsets: dict) -> tuple:
