@@ -6,6 +6,10 @@ onnxconverter-common and ONNX Runtime's float16 converter (given the same op blo
 bench_rewrite.py, so they keep the same ops float32) and, when installed in a venv of its own,
 NVIDIA ModelOpt AutoCast (`--modelopt-python`, or AMP_MODELOPT_PYTHON), without and with the same
 calibration samples. Every amp-rewrite row names its placement: the shipped defaults may change.
+The "+tolerance" row is `--calibrate --tolerance`: accuracy-guided fallback pins nodes float32
+until the validate column's rule holds, so it shows what that rule costs in float16 share; it may
+use TOLERANCE_RUNS validation runs (the CLI's `--max-runs` defaults to 10: the search pins 1, 2, 4,
+... nodes, so 10 runs reach 511 pins, short of what a 10k-node stack needs).
 
 Cases: the small exported BERT and CNN (tools/exported.py), with `--exports full` also BERT-base,
 GPT-2 small and ViT-S/16 exported from transformers configs with random weights (torch and
@@ -23,8 +27,9 @@ graph inputs' symbolic dims set to those of the samples run (a shape still unkno
   of them): max |error| / max |float32 output|, and the smallest cosine over the outputs;
 - validate: `amp-rewrite --validate`'s rule (checks/validate.compare) with its default rtol/atol:
   "ok" when every element is within atol + rtol x |float32|, else how many are not;
-- seconds: the conversion, plus the calibration run for calibrated amp-rewrite rows; AutoCast's
-  is its subprocess (Python start and imports included).
+- seconds: the conversion, plus the calibration run for calibrated amp-rewrite rows (and the
+  fallback's validation runs for "+tolerance"); AutoCast's is its subprocess (Python start and
+  imports included).
 
     python tools/bench_placement.py [--exports none|small|full] [--sizes 1k,10k] [--tools PREFIX] [--markdown]
 """
@@ -71,6 +76,7 @@ _VALIDATE_DEFAULTS = inspect.signature(val.validate).parameters
 RTOL, ATOL = _VALIDATE_DEFAULTS["rtol"].default, _VALIDATE_DEFAULTS["atol"].default
 OLD_DENY = ("LayerNormalization", "Softmax")  # moved out of deny after bf991a5
 OLD_BEHAVIOUR = {"pointwise_check": False, "fold_noop_casts": False}  # both came after bf991a5 too
+TOLERANCE_RUNS = 16  # the "+tolerance" row's --max-runs
 BASELINE = "amp-rewrite tf, old lists"
 AUTOCAST = "modelopt autocast"
 MAX_IR_VERSION = 10  # ONNX Runtime 1.31 refuses newer
@@ -240,6 +246,18 @@ def _amp(placement: str, calibrated: bool = False, deny=()):
     return convert
 
 
+def _amp_tolerance(case: Case) -> onnx.ModelProto:
+    """`--calibrate --tolerance` (cost placement): pin nodes float32 until `--validate`'s rule holds on
+    the case's own samples, on ONNX Runtime CPU as the validate column measures (onnx.reference off)."""
+    from amp_rewrite.checks import fallback
+
+    fitted = fallback.fit(case.model, case.samples, rtol=RTOL, atol=ATOL, calibration=case.calibration(),
+                          reference=False, progress=False, max_runs=TOLERANCE_RUNS)
+    if not fitted.passed:
+        raise ToolFailed(f"still over tolerance after {fitted.runs} validation runs ({len(fitted.pinned)} pinned)")
+    return fitted.result.model
+
+
 def _anchor(name: str):
     def convert(case: Case) -> onnx.ModelProto:
         fresh = onnx.ModelProto()
@@ -285,7 +303,8 @@ def tools(args) -> list[Tool]:
     found = [Tool(BASELINE, _amp("tf", deny=OLD_DENY)), Tool("amp-rewrite tf", _amp("tf")),
              Tool("amp-rewrite cost", _amp("cost")),
              Tool("amp-rewrite tf +calibrate", _amp("tf", True), calibrated=True),
-             Tool("amp-rewrite cost +calibrate", _amp("cost", True), calibrated=True)]
+             Tool("amp-rewrite cost +calibrate", _amp("cost", True), calibrated=True),
+             Tool("amp-rewrite cost +calibrate +tolerance", _amp_tolerance, calibrated=True)]
     for name in (bench_rewrite.OCC, bench_rewrite.ORT):
         found.append(Tool(name, _anchor(name), missing=bench_rewrite.tool_missing(name)))
     python = modelopt_python(args.modelopt_python)
@@ -478,7 +497,7 @@ def parse_args(argv):
     p.add_argument("--autocast-timeout", type=int, default=900, help="seconds one AutoCast run may take")
     p.add_argument("--tools", action="append", metavar="PREFIX",
                    help="only the tools whose row name starts with PREFIX (repeatable), e.g. 'amp-rewrite' for "
-                        "our five rows (default: every tool)")
+                        "our six rows (default: every tool)")
     p.add_argument("--markdown", action="store_true")
     return p.parse_args(argv)
 

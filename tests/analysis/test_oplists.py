@@ -62,3 +62,6 @@ def test_list_evidence_measures_each_candidate_op_in_float16(tmp_path, capsys):
     assert 0 < float(ln[4]) <= float(ln[3]) < 5e-3 and 0 < float(softmax[3]) < 5e-3  # spec <= all-float16
     assert int(rows["all of them"][5]) < int(rows["(all deny)"][5])  # fewer casts with both in float16
     assert all(float(row[7]) > 0.9999 for row in rows.values())
+    for row in rows.values():  # "k/n": elements outside --validate's tolerance, of the output's 2*4*8
+        outside, total = map(int, row[8].split("/"))
+        assert total == 64 and 0 <= outside <= total

@@ -13,7 +13,7 @@ from helpers import load_tool
 pytest.importorskip("torch")
 
 AMP_ROWS = ("amp-rewrite tf, old lists", "amp-rewrite tf", "amp-rewrite cost", "amp-rewrite tf +calibrate",
-            "amp-rewrite cost +calibrate")
+            "amp-rewrite cost +calibrate", "amp-rewrite cost +calibrate +tolerance")
 
 
 def test_small_exports_without_modelopt(monkeypatch, capsys):
@@ -38,7 +38,8 @@ def test_tools_option_keeps_the_rows_asked_for(monkeypatch):
     bench = load_tool("bench_placement", needs=("exported", "synthetic", "bench_rewrite"))
     assert [tool.name for tool in bench.tools(bench.parse_args(["--tools", "amp-rewrite"]))] == list(AMP_ROWS)
     chosen = bench.tools(bench.parse_args(["--tools", "amp-rewrite cost", "--tools", "modelopt autocast"]))
-    assert [tool.name for tool in chosen] == ["amp-rewrite cost", "amp-rewrite cost +calibrate", "modelopt autocast",
+    assert [tool.name for tool in chosen] == ["amp-rewrite cost", "amp-rewrite cost +calibrate",
+                                             "amp-rewrite cost +calibrate +tolerance", "modelopt autocast",
                                              "modelopt autocast +calibrate"]
     assert len(bench.tools(bench.parse_args([]))) == len(AMP_ROWS) + 4  # two converters, AutoCast twice
 
