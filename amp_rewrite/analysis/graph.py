@@ -62,6 +62,7 @@ class Scope:
     io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (cheaper than lists from upb), read once
     names: list = field(default_factory=list)  # per node: its name, read once
     op_types: list = field(default_factory=list)  # per node: its op type, read once
+    initializers: dict = field(default_factory=dict)  # name -> its TensorProto in this graph, read once
 
 
 @dataclass(slots=True)
@@ -151,9 +152,9 @@ def read_scopes(graph: onnx.GraphProto, nested: bool = True) -> list[Scope]:
 
 
 def _record_defs(scope: Scope) -> None:
+    scope.initializers = {tensor.name: tensor for tensor in scope.graph.initializer}
     defs = scope.defs
-    for tensor in scope.graph.initializer:
-        defs[tensor.name] = _INITIALIZER
+    defs.update(dict.fromkeys(scope.initializers, _INITIALIZER))
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
         defs[value.name] = _INPUT
     rows = [(tuple(node.input), tuple(node.output), node.name, node.op_type) for node in scope.graph.node]  # one visit a node
