@@ -50,8 +50,8 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
     templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups, or None without a schema
     complete = True
     for scope in scopes if scopes is not None else read_scopes(model.graph):  # parents first
-        for node, (inputs, outputs) in zip(scope.graph.node, scope.io):
-            shape_key = (node.domain, node.op_type, len(inputs), len(outputs))
+        for n, (inputs, outputs) in enumerate(scope.io):  # node fields as read_scopes read them
+            shape_key = (scope.domains[n], scope.op_types[n], len(inputs), len(outputs))
             if shape_key not in templates:
                 templates[shape_key] = _template(*shape_key, opsets)
             template = templates[shape_key]
@@ -71,7 +71,7 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
                 if known is None:
                     known = single_choice
                 if known is None and group.output_only:
-                    known = _attribute_type(node)
+                    known = _attribute_type(scope.graph.node[n])
                 if known is None:
                     continue
                 for x in names:

@@ -29,7 +29,7 @@ CAST_BYTES = LOW_BYTES + FP32_BYTES  # a Cast reads one type and writes the othe
 
 def sizes(cg: ColouringGraph) -> dict:
     """A cache of tensor elements, filled with the initializers' (their dims are always known)."""
-    return {t.name: math.prod(t.dims) for scope in cg.scopes for t in scope.graph.initializer}
+    return {name: math.prod(t.dims[:]) for scope in cg.scopes for name, t in scope.initializers.items()}
 
 
 def elements(cg: ColouringGraph, name: str, cache: dict) -> int:

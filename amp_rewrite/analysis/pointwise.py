@@ -87,7 +87,7 @@ class _ScopeView:
 
     def __init__(self, scope, borrowed: dict | None, read_inside: set):
         self.scope, self.borrowed, self.read_inside = scope, borrowed or {}, read_inside
-        self._readers = self._initializers = None
+        self._readers = None
 
     def readers(self, name: str) -> list:
         if self._readers is None:
@@ -110,9 +110,7 @@ class _ScopeView:
         if found is None:
             return None
         if found.kind == "initializer":
-            if self._initializers is None:
-                self._initializers = {t.name: t for t in self.scope.graph.initializer}
-            tensor = self.borrowed.get(name, self._initializers.get(name))
+            tensor = self.borrowed.get(name, self.scope.initializers.get(name))
         elif found.kind == "node" and self.scope.op_types[found.node] == "Constant":
             tensor = constant_tensor(self.scope.graph.node[found.node])
         else:

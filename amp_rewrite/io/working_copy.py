@@ -45,8 +45,9 @@ def working_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
 
 
 def restore_borrowed(graph: onnx.GraphProto, borrowed: dict, replaced: set) -> None:
-    """Give every borrowed initializer that was not replaced by converted bytes its own data."""
-    if not borrowed:
+    """Give every borrowed initializer that was not replaced by converted bytes its own data
+    (no walk over the initializers when all were: the common case of a big model)."""
+    if borrowed.keys() <= replaced:
         return
     for tensor in graph.initializer:
         source = borrowed.get(tensor.name)

@@ -57,8 +57,8 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
     elem = elem or m.low
     scope = m.cg.scopes[s]
     if d.kind == "initializer":
-        tensor = initializers(m, s)[name]
-        data = converted_bytes(m, (s, name), weights.value_holder(m.cg.borrowed, s, tensor), elem)
+        tensor = scope.initializers[name]  # as read_scopes read them
+        data = converted_bytes(m, (s, name), weights.value_holder(m.cg.borrowed, s, name, tensor), elem)
         m.result.weight_bytes_delta += size_change(data, elem, in_place)
         if in_place:  # swap the data, keep everything else (doc string, metadata)
             tensor.ClearField("float_data")
@@ -86,10 +86,3 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
         copy = helper.make_node("Constant", [], [new_name], name=m.names.new(f"amp/{new_name}"), value=converted)
         m.after.setdefault((s, d.node), []).append(copy)
         m.result.duplicated_constants += 1
-
-
-def initializers(m: Materialisation, s: int) -> dict:
-    """Name -> initializer of graph `s`, read once per graph."""
-    if s not in m.initializers_by_scope:
-        m.initializers_by_scope[s] = {t.name: t for t in m.cg.scopes[s].graph.initializer}
-    return m.initializers_by_scope[s]

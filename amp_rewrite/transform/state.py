@@ -53,7 +53,6 @@ class Materialisation:
     removed: dict = field(default_factory=dict)  # scope -> indices of the model's nodes not emitted
     renamed: dict = field(default_factory=dict)  # (def scope, name) -> new producer output name
     low_names: set = field(default_factory=set)  # (scope, name) whose final type is low precision
-    initializers_by_scope: dict = field(default_factory=dict)
     replaced: set = field(default_factory=set)  # borrowed main-graph initializers given converted bytes in place
 
     @classmethod

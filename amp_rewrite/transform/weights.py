@@ -54,10 +54,11 @@ class Scan:
         return self.converted.pop(key, None)
 
 
-def value_holder(borrowed: dict, scope: int, tensor: onnx.TensorProto) -> onnx.TensorProto:
-    """The tensor holding `tensor`'s values: the caller's for a borrowed main-graph initializer
-    (the working copy holds it without bytes, see io.working_copy), else `tensor` itself."""
-    return borrowed.get(tensor.name, tensor) if scope == 0 else tensor
+def value_holder(borrowed: dict, scope: int, name: str, tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """The tensor holding the values of initializer `name` (`tensor`): the caller's for a borrowed
+    main-graph initializer (the working copy holds it without bytes, see io.working_copy), else
+    `tensor` itself."""
+    return borrowed.get(name, tensor) if scope == 0 else tensor
 
 
 def is_constant(node: onnx.NodeProto) -> bool:
@@ -65,12 +66,13 @@ def is_constant(node: onnx.NodeProto) -> bool:
 
 
 def float_constants(scopes, borrowed: dict, constant_nodes: bool = True):
-    """(def scope, name), TensorProto of every float32 initializer and Constant node value
-    (`constant_nodes=False`: the caller knows there is no Constant node, so nodes are not read)."""
+    """(def scope, name), TensorProto of every float32 initializer (as `read_scopes` read them) and
+    Constant node value (`constant_nodes=False`: the caller knows there is no Constant node, so
+    nodes are not read)."""
     for s, scope in enumerate(scopes):
-        for tensor in scope.graph.initializer:
+        for name, tensor in scope.initializers.items():
             if tensor.data_type == FLOAT:
-                yield (s, tensor.name), value_holder(borrowed, s, tensor)
+                yield (s, name), value_holder(borrowed, s, name, tensor)
         for node in scope.graph.node if constant_nodes else ():
             if is_constant(node) and node.output:
                 tensor = constant_tensor(node)
