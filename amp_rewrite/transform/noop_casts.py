@@ -8,7 +8,10 @@ and its readers read the value it was given when, in the rewritten model,
   (float16 -> float32 -> float16, bfloat16 -> float32 -> bfloat16: every value comes back bit for
   bit). torch's eager attention exports `softmax(...).to(float32)` twice on float32 tensors; with
   Softmax in float16 the first becomes float16 -> float32 and the second, retargeted, float32 ->
-  float16: a round trip. The widening Cast goes too when nothing else reads it.
+  float16: a round trip. The widening Cast goes too when nothing else reads it. The widening
+  Cast may be one the materialiser inserted: with keep_io_types=False a float16 graph input
+  read by the model's `Cast(to=FLOAT)` gets a float32 Cast of its own before it, and the model's
+  Cast, retargeted to float16, takes it back.
 
 Readers in subgraphs (outer-scope reads) are rewired like any other. Kept: a Cast whose output
 is a graph output, the main graph's or a body's (output names stay; but a main output renamed at
@@ -64,6 +67,7 @@ class _Folder:
                         self.inserted_readers.setdefault(node.input[0], []).append(node)
         self.removed = m.removed
         self.done = set()  # Casts settled
+        self.dead_inserted = set()  # outputs of inserted Casts nothing reads any more
 
     # --- what the rewritten model holds ---
 
@@ -149,6 +153,17 @@ class _Folder:
         if elem == to:
             replacement = source
             reason = f"converts nothing: its input '{source}' is {_type_name(elem)} already"
+        elif source in self.inserted_elem:  # an inserted Cast widened it: the replacement is what it read
+            _, name, replacement, _, _ = self.m.result.casts[self.inserted_index[source]]
+            if (to, elem) not in EXACT_WIDENING or self.elem(s, replacement) != to:
+                return
+            reason = (f"converts nothing: with the inserted Cast '{name}' it takes '{replacement}' from "
+                      f"{_type_name(to)} to {_type_name(elem)} and back, exactly")
+            if not self.rewire(s, out, current, replacement):
+                return
+            self.remove(s, n, node, replacement, reason)
+            self.drop_inserted_if_dead(s, replacement, source)
+            return
         else:
             widened = self.producer(s, source)
             if widened is None or (to, elem) not in EXACT_WIDENING:
@@ -197,7 +212,30 @@ class _Folder:
         if inserted:
             self.inserted_readers.setdefault(replacement, []).extend(inserted)
             del self.inserted_readers[current]
+            if replacement in self.inserted_elem:
+                self.unwind(s, out, replacement, inserted)
         return True
+
+    def unwind(self, s: int, out: str, widened: str, moved: list) -> None:
+        """Inserted Casts just moved onto `widened`, an inserted Cast's exact widening of a tensor,
+        that take it back to that tensor's type: their readers (readers of `out`) read the tensor."""
+        casts = self.m.result.casts
+        _, _, source, wide, _ = casts[self.inserted_index[widened]]
+        narrow = self.elem(s, source)
+        if (narrow, wide) not in EXACT_WIDENING:
+            return
+        for cast in moved:
+            scope, _, _, elem, output = casts[self.inserted_index[cast.output[0]]]
+            if elem != narrow or (scope, output) in self.m.main_outputs:
+                continue
+            readers = self.readers(s, out, output)
+            if readers is None or not all(self.visible(s, use.scope, source) for use, _ in readers):
+                continue
+            for use, reader in readers:
+                reader.input[use.slot] = source
+            self.dead_inserted.add(output)
+            self.inserted_readers[widened].remove(cast)
+        self.drop_inserted_if_dead(s, source, widened)
 
     def drop_if_dead(self, key, back: str, to: int) -> None:
         """The widening Cast of a folded round trip goes too when nothing reads it any more."""
@@ -214,6 +252,15 @@ class _Folder:
         self.remove(s, n, node, None, f"its only reader, Cast '{back}', took the value back to {_type_name(to)}: "
                                       f"nothing reads it any more")
 
+    def drop_inserted_if_dead(self, s: int, tensor: str, cast_output: str) -> None:
+        """An inserted Cast of `tensor` whose only reader was a folded Cast goes too."""
+        found = self.cg.resolve(s, tensor)
+        if found is None or self.inserted_readers.get(cast_output):
+            return
+        readers = self.readers(found.scope, tensor, cast_output)
+        if readers is not None and not readers:
+            self.dead_inserted.add(cast_output)
+
     def remove(self, s: int, n: int, node, replacement, reason: str) -> None:
         self.removed.setdefault(s, set()).add(n)
         self.m.result.removed_casts.append((s, n, node.name, node.output[0], replacement, reason))
@@ -228,7 +275,10 @@ def fold_noop_casts(m: Materialisation) -> None:
     and point their readers at what they read; drop their value_info entries."""
     if not m.low_vertices and m.keep_io:  # nothing is rewritten (no allow op): the model stays as it is
         return
-    _Folder(m).run()
+    folder = _Folder(m)
+    folder.run()
+    if folder.dead_inserted:
+        _drop_inserted(m, folder.dead_inserted)
     gone_by_scope: dict = {}
     for s, _, _, out, _, _ in m.result.removed_casts:
         gone_by_scope.setdefault(s, set()).add(out)
@@ -236,3 +286,10 @@ def fold_noop_casts(m: Materialisation) -> None:
         value_info = m.cg.scopes[s].graph.value_info
         for i in reversed([i for i, v in enumerate(value_info) if v.name in gone]):
             del value_info[i]
+
+
+def _drop_inserted(m: Materialisation, dead: set) -> None:
+    """Take the inserted Casts writing `dead` out of what splice.py emits and the result's list."""
+    m.result.casts[:] = [c for c in m.result.casts if c[4] not in dead]
+    for nodes in (*m.after.values(), *m.top.values()):
+        nodes[:] = [node for node in nodes if node.output[0] not in dead]

@@ -252,3 +252,45 @@ def test_fold_noop_casts_false_keeps_the_models_casts():
     own = {n for n in _casts(result.model.graph) if not n.startswith("amp/")}
     assert own == {"cast", "cast_1"}
     assert result.report.summary["casts_removed"] == 0 and rewrite(model).report.summary["casts_removed"] == 2
+
+
+def _input_cast_model(float32_reader: bool):
+    """x -> Cast(to=FLOAT) -> MatMuls (an export that casts its input first), and with
+    `float32_reader` also Log(|x| + 1) + the Cast's output, which keeps the Cast's output float32
+    (found by hypothesis: with keep_io_types=False the first rewrite left a round trip that a
+    second rewrite then removed)."""
+    rng = np.random.default_rng(3)
+    nodes = [node("Cast", ["x"], ["t0"], "n0", to=FLOAT), node("MatMul", ["t0", "W1"], ["t1"], "n1"),
+             node("MatMul", ["t0", "W2"], ["t2"], "n2")]
+    outputs = ["t1", "t2"]
+    inits = [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))]
+    if float32_reader:
+        nodes += [node("Abs", ["x"], ["a"], "abs"), node("Add", ["a", "one"], ["p"], "pos"),
+                  node("Log", ["p"], ["l"], "log"), node("Add", ["t0", "l"], ["t3"], "n3")]
+        outputs.append("t3")
+        inits.append(init("one", np.ones(1, np.float32)))
+    return make_model(nodes, [tensor("x", [2, 4])], [tensor(t, [2, 4]) for t in outputs], inits)
+
+
+@pytest.mark.parametrize("float32_reader", [False, True])
+def test_an_input_cast_folds_with_the_cast_inserted_before_it(float32_reader):
+    """keep_io_types=False makes x float16; the model's Cast(to=FLOAT) then sits between x's
+    inserted float32 Cast and (retargeted, or as an inserted Cast) a float16 one: a round trip.
+    The MatMuls read x itself, no inserted Cast is left without a reader, and rewriting the
+    result again changes nothing."""
+    model = _input_cast_model(float32_reader)
+    result = rewrite(model, keep_io_types=False)
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    readers = {n.name: list(n.input) for n in out.graph.node}
+    assert readers["n1"][0] == readers["n2"][0] == "x"
+    assert "n0" not in readers and result.report.summary["casts_removed"] == 1
+    read = {name for inputs in readers.values() for name in inputs} | {o.name for o in out.graph.output}
+    assert all(n.output[0] in read for n in out.graph.node)  # nothing dead
+    assert len(result.report.casts) == sum(n.name.startswith("amp/") for n in out.graph.node)
+    again = rewrite(out, keep_io_types=False).model
+    assert again.SerializeToString() == out.SerializeToString()
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float16)
+    expected = run_ort(model, {"x": x.astype(np.float32)})
+    assert_close(run_ort(out, {"x": x}), expected, 2e-2, 2e-2)
+    assert_close(run_reference(out, {"x": x}), expected, 2e-2, 2e-2)
