@@ -8,12 +8,16 @@ are pinned float32 (as deny roots, so float32 spreads as from a deny op), k grow
 A node that is already float32 yet still shows a jump only amplifies what it is fed (a
 subtraction of nearly equal values): its low-precision producers are blamed instead. Each
 candidate costs one validation run; the search stops at `max_runs` (10) including the final check.
+k grows by 2, or faster where the last search run would not reach every low-precision node of the
+first candidate (growth = count ** (1 / search runs)): doubling stops at 511 pins in 10 runs, short
+of what an element-wise tolerance takes on a 10k-node model.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,7 +176,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     pinned: dict = {}
     history: list = []
     runs = 0
-    k = 1
+    k, growth = 1, 2.0
     result = validation = None
     while runs < max_runs:
         result = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pinned}))
@@ -187,12 +191,14 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
                         "worst_max_abs": max(s["max_abs"] for ss in stats.values() for s in ss)})
         if passed:
             break
+        if runs == 1:
+            growth = _growth(result, st, max_runs)
         new = _rank(result, st, _unscaled(result, tensors), ref_tensors, pinned, runs)
         if not new:
             break
         for key, reason in new[:k]:
             pinned[key] = reason
-        k *= 2
+        k = math.ceil(k * growth)
     validation = val.validate(model, result.model, samples, provider=provider, rtol=rtol, atol=atol,
                               reference=reference, progress=progress, expected=(names, ref_out, ref_used))
     runs += 1
@@ -202,6 +208,14 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     result.report.sections["fallback"] = fallback.to_dict()
     result.report.sections["validation"] = validation.to_dict()
     return fallback
+
+
+def _growth(result: RewriteResult, st: _Structure, max_runs: int) -> float:
+    """How fast k grows: 2, or faster where 1 + g + g^2 + ... over the search's runs (max_runs less
+    the first and the final check) would not cover every low-precision node."""
+    low = sum(1 for p in _precision_by_key(result, st).values() if p != "float32")
+    searches = max_runs - 2
+    return max(2.0, low ** (1.0 / searches)) if searches > 0 and low > 1 else 2.0
 
 
 def _rank(result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int) -> list:

@@ -4,6 +4,7 @@ rewrite misses (API and --tolerance).
 
 import json
 
+import numpy as np
 import onnx
 
 from accuracy_models import cancellation
@@ -11,7 +12,7 @@ from amp_rewrite.checks import calibrate, validate
 from amp_rewrite.checks import fallback as accuracy
 from amp_rewrite.cli import main
 from amp_rewrite import rewrite
-from helpers import assert_close, run_ort, run_reference
+from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 RTOL, ATOL = 1e-2, 1e-2
 
@@ -46,3 +47,27 @@ def test_cli_tolerance_runs_the_fallback(tmp_path, capsys):
     feeds = validate.synthesise(cancellation(), dims={"batch": 8}, seed=5)[0]
     assert_close(run_reference(onnx.load(tmp_path / "c16.onnx"), feeds), run_ort(cancellation(), feeds),
                  rtol=1e-2, atol=3e-3)
+
+
+def _deep_chain(depth=24, width=16, seed=0):
+    """MatMul -> Tanh, `depth` times: every node adds a little float16 rounding, none dominates."""
+    rng = np.random.default_rng(seed)
+    nodes, weights_, current = [], [], "x"
+    for i in range(depth):
+        nodes += [node("MatMul", [current, f"W{i}"], [f"h{i}"], f"mm{i}"),
+                  node("Tanh", [f"h{i}"], [f"t{i}"], f"tanh{i}")]
+        weights_.append(init(f"W{i}", weights(rng, width, width)))
+        current = f"t{i}"
+    return make_model(nodes, [tensor("x", ["N", width])], [tensor(current, ["N", width])], weights_)
+
+
+def test_fallback_search_reaches_every_node_when_errors_are_diffuse():
+    """A tolerance only float32 meets (atol 1e-6) on 48 low-precision nodes: doubling k would pin
+    at most 1 + 2 + 4 + 8 + 16 = 31 nodes in 6 runs and fail; k grows fast enough to reach them all."""
+    model = _deep_chain()
+    samples = validate.synthesise(model, dims={"N": 4}, count=1)
+    assert rewrite(model).report.summary["nodes_low"] == 48
+    fb = accuracy.fit(model, samples, rtol=0.0, atol=1e-6, max_runs=6, reference=False)
+    assert fb.passed, fb.history
+    assert len(fb.pinned) > 31 and fb.runs <= 6
+    assert_close(run_ort(fb.result.model, samples[0]), run_ort(model, samples[0]), rtol=0.0, atol=1e-6)

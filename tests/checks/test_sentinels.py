@@ -145,7 +145,12 @@ def test_check_validates_and_the_fallback_does_not_blame_the_mask():
     # a tolerance float16 cannot meet: the fallback pins where rounding enters, never the masked sum
     fitted = accuracy.check(model, samples=feeds, calibrate=True, tolerance=True, reference=True, rtol=1e-6,
                             atol=1e-7, max_runs=3)
-    assert len(fitted.fallback.pinned) == 3 and not {"add_mask", "softmax"} & set(fitted.fallback.pinned)
+    # (k grows fast enough to reach every node the ranking blames within max_runs: the second
+    # search pins all of them, so the first pin is the one that shows the ranking)
+    pinned = fitted.fallback.pinned
+    first = [key for key, why in pinned.items() if "(run 1)" in why]
+    assert len(first) == 1 and not {"add_mask", "softmax"} & set(first), pinned
+    assert len(pinned) >= 3 and "add_mask" not in pinned, pinned
     ref = [np.array([[1.0, MIN, MIN]], F32)]
     assert accuracy._rel_error(ref, [np.array([[1.0, -np.inf, -65504.0]], np.float16)]) == 0.0
     assert accuracy._rel_error(ref, [np.array([[1.0, np.inf, -1.0]], np.float16)]) == accuracy.HUGE
