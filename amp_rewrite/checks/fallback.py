@@ -10,7 +10,8 @@ subtraction of nearly equal values): its low-precision producers are blamed inst
 candidate costs one validation run; the search stops at `max_runs` (10) including the final check.
 k grows by 2, or faster where the last search run would not reach every low-precision node of the
 first candidate (growth = count ** (1 / search runs)): doubling stops at 511 pins in 10 runs, short
-of what an element-wise tolerance takes on a 10k-node model.
+of what an element-wise tolerance takes on a 10k-node model. Once a run passes, the runs left
+bisect the last batch (a prefix of the ranking), so the result pins no more of it than it needs.
 """
 
 from __future__ import annotations
@@ -173,22 +174,27 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
         options = options.replace(provider=colour_for)
     base_force = dict(options.force_fp32)
 
-    pinned: dict = {}
     history: list = []
     runs = 0
-    k, growth = 1, 2.0
-    result = validation = None
-    while runs < max_runs:
-        result = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pinned}))
-        if runs == max_runs - 1:  # one run left: it is the final check
-            break
-        outputs, tensors = _evaluate(result.model, samples, names, measured_names, provider, reference, progress)
+
+    def attempt(pins: dict):
+        """One validation run of the rewrite with `pins`: (result, passed, tensors)."""
+        nonlocal runs
+        candidate = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
+        outputs, tensors = _evaluate(candidate.model, samples, names, measured_names, provider, reference, progress)
         runs += 1
-        stats = {run: val._compare_all(names, ref_out, got, rtol, atol) for run, got in outputs.items()}
-        passed = all(s["passed"] for ss in stats.values() for s in ss)
-        worst = max((s["max_rel"] if np.isfinite(s["max_rel"]) else HUGE) for ss in stats.values() for s in ss)
-        history.append({"run": runs, "pinned": len(pinned), "passed": passed, "worst_max_rel": worst,
-                        "worst_max_abs": max(s["max_abs"] for ss in stats.values() for s in ss)})
+        stats = [s for run, got in outputs.items() for s in val._compare_all(names, ref_out, got, rtol, atol)]
+        passed = all(s["passed"] for s in stats)
+        history.append({"run": runs, "pinned": len(pins), "passed": passed,
+                        "worst_max_rel": max((s["max_rel"] if np.isfinite(s["max_rel"]) else HUGE) for s in stats),
+                        "worst_max_abs": max(s["max_abs"] for s in stats)})
+        return candidate, passed, tensors
+
+    pinned: dict = {}
+    k, growth, batch = 1, 2.0, []
+    result = validation = None
+    while runs < max_runs - 1:  # the last run is the final check
+        result, passed, tensors = attempt(pinned)
         if passed:
             break
         if runs == 1:
@@ -196,9 +202,23 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
         new = _rank(result, st, _unscaled(result, tensors), ref_tensors, pinned, runs)
         if not new:
             break
-        for key, reason in new[:k]:
-            pinned[key] = reason
+        batch = new[:k]
+        pinned.update(batch)
         k = math.ceil(k * growth)
+    else:
+        result = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pinned}))
+        passed = False
+    if passed and len(batch) > 1:  # runs left: pin only as much of the last batch as it takes
+        before = {key: pinned[key] for key in list(pinned)[:len(pinned) - len(batch)]}
+        low, high = 0, len(batch)
+        while high - low > 1 and runs < max_runs - 1:
+            middle = (low + high) // 2
+            candidate, ok, _ = attempt({**before, **dict(batch[:middle])})
+            if ok:
+                high, result = middle, candidate
+            else:
+                low = middle
+        pinned = {**before, **dict(batch[:high])}
     validation = val.validate(model, result.model, samples, provider=provider, rtol=rtol, atol=atol,
                               reference=reference, progress=progress, expected=(names, ref_out, ref_used))
     runs += 1

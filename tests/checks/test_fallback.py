@@ -71,3 +71,16 @@ def test_fallback_search_reaches_every_node_when_errors_are_diffuse():
     assert fb.passed, fb.history
     assert len(fb.pinned) > 31 and fb.runs <= 6
     assert_close(run_ort(fb.result.model, samples[0]), run_ort(model, samples[0]), rtol=0.0, atol=1e-6)
+
+
+def test_fallback_pins_only_the_part_of_the_last_batch_it_needs():
+    """k doubles to 1 + 2 + 4 + 8 = 15 pins before the chain meets atol 1e-3; the runs left then
+    bisect that last batch of 8 (the ranking's prefix), and the result keeps the fewest pins that
+    passed, each checked in ORT."""
+    model = _deep_chain()
+    samples = validate.synthesise(model, dims={"N": 4}, count=1)
+    fb = accuracy.fit(model, samples, rtol=0.0, atol=1e-3, max_runs=10, reference=False)
+    assert fb.passed, fb.history
+    passes = [h["pinned"] for h in fb.history if h["passed"] and not h.get("final")]
+    assert passes[0] > len(fb.pinned) == min(passes), fb.history
+    assert_close(run_ort(fb.result.model, samples[0]), run_ort(model, samples[0]), rtol=0.0, atol=1e-3)
