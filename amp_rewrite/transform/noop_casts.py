@@ -147,39 +147,39 @@ class _Folder:
         current = self.m.renamed.get((s, out), out)
         to = next((a.i for a in node.attribute if a.name == "to"), None)
         elem = self.elem(s, source)
-        widened = None
+        widened = inserted = None
         if elem is None or to is None:
             return
         if elem == to:
             replacement = source
             reason = f"converts nothing: its input '{source}' is {_type_name(elem)} already"
-        elif source in self.inserted_elem:  # an inserted Cast widened it: the replacement is what it read
-            _, name, replacement, _, _ = self.m.result.casts[self.inserted_index[source]]
-            if (to, elem) not in EXACT_WIDENING or self.elem(s, replacement) != to:
-                return
-            reason = (f"converts nothing: with the inserted Cast '{name}' it takes '{replacement}' from "
-                      f"{_type_name(to)} to {_type_name(elem)} and back, exactly")
-            if not self.rewire(s, out, current, replacement):
-                return
-            self.remove(s, n, node, replacement, reason)
-            self.drop_inserted_if_dead(s, replacement, source)
-            return
         else:
-            widened = self.producer(s, source)
-            if widened is None or (to, elem) not in EXACT_WIDENING:
+            if (to, elem) not in EXACT_WIDENING:
                 return
-            first = self.candidates[widened]
-            replacement = first.input[0]
-            if (self.is_removed(*widened) or self.elem(widened[0], replacement) != to
-                    or not self.visible(widened[0], s, replacement)):
-                return
-            reason = (f"converts nothing: with Cast '{first.name}' it takes '{replacement}' from "
+            if source in self.inserted_elem:  # an inserted Cast widened it: the replacement is what it read
+                inserted = source
+                _, first, replacement, _, _ = self.m.result.casts[self.inserted_index[source]]
+                if self.elem(s, replacement) != to:
+                    return
+                first = f"the inserted Cast '{first}'"
+            else:
+                widened = self.producer(s, source)
+                if widened is None:
+                    return
+                replacement = self.candidates[widened].input[0]
+                if (self.is_removed(*widened) or self.elem(widened[0], replacement) != to
+                        or not self.visible(widened[0], s, replacement)):
+                    return
+                first = f"Cast '{self.candidates[widened].name}'"
+            reason = (f"converts nothing: with {first} it takes '{replacement}' from "
                       f"{_type_name(to)} to {_type_name(elem)} and back, exactly")
         if not self.rewire(s, out, current, replacement):
             return
         self.remove(s, n, node, replacement, reason)
         if widened is not None:
             self.drop_if_dead(widened, node.name, to)
+        if inserted is not None:
+            self.drop_inserted_if_dead(s, replacement, inserted)
 
     def rewire(self, s: int, out: str, current: str, replacement: str) -> bool:
         """Every reader of `out` (named `current` now) reads `replacement` instead; False (nothing
