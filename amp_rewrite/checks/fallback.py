@@ -177,31 +177,38 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
     history: list = []
     runs = 0
 
+    def rewritten(pins: dict) -> RewriteResult:
+        return rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
+
+    def record(pins: dict, passed: bool, worst_rel: float, worst_abs: float, **extra) -> None:
+        history.append({"run": runs, "pinned": len(pins), "passed": passed, **extra,
+                        "worst_max_rel": worst_rel, "worst_max_abs": worst_abs})
+
     def attempt(pins: dict):
-        """One validation run of the rewrite with `pins`: (result, passed, tensors)."""
+        """One run of the rewrite with `pins`, every tensor exposed for the ranking: (result, passed, tensors)."""
         nonlocal runs
-        candidate = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
+        candidate = rewritten(pins)
         outputs, tensors = _evaluate(candidate.model, samples, names, measured_names, provider, reference, progress)
         runs += 1
         stats = [s for run, got in outputs.items() for s in val._compare_all(names, ref_out, got, rtol, atol)]
         passed = all(s["passed"] for s in stats)
-        history.append({"run": runs, "pinned": len(pins), "passed": passed,
-                        "worst_max_rel": max((s["max_rel"] if np.isfinite(s["max_rel"]) else HUGE) for s in stats),
-                        "worst_max_abs": max(s["max_abs"] for s in stats)})
+        record(pins, passed, max((s["max_rel"] if np.isfinite(s["max_rel"]) else HUGE) for s in stats),
+               max(s["max_abs"] for s in stats))
         return candidate, passed, tensors
 
-    def final_check(candidate) -> val.ValidationResult:
+    def check(candidate: RewriteResult, pins: dict, **extra) -> val.ValidationResult:
         """The outputs alone, as the final check runs them (exposing every tensor, as `attempt`
         does, stops ORT's fusions and moves the numbers: a prefix found at the edge must pass here)."""
         nonlocal runs
         validation = val.validate(model, candidate.model, samples, provider=provider, rtol=rtol, atol=atol,
                                   reference=reference, progress=progress, expected=(names, ref_out, ref_used))
         runs += 1
+        record(pins, validation.passed, validation.worst("max_rel"), validation.worst("max_abs"), **extra)
         return validation
 
     pinned: dict = {}
     k, growth, batch = 1, 2.0, []
-    result = validation = None
+    result = None
     while runs < max_runs - 1:  # the last run is the final check
         result, passed, tensors = attempt(pinned)
         if passed:
@@ -215,26 +222,20 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
         pinned.update(batch)
         k = math.ceil(k * growth)
     else:
-        result = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pinned}))
-        passed = False
+        result, passed = rewritten(pinned), False
     if passed and len(batch) > 1:  # runs left: pin only as much of the last batch as it takes
-        before = {key: pinned[key] for key in list(pinned)[:len(pinned) - len(batch)]}
+        before = dict(list(pinned.items())[:len(pinned) - len(batch)])
         low, high = 0, len(batch)
         while high - low > 1 and runs < max_runs - 1:
             middle = (low + high) // 2
             pins = {**before, **dict(batch[:middle])}
-            candidate = rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
-            checked = final_check(candidate)
-            history.append({"run": runs, "pinned": len(pins), "passed": checked.passed,
-                            "worst_max_rel": checked.worst("max_rel"), "worst_max_abs": checked.worst("max_abs")})
-            if checked.passed:
+            candidate = rewritten(pins)
+            if check(candidate, pins).passed:
                 high, result = middle, candidate
             else:
                 low = middle
         pinned = {**before, **dict(batch[:high])}
-    validation = final_check(result)
-    history.append({"run": runs, "pinned": len(pinned), "passed": validation.passed, "final": True,
-                    "worst_max_rel": validation.worst("max_rel"), "worst_max_abs": validation.worst("max_abs")})
+    validation = check(result, pinned, final=True)
     fallback = FallbackResult(result, validation, validation.passed, runs, pinned, history)
     result.report.sections["fallback"] = fallback.to_dict()
     result.report.sections["validation"] = validation.to_dict()
@@ -242,8 +243,9 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
 
 
 def _growth(result: RewriteResult, st: _Structure, max_runs: int) -> float:
-    """How fast k grows: 2, or faster where 1 + g + g^2 + ... over the search's runs (max_runs less
-    the first and the final check) would not cover every low-precision node."""
+    """How fast k grows: 2, or faster where doubling would not reach every low-precision node: k is
+    grown max_runs - 2 times before the final check, so g = low ** (1 / (max_runs - 2)) makes the
+    last batch alone as large as the count of low nodes."""
     low = sum(1 for p in _precision_by_key(result, st).values() if p != "float32")
     searches = max_runs - 2
     return max(2.0, low ** (1.0 / searches)) if searches > 0 and low > 1 else 2.0

@@ -7,7 +7,7 @@ from onnx import TensorProto
 
 import amp_rewrite
 from amp_rewrite.errors import OpListError
-from helpers import init, load_tool, make_model, mlp, node, tensor, weights
+from helpers import init, load_tool, make_model, mlp, node, run_ort, tensor, weights
 
 F16 = TensorProto.FLOAT16
 
@@ -53,7 +53,8 @@ def test_list_evidence_measures_each_candidate_op_in_float16(tmp_path, capsys):
     path = tmp_path / "block.onnx"
     onnx.save(model, path)
     args = [str(path), "--ops", "LayerNormalization,Softmax", "--dim", "B=2", "--markdown"]
-    assert load_tool("list_evidence", needs=("bench_placement", "bench_rewrite", "exported", "synthetic")).main(args) == 0
+    tool = load_tool("list_evidence", needs=("bench_placement", "bench_rewrite", "exported", "synthetic"))
+    assert tool.main(args) == 0
     lines = capsys.readouterr().out.splitlines()[2:]  # after the Markdown head
     rows = {cells[1]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
     assert set(rows) == {"(all deny)", "LayerNormalization", "Softmax", "all of them"}
@@ -62,6 +63,19 @@ def test_list_evidence_measures_each_candidate_op_in_float16(tmp_path, capsys):
     assert 0 < float(ln[4]) <= float(ln[3]) < 5e-3 and 0 < float(softmax[3]) < 5e-3  # spec <= all-float16
     assert int(rows["all of them"][5]) < int(rows["(all deny)"][5])  # fewer casts with both in float16
     assert all(float(row[7]) > 0.9999 for row in rows.values())
-    for row in rows.values():  # "k/n": elements outside --validate's tolerance, of the output's 2*4*8
-        outside, total = map(int, row[8].split("/"))
-        assert total == 64 and 0 <= outside <= total
+    # "k/n": output elements outside --validate's tolerance, counted here from the models' runs too
+    feeds = tool.feeds_for(model, {"B": 2})
+    [want] = run_ort(model, feeds)
+    [got] = run_ort(amp_rewrite.rewrite(model, placement="cost", infer=["LayerNormalization", "Softmax"]).model, feeds)
+    outside = int(np.sum(~(np.abs(got.astype(np.float64) - want) <= 1e-3 + 1e-2 * np.abs(want))))
+    assert rows["all of them"][8] == f"{outside}/64"
+    # and a model whose output differs by 1.0 in exactly 5 of its 64 elements counts 5
+    delta = np.zeros((2, 4, 8), np.float32)
+    delta.flat[[0, 9, 17, 40, 63]] = 1.0
+    shifted = onnx.ModelProto()
+    shifted.CopyFrom(model)
+    shifted.graph.node[-1].output[0] = "y0"
+    shifted.graph.node.append(node("Add", ["y0", "delta"], ["y"], "shift"))
+    shifted.graph.initializer.append(init("delta", delta))
+    expected = tool.validate.reference_outputs(model, [feeds], "cpu")
+    assert tool.model_error(shifted, expected, feeds)[2] == "5/64"
