@@ -53,14 +53,19 @@ MAX_MODEL_BYTES = 2**31  # protobuf cannot parse more: larger weights must be ex
 LAZY_MIN_BYTES = 2**20  # with lazy_weights, external tensors from this size stay on disk
 
 
-def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False) -> tuple[tuple[Path, ...], bool]:
+def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False,
+                        outputs=None) -> tuple[tuple[Path, ...], bool]:
     """Check every external reference anywhere in the model (external.resolve), then read each
     (or, with `lazy`, point at it): (the data files read, whether any tensor was left on disk).
-    Every reference is checked before any byte is read."""
+    Every reference is checked, and the data files against `outputs` (an OutputPlan), before
+    any byte is read."""
     tensors = [t for t in external.model_tensors(model) if external.is_external(t)]
     if not tensors:
         return (), False
     refs = [external.resolve(tensor, path.parent, path) for tensor in tensors]
+    files = tuple(dict.fromkeys(ref.path for ref in refs))
+    if outputs is not None:
+        outputs.check_reads(files, label="a data file of the input model")
     # only the graphs' initializers and attributes may stay on disk (what tensordata's readers see)
     movable = {id(t) for t in all_tensors(model.graph) if external.is_external(t)} if lazy else set()
     left = False
@@ -72,16 +77,18 @@ def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False) 
         tensor.raw_data = ref.read()
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
-    return tuple(dict.fromkeys(ref.path for ref in refs)), left
+    return files, left
 
 
-def load(source, *, lazy_weights: bool = False, checker: bool = True) -> LoadedModel:
+def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=None) -> LoadedModel:
     """A path or a ModelProto -> LoadedModel; every failure is one ModelError line.
 
     `lazy_weights` leaves big external-data tensors on disk until they are read or saved: for
     a caller that will only rewrite and `save`, so memory stays near the converted size.
     `checker=False` leaves onnx.checker out of validation, for a caller that runs it on what it
-    makes and calls `validate_in_full` when anything fails (see `pipeline.rewrite`)."""
+    makes and calls `validate_in_full` when anything fails (see `pipeline.rewrite`).
+    `outputs` (an `output.OutputPlan`): its writes are checked against the model's data files
+    before any of them is read."""
     if isinstance(source, LoadedModel):
         return source
     if isinstance(source, onnx.ModelProto):
@@ -114,7 +121,7 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True) -> LoadedM
     del data
     if not model.HasField("graph") or not model.opset_import:
         _fail(path, "not an ONNX model (no graph or no opset imports)")
-    data_files, lazy = _load_external_data(model, path, lazy_weights)
+    data_files, lazy = _load_external_data(model, path, lazy_weights, outputs)
     found = validate(model, path, skeleton=lazy, checker=checker)
     return LoadedModel(model, path, bool(data_files), data_files, owned=True, lazy=lazy, data_bytes=found.data_bytes,
                        float_bytes=found.float_bytes, nested=found.nested, checked=checker)
