@@ -93,10 +93,18 @@ def _file_mode() -> int:
 
 
 def interrupt_hook(stage: str) -> None:
-    """Test hook: AMP_REWRITE_TEST_PAUSE=stage:seconds sleeps at that point of a write."""
+    """Test hook: AMP_REWRITE_TEST_PAUSE=stage:seconds sleeps at that point of a write;
+    stage:@FILE waits there (a minute at most) until FILE exists."""
     spec = os.environ.get("AMP_REWRITE_TEST_PAUSE", "")
-    if spec.startswith(stage + ":"):
-        time.sleep(float(spec.split(":", 1)[1]))
+    if not spec.startswith(stage + ":"):
+        return
+    value = spec.split(":", 1)[1]
+    if not value.startswith("@"):
+        time.sleep(float(value))
+        return
+    deadline = time.monotonic() + 60
+    while not os.path.exists(value[1:]) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def remove_quietly(path) -> None:
