@@ -86,7 +86,6 @@ def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_mode
                     pair.drop_data()
                 model_bytes = model.SerializeToString()
                 pair.commit(lambda handle: handle.write(model_bytes))
-                del model_bytes
                 if not keep_model:
                     moved = []
             finally:
