@@ -26,6 +26,7 @@ from amp_rewrite.onnx_facts import (ELEMENT_SIZE, FLOAT_TYPES, KNOWN_TYPES, TYPE
 # installed release; an unknown release uses the newest entry not above it, capped by the opsets
 # of ORT's own schema registry. A model beyond these would load here but not in ONNX Runtime.
 ORT_LIMITS = {(1, 31): (13, 26)}
+ORT_MIN_OPSET = 7  # older ai.onnx opsets ONNX Runtime does not guarantee (and Cast's `to` was a string)
 
 
 def _fail(path, message: str):
@@ -246,6 +247,9 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
                          f"ONNX Runtime supports (at most {limit})")
         if opset.version < 1:
             _fail(where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid")
+        if domain == "" and opset.version < ORT_MIN_OPSET:
+            _fail(where, f"opset {opset.version} of domain 'ai.onnx' is older than ONNX Runtime supports (at least "
+                         f"{ORT_MIN_OPSET}); convert it with onnx.version_converter")
     if not seen_domains:
         _fail(where, "model imports no opset")
     if not model.graph.output:

@@ -45,7 +45,7 @@ def read_npz(path, *, what: str, error=UsageError, limit: int | None = None) -> 
                 infos = archive.infolist()
                 _check_directory(infos, limit, what, error)
                 return {info.filename[:-4]: _read_member(archive, info, what, error) for info in infos}
-        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError, RuntimeError) as exc:
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError, RuntimeError, ValueError) as exc:
             raise error(f"{what}: not a readable .npz ({' '.join(str(exc).split())[:200] or type(exc).__name__})") from None
         except MemoryError:
             raise error(f"{what}: too large to read") from None

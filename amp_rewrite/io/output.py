@@ -59,10 +59,13 @@ class OutputPlan:
         try:
             exists = path.exists() or path.is_symlink()
             is_dir = path.is_dir()
+            special = exists and path.exists() and not path.is_file()
         except (OSError, ValueError) as exc:
             raise OutputError(f"{path}: {flag} cannot be written ({getattr(exc, 'strerror', None) or exc})") from None
         if is_dir:
             raise OutputError(f"{path}: is a directory")
+        if special:  # a device, a FIFO, a socket: never replaced, even with --force
+            raise OutputError(f"{path}: is not a regular file; choose another path")
         if exists and not self.force:
             raise OutputError(f"{path}: already exists (use --force to replace it)")
         parent = path.parent if str(path.parent) else Path(".")

@@ -134,3 +134,13 @@ def test_a_valid_model_with_a_string_output_validates(tmp_path, capsys):
     from amp_rewrite.checks.validate import compare
 
     assert not compare([np.array(["a"])], [np.array(["b"])], rtol=1, atol=1)["passed"]
+
+
+def test_an_opset_older_than_onnx_runtime_supports_is_refused(tmp_path, capsys):
+    """Hypothesis found it: at ai.onnx opset 1 Cast's `to` is a string, so the rewrite's casts were invalid."""
+    model = make_corpus.valid_model()
+    model.opset_import[0].version = 1
+    path = tmp_path / "old.onnx"
+    path.write_bytes(model.SerializeToString())
+    assert main([str(path), "--dry-run"]) == 3
+    assert "older than ONNX Runtime supports (at least 7)" in capsys.readouterr().err

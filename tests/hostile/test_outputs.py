@@ -49,7 +49,7 @@ def external(tmp_path):
 
 
 def _files(folder: Path) -> dict:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    return {p.name: p.read_bytes() if p.is_file() else "special" for p in sorted(folder.iterdir())}
 
 
 def _refused(capsys, code, expected_code, fragment):
@@ -106,6 +106,8 @@ def test_an_unrelated_data_file_beside_the_output_is_left_alone(tmp_path):
     (["-o", "{yaml}", "--force", "--op-lists", "{yaml}"], "is an --op-lists file"),
     (["-o", "{model}", "--force"], "is the input model"),
     (["-o", "{link}", "--force"], "is the input model"),
+    (["-o", "{fifo}", "--force"], "is not a regular file"),
+    (["--report", "{fifo}", "--force", "--dry-run"], "is not a regular file"),
 ])
 def test_output_plan_clashes_are_one_line(flags, fragment, tmp_path, capsys):
     path = tmp_path / "model.onnx"
@@ -114,8 +116,10 @@ def test_output_plan_clashes_are_one_line(flags, fragment, tmp_path, capsys):
     (tmp_path / "l.yaml").write_text("allow: [Relu]\n")
     (tmp_path / "old.json").write_text("{}")
     os.symlink(path, tmp_path / "link.onnx")  # the input by another name
+    os.mkfifo(tmp_path / "pipe")  # a device or FIFO is never replaced, even with --force
     names = {"out": tmp_path / "out.onnx", "r": tmp_path / "r.json", "old": tmp_path / "old.json",
-             "npz": tmp_path / "s.npz", "yaml": tmp_path / "l.yaml", "model": path, "link": tmp_path / "link.onnx"}
+             "npz": tmp_path / "s.npz", "yaml": tmp_path / "l.yaml", "model": path, "link": tmp_path / "link.onnx",
+             "fifo": tmp_path / "pipe"}
     before = _files(tmp_path)
     args = [re.sub(r"\{(\w+)\}", lambda m: str(names[m.group(1)]), a) for a in flags]
     _refused(capsys, main([str(path), *args]), 5, fragment)
