@@ -315,7 +315,12 @@ def _text(where: str, what: str, *values) -> None:
 
 
 def _check_call(where: str, node: onnx.NodeProto, function: onnx.FunctionProto) -> None:
-    """A call passes every formal input its body reads (the inliner would leave an empty name)."""
+    """A call passes no more inputs and outputs than the function declares, and every input its
+    body reads (the inliner asserts on the first and leaves an empty name for the second)."""
+    for kind, given, declared in (("inputs", node.input, function.input), ("outputs", node.output, function.output)):
+        if len(given) > len(declared):
+            _fail(where, f"node {node.name or node.op_type!r} calls function {function.name!r} with {len(given)} "
+                         f"{kind}; it declares {len(declared)}")
     read = {name for body_node in function.node for name in body_node.input}
     for i, formal in enumerate(function.input):
         if formal in read and (i >= len(node.input) or not node.input[i]):
