@@ -48,6 +48,9 @@ LIMITS = [
     "Resize: modes nearest (every nearest_mode) and linear with coordinate_transformation_mode half_pixel, "
     "pytorch_half_pixel, asymmetric or align_corners; cubic, antialias, tf_half_pixel_for_nn, tf_crop_and_resize "
     "and keep_aspect_ratio_policy other than stretch are refused with one line naming the attribute.",
+    "LSTM/GRU: default activations only; clip, peepholes (a non-zero P), input_forget=1 and layout=1 are "
+    "refused with one line. Backpropagation runs in ONNX Scan ops (any sequence length); onnx.reference "
+    "cannot run a reverse-time Scan, so their cases check ORT's float32 gradient against the differences.",
     "Einsum: no repeated subscript within one operand (diagonals). GatherND: batch_dims=0.",
     "Not differentiated: BatchNormalization running mean/variance, Clip bounds, Where condition, "
     "indices, shapes and axes. Floor, Ceil, Round and Sign have zero gradient.",

@@ -107,3 +107,104 @@ def test_resize_matches_torch(kind):
         return (F.interpolate(F.conv2d(p["x"], p["w"], padding=1), **kwargs) * r).sum()
 
     check(model, {"x": x}, ["w", "x"], reference)
+
+
+# -- LSTM / GRU ----------------------------------------------------------------------------------------
+T, B, I, H = 4, 3, 2, 3
+TORCH_ORDER = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2]}  # torch's gate blocks (ifgo, rzn) from ONNX's (iofc, zrh)
+RECURRENT = {  # id: (op, direction, sequence lengths or None, initial states, attributes)
+    "lstm-forward": ("LSTM", "forward", None, ("h0", "c0"), {}),
+    "lstm-reverse-lengths": ("LSTM", "reverse", [4, 2, 3], (), {}),
+    "lstm-bidirectional-lengths-states": ("LSTM", "bidirectional", [1, 4, 3], ("h0", "c0"), {}),
+    "gru-forward-lengths": ("GRU", "forward", [2, 4, 1], ("h0",), {"linear_before_reset": 1}),
+    "gru-bidirectional": ("GRU", "bidirectional", None, (), {"linear_before_reset": 1}),
+    "gru-reverse-lengths-state": ("GRU", "reverse", [3, 4, 2], ("h0",), {"linear_before_reset": 1}),
+}
+
+
+def _torch_weight(w, op):
+    """[D, G*H, K] in ONNX gate order -> list per direction in torch's order."""
+    return [torch.cat([w[d, k * H:(k + 1) * H] for k in TORCH_ORDER[op]]) for d in range(w.shape[0])]
+
+
+@pytest.mark.parametrize("kind", RECURRENT)
+def test_recurrent_matches_torch(kind):
+    """torch.nn.LSTM/GRU (packed sequences for lengths) with the ONNX weights; loss reads Y, Y_h (and Y_c)."""
+    op, direction, lengths, initial, attrs = RECURRENT[kind]
+    rng = np.random.default_rng(3)
+    d, gates = (2 if direction == "bidirectional" else 1), (4 if op == "LSTM" else 3)
+    weights = {"w": rng.standard_normal((d, gates * H, I)).astype(np.float32) * 0.6,
+               "r": rng.standard_normal((d, gates * H, H)).astype(np.float32) * 0.6,
+               "b": rng.standard_normal((d, 2 * gates * H)).astype(np.float32) * 0.3}
+    if lengths:
+        weights["lens"] = np.array(lengths, np.int32)
+    feeds = {"x": rng.standard_normal((T, B, I)).astype(np.float32)}
+    feeds.update({s: rng.standard_normal((d, B, H)).astype(np.float32) * 0.5 for s in initial})
+    states = ["yh", "yc"] if op == "LSTM" else ["yh"]
+    slots = ["x", "w", "r", "b", "lens" if lengths else "", "h0" if "h0" in initial else "", "c0" if "c0" in initial else ""]
+    nodes = [helper.make_node(op, slots[:7 if op == "LSTM" else 6], ["ys", *states], hidden_size=H, direction=direction, **attrs),
+             *[helper.make_node("Reshape", [t, "flat"], [f"{t}_flat"]) for t in ["ys", *states]],
+             helper.make_node("Concat", [f"{t}_flat" for t in ["ys", *states]], ["y"], axis=0)]
+    inputs = [helper.make_tensor_value_info(k, FLOAT, list(v.shape)) for k, v in feeds.items()]
+    size = T * d * B * H + len(states) * d * B * H
+    model, r = loss_model(nodes, inputs, {**weights, "flat": np.array([-1], np.int64)}, [size])
+
+    def reference(p):
+        module = getattr(torch.nn, op)(I, H, bidirectional=d == 2)
+        names = {}
+        for k in range(d):
+            suffix = "_l0" + ("_reverse" if k == 1 else "")
+            names[f"weight_ih{suffix}"] = _torch_weight(p["w"], op)[k]
+            names[f"weight_hh{suffix}"] = _torch_weight(p["r"], op)[k]
+            bias = p["b"][k].reshape(2, gates * H, 1)
+            names[f"bias_ih{suffix}"] = _torch_weight(bias[0:1], op)[0].reshape(-1)
+            names[f"bias_hh{suffix}"] = _torch_weight(bias[1:2], op)[0].reshape(-1)
+        x = p["x"]
+        if direction == "reverse":  # torch has no reverse-only RNN: flip each sequence within its length
+            x = _flip(x, lengths)
+        h0 = p.get("h0", torch.zeros(d, B, H))
+        start = (h0, p.get("c0", torch.zeros(d, B, H))) if op == "LSTM" else h0
+        if lengths:
+            x = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), enforce_sorted=False)
+        out, final = torch.func.functional_call(module, names, (x, start))
+        if lengths:
+            out = torch.nn.utils.rnn.pad_packed_sequence(out, total_length=T)[0]
+        if direction == "reverse":
+            out = _flip(out, lengths)
+        finals = list(final) if op == "LSTM" else [final]
+        ys = out.reshape(T, B, d, H).permute(0, 2, 1, 3)
+        return (torch.cat([t.reshape(-1) for t in [ys, *finals]]) * r).sum()
+
+    check(model, feeds, ["w", "r", "b", "x", *initial], reference)
+
+
+def _flip(x, lengths):
+    """Reverse each batch entry's first `length` steps (ONNX ReverseSequence)."""
+    lengths = lengths or [T] * B
+    return torch.stack([torch.cat([x[:n, b].flip(0), x[n:, b]]) for b, n in enumerate(lengths)], dim=1)
+
+
+@pytest.mark.parametrize(("op", "attrs", "words"), [
+    ("LSTM", {"clip": 1.0}, "clip is not supported"),
+    ("LSTM", {"activations": ["Relu", "Tanh", "Tanh"]}, "only the default activations"),
+    ("GRU", {"layout": 1}, "layout=1"),
+    ("Resize", {"mode": "cubic"}, "mode='cubic' has no gradient rule"),
+    ("Resize", {"coordinate_transformation_mode": "tf_crop_and_resize"}, "tf_crop_and_resize"),
+])
+def test_unsupported_attributes_are_one_line(op, attrs, words):
+    from amp_rewrite.errors import GradientError
+
+    if op == "Resize":
+        node = helper.make_node("Resize", ["x", "", "scales"], ["y"], name="up", **attrs)
+        weights, shape = {"scales": np.array([1, 1, 2, 2], np.float32)}, [1, 2, 4, 4]
+        inputs = [helper.make_tensor_value_info("x", FLOAT, [1, 2, 2, 2])]
+    else:
+        gates = 4 if op == "LSTM" else 3
+        node = helper.make_node(op, ["x", "w", "r"], ["y"], name="rnn", hidden_size=H, **attrs)
+        weights = {"w": np.zeros((1, gates * H, I), np.float32), "r": np.zeros((1, gates * H, H), np.float32)}
+        shape, inputs = [T, 1, B, H], [helper.make_tensor_value_info("x", FLOAT, [T, B, I])]
+    model, _ = loss_model([node], inputs, weights, shape)
+    with pytest.raises(GradientError) as caught:
+        build_gradient_graph(model, "loss", ["x"])
+    message = str(caught.value)
+    assert words in message and "\n" not in message and message.startswith(f"cannot differentiate {op} node")
