@@ -334,3 +334,18 @@ CASES += [
     recurrent("GRU", "bidirectional", direction="bidirectional", initial=("h0",), outputs=("y", "yh")),
     recurrent("GRU", "bidirectional-linear-before-reset", direction="bidirectional", outputs=("y",), linear_before_reset=1),
 ]
+
+
+# -- If: the branches read a and b from the enclosing graph; one branch taken per case ----------------
+def if_case(tag, taken):
+    def nodes(elem):
+        then = helper.make_graph([n("Mul", ["a", "b"], ["t0"]), n("Tanh", ["t0"], ["t"])], "then", [],
+                                 [helper.make_tensor_value_info("t", elem, None)])
+        other = helper.make_graph([n("Sub", ["a", "a"], ["e0"]), n("Add", ["e0", "a"], ["e"])], "else", [],
+                                  [helper.make_tensor_value_info("e", elem, None)])
+        return [n("If", ["cond"], then_branch=then, else_branch=other)]
+
+    return OpCase(f"If-{tag}", "If", nodes, {"a": [N, 3], "b": [3]}, consts={"cond": np.array(taken)})
+
+
+CASES += [if_case("then", True), if_case("else-reads-one-capture", False)]

@@ -42,7 +42,10 @@ ORT_REGISTRY = set(
 LIMITS = [
     "Opset 13 or newer. Scatter-add needs opset 16: GatherElements, GatherND and overlapping MaxPool "
     "refuse older opsets with a clear error; Gather falls back to a one-hot MatMul.",
-    "No control flow: If, Loop and Scan have no rule (mark their outputs stop-gradient).",
+    "If: the gradient flows through the branch taken into every tensor the branches read from outside "
+    "(zeros for the other branch's); weights stored inside branches (initializers, Constant nodes) are lifted "
+    "to main-graph initializers first. The backward recomputes the branch's forward. Loop and Scan have no rule "
+    "(mark their outputs stop-gradient): 'no gradient rule for op Loop', also when only a body capture needs one.",
     "Pad: constant mode with constant, non-negative pads. MaxPool/AveragePool: ceil_mode=0; MaxPool "
     "storage_order=0. Conv/AveragePool auto_pad=SAME_* needs static spatial sizes; AveragePool a static channel count.",
     "Resize: modes nearest (every nearest_mode) and linear with coordinate_transformation_mode half_pixel, "

@@ -63,7 +63,8 @@ def check(model, feeds, wrt, torch_loss, float16=True):
     worst32 = worst16 = 0.0
     low = float16_outputs(grad_model, feeds) if float16 else None
     for name in wrt:
-        expected = params[name].grad.numpy()
+        grad = params[name].grad  # None: torch never read it (an If branch not taken)
+        expected = np.zeros(params[name].shape, np.float32) if grad is None else grad.numpy()
         scale = max(1.0, float(np.abs(expected).max()))
         error = float(np.abs(got[f"{name}_grad"] - expected).max()) / scale
         assert error <= 1e-4, (name, error)
@@ -208,3 +209,48 @@ def test_unsupported_attributes_are_one_line(op, attrs, words):
         build_gradient_graph(model, "loss", ["x"])
     message = str(caught.value)
     assert words in message and "\n" not in message and message.startswith(f"cannot differentiate {op} node")
+
+
+# -- If -------------------------------------------------------------------------------------------------
+def _if_model(cond: bool):
+    """then: tanh(x @ W1 + b) with W1 a branch initializer, b captured from the main graph;
+    else: (x @ W2) * g with W2 a Constant node inside the branch and g captured (a VAD model's layout)."""
+    rng = np.random.default_rng(7)
+    w1, w2 = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
+    then = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W1"], ["t0"]), helper.make_node("Add", ["t0", "b"], ["t1"]),
+         helper.make_node("Tanh", ["t1"], ["t"])],
+        "then", [], [helper.make_tensor_value_info("t", FLOAT, None)], [numpy_helper.from_array(w1, "W1")])
+    other = helper.make_graph(
+        [helper.make_node("Constant", [], ["W2"], value=numpy_helper.from_array(w2)),
+         helper.make_node("MatMul", ["x", "W2"], ["e0"]), helper.make_node("Mul", ["e0", "g"], ["e"])],
+        "else", [], [helper.make_tensor_value_info("e", FLOAT, None)])
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)]
+    weights = {"b": rng.standard_normal(3).astype(np.float32), "g": rng.standard_normal(3).astype(np.float32),
+               "cond": np.array(cond)}
+    inputs = [helper.make_tensor_value_info("x", FLOAT, ["N", 4])]
+    model, r = loss_model(nodes, inputs, weights, [5, 3])
+    return model, r, {"W1": w1, "W2": w2}
+
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_if_trains_weights_inside_and_outside_branches(cond):
+    """Every weight of both branches gets a gradient (zeros for the branch not taken), the default
+    trainable set included the branch-local ones, and the numbers match torch."""
+    model, r, inner = _if_model(cond)
+    feeds = {"x": np.random.default_rng(8).standard_normal((5, 4)).astype(np.float32)}
+    grad_model = build_gradient_graph(model, "loss")
+    assert {o.name for o in grad_model.graph.output} >= {"W1_grad", "W2_grad", "b_grad", "g_grad"}
+
+    def reference(p):
+        w1, w2 = torch.tensor(inner["W1"], requires_grad=True), torch.tensor(inner["W2"], requires_grad=True)
+        reference.inner = (w1, w2)
+        y = torch.tanh(p["x"] @ w1 + p["b"]) if cond else (p["x"] @ w2) * p["g"]
+        return (y * r).sum()
+
+    check(model, feeds, ["b", "g", "x"], reference)
+    got = dict(zip([o.name for o in grad_model.graph.output], session(grad_model).run(None, feeds)))
+    taken, other = ("W1", "W2") if cond else ("W2", "W1")
+    expected = reference.inner[0 if cond else 1].grad.numpy()
+    np.testing.assert_allclose(got[f"{taken}_grad"], expected, rtol=1e-5, atol=1e-6)
+    assert not np.any(got[f"{other}_grad"])
