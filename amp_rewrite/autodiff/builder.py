@@ -21,6 +21,7 @@ from onnx import helper
 from ..errors import GradientError
 from ..onnx_facts import default_opset
 from .branches import lift_branch_weights
+from .contrib import decompose_contrib_ops
 from .emitter import Emitter
 from .graphinfo import GraphIndex, TypeInfo
 from .registry import GradContext, lookup
@@ -58,6 +59,7 @@ def build_gradient_graph(
         raise GradientError(f"aggregation must be one of {AGGREGATION}, not {aggregation!r}")
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    decompose_contrib_ops(out)  # ORT's fused transformer ops as the standard ops they compute
     lift_branch_weights(out)  # weights inside If branches become initializers: trainable, differentiable
     builder = _Builder(out, loss, wrt, set(stop_gradients), grad_output, unconnected, aggregation)
     builder.run()

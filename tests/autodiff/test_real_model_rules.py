@@ -23,14 +23,19 @@ F = torch.nn.functional
 FLOAT = TensorProto.FLOAT
 
 
-def loss_model(nodes, inputs, weights, out_shape, opset=17, seed=5):
+def loss_model(nodes, inputs, weights, out_shape, opset=17, seed=5, elem=FLOAT):
     """nodes -> y, then loss = sum(y * R); returns the model and R."""
     r = np.random.default_rng(seed).standard_normal(out_shape).astype(np.float32)
     nodes = [*nodes, helper.make_node("Mul", ["y", "R"], ["yr"]), helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
-    inits = [numpy_helper.from_array(v, k) for k, v in {**weights, "R": r}.items()]
-    graph = helper.make_graph(nodes, "m", inputs, [helper.make_tensor_value_info("loss", FLOAT, [])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION)
-    onnx.checker.check_model(model, full_check=True)
+    np_type = helper.tensor_dtype_to_np_dtype(elem)
+    weights = {k: v.astype(np_type) if v.dtype == np.float32 else v for k, v in {**weights, "R": r}.items()}
+    inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
+    graph = helper.make_graph(nodes, "m", inputs, [helper.make_tensor_value_info("loss", elem, [])], inits)
+    domains = sorted({n.domain for n in nodes if n.domain})
+    model = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", opset), *(helper.make_opsetid(d, 1) for d in domains)])
+    if all(onnx.defs.has(n.op_type, n.domain) for n in nodes):  # ORT's fused ops have no ONNX schema
+        onnx.checker.check_model(model, full_check=True)
     return model, torch.tensor(r)
 
 
@@ -52,7 +57,7 @@ def float16_outputs(grad_model, feeds):
 def check(model, feeds, wrt, torch_loss, float16=True):
     """Gradients of `wrt` (initializers or inputs) from ORT vs torch; returns the worst float32 and float16 errors."""
     grad_model = build_gradient_graph(model, "loss", wrt)
-    onnx.checker.check_model(grad_model, full_check=True)
+    onnx.checker.check_model(grad_model, full_check=not any(o.domain for o in grad_model.opset_import))
     names = [o.name for o in grad_model.graph.output]
     got = dict(zip(names, session(grad_model).run(None, feeds)))
     values = {**{i.name: numpy_helper.to_array(i) for i in model.graph.initializer}, **feeds}
@@ -254,3 +259,146 @@ def test_if_trains_weights_inside_and_outside_branches(cond):
     expected = reference.inner[0 if cond else 1].grad.numpy()
     np.testing.assert_allclose(got[f"{taken}_grad"], expected, rtol=1e-5, atol=1e-6)
     assert not np.any(got[f"{other}_grad"])
+
+
+# -- ONNX Runtime's fused transformer ops (decomposed before differentiation) ---------------------------
+S, D, HEADS, VOCAB = 4, 8, 2, 11
+
+
+def _layer_norm(x, p, eps=1e-12):
+    return F.layer_norm(x, (D,), p["gamma"], p["beta"], eps=eps)
+
+
+def _rms_norm(x, gamma, eps=1e-6):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * gamma
+
+
+def _attention_reference(p, causal, mask=None):
+    qkv = p["x"] @ p["W"] + p["b"]
+    q, k, v = (t.reshape(B, S, HEADS, D // HEADS).transpose(1, 2) for t in qkv.split(D, dim=-1))
+    scores = q @ k.transpose(-1, -2) / np.sqrt(D // HEADS)
+    if mask is not None:
+        scores = scores + (1 - torch.tensor(mask, dtype=torch.float32))[:, None, None, :] * -10000.0
+    if causal:
+        scores = scores + torch.triu(torch.full((S, S), -10000.0), diagonal=1)
+    return (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(B, S, D)
+
+
+def _contrib_cases():
+    rng = np.random.default_rng(11)
+    f = lambda *shape: (rng.standard_normal(shape) * 0.5).astype(np.float32)  # noqa: E731
+    ids = rng.integers(0, VOCAB, (B, S)).astype(np.int32)
+    segments = rng.integers(0, 2, (B, S)).astype(np.int32)
+    mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], np.int32)
+    ln = {"gamma": 1 + f(D) * 0.2, "beta": f(D)}
+    ms = lambda op, ins, outs=("y",), **a: helper.make_node(op, ins, list(outs), domain="com.microsoft", **a)  # noqa: E731
+    return {  # id: (nodes, feeds, weights, wrt, torch reference)
+        "FastGelu": ([ms("FastGelu", ["x", "bias"])], {"x": f(B, S, D)}, {"bias": f(D)}, ["x", "bias"],
+                     lambda p: F.gelu(p["x"] + p["bias"], approximate="tanh")),
+        "BiasGelu": ([ms("BiasGelu", ["x", "bias"])], {"x": f(B, S, D)}, {"bias": f(D)}, ["x", "bias"],
+                     lambda p: F.gelu(p["x"] + p["bias"])),
+        "Gelu": ([ms("Gelu", ["x"])], {"x": f(B, S, D)}, {}, ["x"], lambda p: F.gelu(p["x"])),
+        "SkipLayerNormalization": (
+            [ms("SkipLayerNormalization", ["x", "skip", "gamma", "beta", "bias"], ["y", "", "", "sum"], epsilon=1e-5)],
+            {"x": f(B, S, D), "skip": f(B, S, D)}, {**ln, "bias": f(D)}, ["x", "skip", "gamma", "beta", "bias"],
+            lambda p: _layer_norm(p["x"] + p["skip"] + p["bias"], p, 1e-5)),
+        "EmbedLayerNormalization": (
+            [ms("EmbedLayerNormalization", ["ids", "segments", "word", "position", "segment", "gamma", "beta", "mask"],
+                ["y", "mask_index"], epsilon=1e-12)],
+            {}, {"ids": ids, "segments": segments, "mask": mask, "word": f(VOCAB, D), "position": f(6, D),
+                 "segment": f(2, D), **ln}, ["word", "position", "segment", "gamma", "beta"],
+            lambda p: _layer_norm(p["word"][p["ids"].long()] + p["position"][:S] + p["segment"][p["segments"].long()], p)),
+        "Attention-bert-mask": (
+            [ms("Attention", ["x", "W", "b", "mask"], num_heads=HEADS)], {"x": f(B, S, D)},
+            {"W": f(D, 3 * D), "b": f(3 * D), "mask": mask}, ["x", "W", "b"],
+            lambda p: _attention_reference(p, False, mask)),
+        "Attention-gpt2-causal-present": (
+            [ms("Attention", ["x", "W", "b", "mask"], ["y", "present"], num_heads=HEADS, unidirectional=1)],
+            {"x": f(B, S, D)}, {"W": f(D, 3 * D), "b": f(3 * D), "mask": np.ones((B, S), np.int32)}, ["x", "W", "b"],
+            lambda p: _attention_reference(p, True)),
+        "FusedMatMul": ([ms("FusedMatMul", ["x", "W"], transB=1, alpha=0.5)], {"x": f(B, S, D)}, {"W": f(5, D)},
+                        ["x", "W"], lambda p: 0.5 * p["x"] @ p["W"].T),
+        "QuickGelu": ([ms("QuickGelu", ["x"], alpha=1.5)], {"x": f(B, S, D)}, {}, ["x"],
+                      lambda p: p["x"] * torch.sigmoid(1.5 * p["x"])),
+        "SkipSimplifiedLayerNormalization": (
+            [ms("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma", "bias"], epsilon=1e-6)],
+            {"x": f(B, S, D), "skip": f(B, S, D)}, {"gamma": ln["gamma"], "bias": f(D)}, ["x", "skip", "gamma", "bias"],
+            lambda p: _rms_norm(p["x"] + p["skip"] + p["bias"], p["gamma"])),
+        "SimplifiedLayerNormalization": (
+            [helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["y"], epsilon=1e-6, axis=-1)],
+            {"x": f(B, S, D)}, {"gamma": ln["gamma"]}, ["x", "gamma"], lambda p: _rms_norm(p["x"], p["gamma"])),
+    }
+
+
+CONTRIB = _contrib_cases()
+
+
+def _contrib_model(kind, elem=FLOAT):
+    """The fused node, its output projected by a fixed Q (as the next layer's MatMul reads it, which
+    gives the float16 rewrite a compute-heavy op to lower), then the loss."""
+    nodes, feeds, weights, _, reference = CONTRIB[kind]
+    fused = onnx.NodeProto()
+    fused.CopyFrom(nodes[0])
+    fused.output[0] = "fused"
+    width = reference({k: torch.tensor(v) for k, v in {**feeds, **weights}.items()}).shape
+    q = np.random.default_rng(12).standard_normal((width[-1], 3)).astype(np.float32)
+    inputs = [helper.make_tensor_value_info(k, elem, list(v.shape)) for k, v in feeds.items()]
+    model, r = loss_model([fused, helper.make_node("MatMul", ["fused", "Q"], ["y"])], inputs, {**weights, "Q": q},
+                          [*width[:-1], 3], elem=elem)
+    return model, r, torch.tensor(q)
+
+
+@pytest.mark.parametrize("kind", CONTRIB)
+def test_contrib_decomposition_matches_ort_kernel(kind):
+    """The decomposed forward equals ONNX Runtime's fused kernel within float32 rounding (every output)."""
+    from amp_rewrite.autodiff.contrib import decompose_contrib_ops
+
+    model, _, _ = _contrib_model(kind)
+    feeds = CONTRIB[kind][1]
+    fused_outputs = [o for o in model.graph.node[0].output if o]
+    del model.graph.output[:]
+    model.graph.output.extend(helper.make_tensor_value_info(o, TensorProto.INT32 if o == "mask_index" else FLOAT, None)
+                              for o in fused_outputs)
+    decomposed = onnx.ModelProto()
+    decomposed.CopyFrom(model)
+    assert decompose_contrib_ops(decomposed) == 1
+    assert not any(n.domain for n in decomposed.graph.node)
+    for fused, plain in zip(session(model).run(None, feeds), session(decomposed).run(None, feeds)):
+        assert fused.shape == plain.shape and fused.dtype == plain.dtype
+        np.testing.assert_allclose(plain, fused, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(fused).max())))
+
+
+@pytest.mark.parametrize("kind", CONTRIB)
+def test_contrib_gradient_matches_torch_and_finite_differences(kind):
+    """float32 (and float16) against torch; the same rule in float64 against central differences."""
+    from amp_rewrite.autodiff.contrib import decompose_contrib_ops
+    from amp_rewrite.autodiff.gradcheck import max_gradient_error, numeric_gradients
+
+    _, feeds, weights, wrt, reference = CONTRIB[kind]
+    model, r, q = _contrib_model(kind)
+    check(model, feeds, wrt, lambda p: ((reference(p) @ q) * r).sum())
+    model64, _, _ = _contrib_model(kind, TensorProto.DOUBLE)
+    decompose_contrib_ops(model64)
+    values = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in {**feeds, **weights}.items()}
+    grad64 = build_gradient_graph(model64, "loss", wrt)
+    from onnx.reference import ReferenceEvaluator
+
+    analytic = dict(zip(wrt, ReferenceEvaluator(grad64).run([f"{w}_grad" for w in wrt], {k: values[k] for k in feeds})))
+    as_inputs = _weights_as_inputs(model64, {k: values[k] for k in wrt})
+    # onnx.reference computes Erf in float32 only: a wider step and tolerance where the decomposition has one
+    erf = any(node.op_type == "Erf" for node in model64.graph.node)
+    numeric = numeric_gradients(as_inputs, "loss", {k: values[k] for k in [*feeds, *wrt]}, wrt,
+                                eps=1e-3 if erf else 1e-6, max_coords=24)
+    assert max_gradient_error(numeric, analytic) < (2e-3 if erf else 1e-5)
+
+
+def _weights_as_inputs(model, trainable):
+    """A copy whose `trainable` initializers are graph inputs, so the differences can move them."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    kept = [t for t in out.graph.initializer if t.name not in trainable]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    out.graph.input.extend(helper.make_tensor_value_info(k, TensorProto.DOUBLE, list(v.shape))
+                           for k, v in trainable.items() if k not in {i.name for i in out.graph.input})
+    return out
