@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="FILE.json", help="write every decision and the summary as JSON")
     p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
                    help="graph inputs/outputs become the target type too (default: keep float32)")
+    p.add_argument("--low-precision-io", action="append", default=[], metavar="REGEX",
+                   help="graph inputs/outputs whose names fully match REGEX take the target type, the rest follow "
+                        "--no-keep-io-types (repeatable; e.g. 'past_key_values\\..*' 'present\\..*' for a "
+                        "decoder's KV cache); a REGEX matching no float32 input or output is an error")
     for name in ("allow", "deny", "infer", "clear"):
         p.add_argument(f"--{name}", action="append", default=[], metavar="OP",
                        help=f"put op type OP in the {name} list (repeatable; 'domain:Op' for other domains)")
@@ -111,7 +115,7 @@ def rewrite_options(args) -> RewriteOptions:
                              annotate=args.annotate, provider=colouring_provider(args.provider),
                              placement=args.placement or "cost", scale_activations=args.scale_activations,
                              relax_margin=args.relax_margin, dims=validate.parse_dims(args.dim),
-                             pointwise_check=args.pointwise_check)
+                             pointwise_check=args.pointwise_check, low_precision_io=args.low_precision_io)
 
 
 def run(args) -> int:
