@@ -164,6 +164,19 @@ class Reference:
                              f"(expected {self.length} bytes at offset {self.offset})")
         return data
 
+    def parts(self, size: int) -> Iterator[bytes]:
+        """The referenced bytes, `size` at a time (streaming: never the whole range at once)."""
+        with open_regular(self.path, what="external data file") as handle:
+            handle.seek(self.offset)
+            left = self.length
+            while left:
+                data = handle.read(min(size, left))
+                if not data:
+                    raise ModelError(f"external data file {shown(str(self.path))} changed while being read "
+                                     f"(expected {self.length} bytes at offset {self.offset})")
+                left -= len(data)
+                yield data
+
 
 def _number(info: dict, key: str, name: str, where) -> int | None:
     value = info.get(key)
