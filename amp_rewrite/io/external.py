@@ -164,18 +164,20 @@ class Reference:
                              f"(expected {self.length} bytes at offset {self.offset})")
         return data
 
-    def parts(self, size: int) -> Iterator[bytes]:
-        """The referenced bytes, `size` at a time (streaming: never the whole range at once)."""
+    def parts(self, size: int) -> Iterator[memoryview]:
+        """The referenced bytes, `size` at a time, read into one buffer: each piece is valid until
+        the next is asked for (streaming: never the whole range, nor a new allocation per piece)."""
+        buffer = memoryview(bytearray(min(size, self.length)))
         with open_regular(self.path, what="external data file") as handle:
             handle.seek(self.offset)
             left = self.length
             while left:
-                data = handle.read(min(size, left))
-                if not data:
+                got = handle.readinto(buffer[:min(size, left)])
+                if not got:
                     raise ModelError(f"external data file {shown(str(self.path))} changed while being read "
                                      f"(expected {self.length} bytes at offset {self.offset})")
-                left -= len(data)
-                yield data
+                left -= got
+                yield buffer[:got]
 
 
 def _number(info: dict, key: str, name: str, where) -> int | None:

@@ -67,9 +67,10 @@ def _big_tensors(model: onnx.ModelProto):
                 yield tensor
 
 
-def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_model: bool = True,
+def save(model: onnx.ModelProto, path, *, external_data: bool | str = False, keep_model: bool = True,
          keep=()) -> None:
-    """Save atomically; with external data (or above 2 GB) weights go to a data file beside it.
+    """Save atomically; with external data (or above 2 GB, unasked) weights go to one data file
+    beside it, `external_data` its name when a string (a plain file name in the model's folder).
 
     External data is streamed tensor by tensor (no copy of the model, no 2 GB serialisation):
     each big initializer is written to the data file and replaced by a reference while the model
@@ -82,7 +83,8 @@ def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_mode
     path = Path(path)
     moved: list[tuple[TensorProto, int, int]] = []
     try:
-        with OutputPair(path, keep=keep) as pair:
+        named = external_data if isinstance(external_data, str) else None
+        with OutputPair(path, keep=keep, data_name=named) as pair:
             try:
                 if external_data or data_size(model) >= TWO_GB - 2**26:
                     pair.write_data(lambda handle: moved.extend(_write_data(model, handle)))

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from amp_rewrite.io import external
 from amp_rewrite.onnx_facts import np_dtype
 
-CHUNK_BYTES = 64 * 2**20  # what `chunks` reads at once: big enough for full disk speed, small beside 1 GB
+CHUNK_BYTES = 16 * 2**20  # what `chunks` reads at once: big enough for full disk speed, small beside 1 GB
 ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats the cost of a session call
 PENDING = "amp_rewrite.convert"  # external_data key of a pending conversion (never saved: `save` writes bytes)
 MODES = ("cast", "saturate", "clip")
@@ -41,7 +41,7 @@ def tensor_bytes(tensor: onnx.TensorProto) -> bytes:
     if is_external(tensor):  # only ever a reference the loader checked (external.point_at)
         mode = pending_conversion(tensor)
         data = external.checked_reference(tensor).read()
-        return data if mode is None else convert(data, tensor.data_type, mode)
+        return data if mode is None else convert(data, tensor.data_type, mode).tobytes()
     if tensor.HasField("raw_data"):
         return tensor.raw_data
     return numpy_helper.to_array(tensor).tobytes()
@@ -54,9 +54,10 @@ def float_values(tensor: onnx.TensorProto) -> np.ndarray:
     return numpy_helper.to_array(tensor).reshape(-1)
 
 
-def chunks(tensor: onnx.TensorProto, size: int = CHUNK_BYTES) -> Iterator[bytes]:
+def chunks(tensor: onnx.TensorProto, size: int = CHUNK_BYTES) -> Iterator:
     """`tensor_bytes` in pieces of about `size` bytes read from disk (converted, when pending),
-    so that a weight on disk is never held whole; one piece for a tensor in the proto."""
+    so that a weight on disk is never held whole; one piece for a tensor in the proto. Pieces are
+    bytes-like (`len` counts bytes), each valid until the next is asked for."""
     if not is_external(tensor):
         yield tensor_bytes(tensor)
         return
@@ -89,8 +90,9 @@ def defer_conversion(source: onnx.TensorProto, target: onnx.TensorProto, elem: i
     target.data_type = elem
 
 
-def convert(data: bytes, elem: int, mode: str) -> bytes:
-    """float32 bytes as `elem` bytes, as `defer_conversion` describes `mode`."""
+def convert(data, elem: int, mode: str) -> np.ndarray:
+    """float32 bytes as `elem` bytes (a flat uint8 array: no copy to `bytes` on the way to a file),
+    as `defer_conversion` describes `mode`."""
     array = np.frombuffer(data, "<f4")
     largest = _LARGEST.get(elem)
     if largest is not None and mode == "clip":
@@ -100,7 +102,7 @@ def convert(data: bytes, elem: int, mode: str) -> bytes:
         if beyond.any():
             array = np.where(beyond, np.copysign(np.float32(largest), array), array)
     with np.errstate(over="ignore"):
-        return cast_values(array, elem).tobytes()
+        return cast_values(array, elem).view(np.uint8)
 
 
 @functools.cache
