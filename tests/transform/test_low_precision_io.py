@@ -103,6 +103,9 @@ def test_cli_flag_is_repeatable_and_refuses_a_pattern_matching_nothing(tmp_path,
                  "--low-precision-io", r"present\..*"]) == 0
     types = elem_types(onnx.load(output))
     assert types["past.0"] == types["present.0"] == F16 and types["x"] == types["y"] == TensorProto.FLOAT
+    # --validate feeds the rewrite its float16 inputs as declared (the original's samples, rounded)
+    assert main([str(source), "-o", str(output), "--quiet", "--force", "--validate", "--reference", "always",
+                 "--low-precision-io", r"past\..*", "--low-precision-io", r"present\..*"]) == 0
     assert main([str(source), "-o", str(tmp_path / "no.onnx"), "--low-precision-io", "cache.*"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'cache.*' matches no float32 graph input or output" in err
