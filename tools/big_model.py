@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,7 +74,8 @@ RUN_MEASURED = ("import resource, subprocess, sys, time\n"
 def measured(command: list) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes, exit code) of `command`, run alone in a fresh child (getrusage
     of this process's children would mix runs)."""
-    done = subprocess.run([sys.executable, "-c", RUN_MEASURED, *command], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", RUN_MEASURED, *command], cwd=ROOT, capture_output=True, text=True,
+                          check=False)
     wall, peak, code = done.stdout.split()
     return float(wall), int(peak), int(code)
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
             result["weights"] = len(rewritten.graph.initializer)
             result["data_files"] = len({e.value for t in rewritten.graph.initializer for e in t.external_data
                                         if e.key == "location"})
-            result["offsets_64KiB_aligned"] = all(int(dict((e.key, e.value) for e in t.external_data)["offset"]) % 65536 == 0
+            result["offsets_64KiB_aligned"] = all(int({e.key: e.value for e in t.external_data}["offset"]) % 65536 == 0
                                                   for t in rewritten.graph.initializer)
         print(json.dumps(result, indent=1))
         print("| model | largest tensor | rewrite | cp | cp + sync | rewrite / cp | peak RSS | peak / model |")

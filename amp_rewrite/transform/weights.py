@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
 
 from amp_rewrite.analysis.graph import ColouringGraph
 from amp_rewrite.io import tensordata
@@ -26,7 +25,6 @@ from amp_rewrite.onnx_facts import (
     FLOAT,
     LOW_ELEM,
     constant_tensor,
-    np_dtype,
 )
 
 LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}

@@ -13,12 +13,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import init, load_tool, make_model, node, tensor
 
 import amp_rewrite
 from amp_rewrite.cli import main
 from amp_rewrite.io import loader, save
 from amp_rewrite.io.save import MMAP_ALIGN, MMAP_ALIGN_FROM
-from helpers import init, load_tool, make_model, node, tensor
 
 DIM = 512  # a 512 x 512 float32 weight is 1 MiB: loader.LAZY_MIN_BYTES, so it stays on disk
 SENTINEL = float(np.finfo(np.float32).min)
@@ -127,7 +127,7 @@ def test_peak_memory_stays_well_below_the_model(tmp_path):
     path = big_model.build(tmp_path, 5 * 64 / 1024, 4096)
     size = path.stat().st_size + (tmp_path / "big.onnx.data").stat().st_size
     done = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, "-m", "amp_rewrite", str(path), "-o",
-                           str(tmp_path / "out.onnx"), "--quiet"], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "out.onnx"), "--quiet"], capture_output=True, text=True, timeout=120, check=False)
     peak, code = map(int, done.stdout.split())
     assert code == 0, done.stderr
     assert peak < 0.6 * size, (peak, size)
