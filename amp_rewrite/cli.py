@@ -147,6 +147,8 @@ def output_plan(args, source: Path, output: Path) -> OutputPlan:
 
 def run(args) -> int:
     options = rewrite_options(args)  # bad option values fail before anything is read
+    fallback.check_values(samples_count=args.samples, safety=args.safety, rtol=args.rtol, atol=args.atol,
+                          max_runs=args.max_runs, checks=args.validate or args.calibrate or args.tolerance)
     source = Path(args.model)
     output = Path(args.output) if args.output else default_output(source, args.target)
     if args.explain is not None:

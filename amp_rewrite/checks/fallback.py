@@ -308,7 +308,7 @@ class CheckedResult:
         return self.validation is None or self.validation.passed
 
 
-def _check_values(*, samples_count, safety, rtol, atol, max_runs, checks: bool) -> None:
+def check_values(*, samples_count, safety, rtol, atol, max_runs, checks: bool) -> None:
     """Numbers a check cannot run with are usage errors, before any work (no ZeroDivisionError
     from --safety 0, no PASSED from comparing zero samples)."""
     def number(value) -> bool:
@@ -335,7 +335,7 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
     A model the caller loaded from a file is rewritten in place (no second copy) only when no
     check needs the original and `keep_original` is False.
     """
-    _check_values(samples_count=samples_count, safety=safety, rtol=rtol, atol=atol, max_runs=max_runs,
+    check_values(samples_count=samples_count, safety=safety, rtol=rtol, atol=atol, max_runs=max_runs,
                   checks=validate or calibrate or tolerance)
     loaded = load(model)
     if keep_original or validate or calibrate or tolerance:

@@ -17,7 +17,7 @@ from onnx import TensorProto
 
 from amp_rewrite.errors import ModelError
 from amp_rewrite.io import external
-from amp_rewrite.io.input_checks import validate
+from amp_rewrite.io.input_checks import check_after_failure, validate
 from amp_rewrite.onnx_facts import all_tensors
 
 @dataclass
@@ -34,14 +34,16 @@ class LoadedModel:
     checked: bool = True  # False: loaded with checker=False, onnx.checker has not seen it yet
 
     def validate_in_full(self) -> None:
-        """Run the checks `load(checker=False)` left out: a ModelError if the input is at fault."""
-        if self.checked:
-            return
+        """After a stage failed: run the checks `load(checker=False)` left out and those only worth
+        running then (input_checks.check_after_failure); a ModelError if the input is at fault."""
         if self.owned:  # rewritten in place by now: read the input again
-            load(self.path, lazy_weights=self.lazy)
+            model = load(self.path, lazy_weights=self.lazy).model
         else:
-            validate(self.model, self.path if self.path is not None else "model", skeleton=self.lazy,
-                     in_memory=self.path is None)
+            model = self.model
+            if not self.checked:
+                validate(model, self.path if self.path is not None else "model", skeleton=self.lazy,
+                         in_memory=self.path is None)
+        check_after_failure(model, self.path if self.path is not None else "model")
         self.checked = True
 
 
@@ -116,7 +118,10 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
-    except Exception:
+    except Exception as exc:
+        if "MaxDepth" in str(exc):  # upb's limit: 100 nested messages, 31 levels of subgraphs
+            _fail(path, "messages nested deeper than protobuf's limit of 100 (about 31 levels of nested "
+                        "subgraphs); ONNX Runtime cannot load it either")
         _fail(path, "not an ONNX model (protobuf parse failed: truncated or not a model file)")
     del data
     if not model.HasField("graph") or not model.opset_import:

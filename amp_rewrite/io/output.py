@@ -59,10 +59,13 @@ class OutputPlan:
         try:
             exists = path.exists() or path.is_symlink()
             is_dir = path.is_dir()
+            special = exists and path.exists() and not path.is_file()
         except (OSError, ValueError) as exc:
             raise OutputError(f"{path}: {flag} cannot be written ({getattr(exc, 'strerror', None) or exc})") from None
         if is_dir:
             raise OutputError(f"{path}: is a directory")
+        if special:  # a device, a FIFO, a socket: never replaced, even with --force
+            raise OutputError(f"{path}: is not a regular file; choose another path")
         if exists and not self.force:
             raise OutputError(f"{path}: already exists (use --force to replace it)")
         parent = path.parent if str(path.parent) else Path(".")
@@ -93,10 +96,18 @@ def _file_mode() -> int:
 
 
 def interrupt_hook(stage: str) -> None:
-    """Test hook: AMP_REWRITE_TEST_PAUSE=stage:seconds sleeps at that point of a write."""
+    """Test hook: AMP_REWRITE_TEST_PAUSE=stage:seconds sleeps at that point of a write;
+    stage:@FILE waits there (a minute at most) until FILE exists."""
     spec = os.environ.get("AMP_REWRITE_TEST_PAUSE", "")
-    if spec.startswith(stage + ":"):
-        time.sleep(float(spec.split(":", 1)[1]))
+    if not spec.startswith(stage + ":"):
+        return
+    value = spec.split(":", 1)[1]
+    if not value.startswith("@"):
+        time.sleep(float(value))
+        return
+    deadline = time.monotonic() + 60
+    while not os.path.exists(value[1:]) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def remove_quietly(path) -> None:

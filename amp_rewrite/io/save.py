@@ -94,7 +94,6 @@ def save(model: onnx.ModelProto, path, *, external_data: bool | str = False, kee
                     pair.drop_data()
                 model_bytes = model.SerializeToString()
                 pair.commit(lambda handle: handle.write(model_bytes))
-                del model_bytes
                 if not keep_model:
                     moved = []
             finally:
