@@ -18,7 +18,7 @@ from onnx import TensorProto
 from amp_rewrite.errors import ModelError
 from amp_rewrite.io import external
 from amp_rewrite.io.input_checks import check_after_failure, validate
-from amp_rewrite.onnx_facts import all_tensors
+from amp_rewrite.onnx_facts import all_graphs
 
 @dataclass
 class LoadedModel:
@@ -68,8 +68,8 @@ def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False,
     files = tuple(dict.fromkeys(ref.path for ref in refs))
     if outputs is not None:
         outputs.check_reads(files, label="a data file of the input model")
-    # only the graphs' initializers and attributes may stay on disk (what tensordata's readers see)
-    movable = {id(t) for t in all_tensors(model.graph) if external.is_external(t)} if lazy else set()
+    # only the graphs' initializers may stay on disk: what `save` streams and tensordata's readers see
+    movable = {id(t) for g in all_graphs(model.graph) for t in g.initializer if external.is_external(t)} if lazy else set()
     left = False
     for tensor, ref in zip(tensors, refs):
         if id(tensor) in movable and ref.length >= LAZY_MIN_BYTES:
