@@ -215,7 +215,7 @@ class Validated(NamedTuple):
 
 
 def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_memory: bool = False,
-             checker: bool = True) -> Validated:
+             checker: bool = True, walked=None) -> Validated:
     """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
     Returns the bytes of tensor data it counted on the way and whether it holds subgraphs.
 
@@ -254,7 +254,7 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
         _fail(where, "model imports no opset")
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
-    walked = walk(model.graph)
+    walked = walked or walk(model.graph)  # the loader's, when it has walked already
     data_bytes, float_bytes = _check_tensor_sizes(model, where, in_memory, walked)
     found = Validated(data_bytes, float_bytes, len(walked[0]) > 1)
     if not checker and not _breaks_rules_checker_skips(model.graph, walked[0]):

@@ -261,3 +261,14 @@ def test_a_file_system_without_hard_links_still_gets_the_pair(tmp_path, monkeypa
     model_io.save(_big_model(seed=2), out, external_data=True)  # replaces the pair, removes the old data
     assert len(list(tmp_path.glob("out.onnx.*.data"))) == 1 and not list(tmp_path.glob(".*"))
     _check_pair(out, _big_model(seed=2))
+
+
+def test_validating_on_no_samples_is_a_usage_error():
+    """Finding 7's API side: zero samples compared nothing and reported PASSED."""
+    from amp_rewrite.checks import fallback, validate
+
+    model = make_corpus.valid_model()
+    with pytest.raises(errors.UsageError, match="no samples"):
+        validate.validate(model, model, [])
+    with pytest.raises(errors.UsageError, match="no samples"):
+        fallback.check(model, samples=[], validate=True)
