@@ -25,6 +25,8 @@ def prepare(model: onnx.ModelProto, say=log.info) -> tuple[onnx.ModelProto, para
         out = onnx.inliner.inline_local_functions(out)
     out = _convert_opset(out, say)
     found = parameters.find(out.graph)
+    if found.left_out:
+        say(f"amp-rewrite: {found.left_out}")
     _promote_constants(out.graph, set(found.names))
     return out, found
 

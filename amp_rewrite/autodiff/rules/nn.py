@@ -17,11 +17,18 @@ from ._common import normalize_axis, unbroadcast
 from .shape import SCATTER_ADD_SINCE, _scatter_flat
 
 
+def _softmax_axis(ctx, y) -> list[int]:
+    """The reduced axis; a negative one needs no rank (ReduceSum takes it as it is), so a model
+    whose shapes inference cannot follow (converted from opset 11) still differentiates."""
+    axis = ctx.attr("axis", -1)
+    return [axis if axis < 0 and ctx.dims(y) is None else normalize_axis(axis, ctx.rank(y))]
+
+
 @register_gradient("Softmax")
 def softmax_grad(ctx):
     """y * (dY - sum(dY*y, axis))."""
     e, y = ctx.emit, ctx.y()
-    axis = [normalize_axis(ctx.attr("axis", -1), ctx.rank(y))]
+    axis = _softmax_axis(ctx, y)
     inner = e.reduce_sum(e.op("Mul", [ctx.dy(), y]), axis)
     return [e.op("Mul", [y, e.op("Sub", [ctx.dy(), inner])])]
 
@@ -30,7 +37,7 @@ def softmax_grad(ctx):
 def log_softmax_grad(ctx):
     """dY - exp(y) * sum(dY, axis)."""
     e, y = ctx.emit, ctx.y()
-    axis = [normalize_axis(ctx.attr("axis", -1), ctx.rank(y))]
+    axis = _softmax_axis(ctx, y)
     return [e.op("Sub", [ctx.dy(), e.op("Mul", [e.op("Exp", [y]), e.reduce_sum(ctx.dy(), axis)])])]
 
 
