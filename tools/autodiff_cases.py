@@ -266,3 +266,43 @@ CASES += [
     OpCase("MSE-primitives", "Pow", [n("Sub", ["p", "q"], ["d"]), n("Pow", ["d", "two"], ["sq"]), n("ReduceMean", ["sq"], keepdims=0)],
            {"p": [N, 3], "q": [N, 3]}, consts={"two": np.array(2.0)}),
 ]
+
+
+# -- Resize: one case per mode family exporters emit (scales/sizes must stay float32/int64) ----------
+def resize(tag, x, mode, coordinates, scales=None, sizes=None, **attrs):
+    def nodes(elem):
+        made = []
+        if scales is not None:
+            made.append(helper.make_node("Constant", [], ["scales"], value=helper.make_tensor(
+                "scales", TensorProto.FLOAT, [len(scales)], scales)))
+        if sizes is not None:
+            made.append(helper.make_node("Constant", [], ["sizes"], value=helper.make_tensor(
+                "sizes", TensorProto.INT64, [len(sizes)], sizes)))
+        inputs = ["x", "", "scales"] if scales is not None else ["x", "", "", "sizes"]
+        return made + [n("Resize", inputs, mode=mode, coordinate_transformation_mode=coordinates, **attrs)]
+
+    return OpCase(f"Resize-{tag}", "Resize", nodes, {"x": x})
+
+
+def resize_to_runtime_size():
+    """sizes computed from Shape(x) at run time (FPN exports): the resized axes are found from the dims."""
+    return [
+        n("Shape", ["x"], ["lead"], start=0, end=2),
+        helper.make_node("Constant", [], ["hw"], value=helper.make_tensor("hw", TensorProto.INT64, [2], [5, 7])),
+        n("Concat", ["lead", "hw"], ["sizes"], axis=0),
+        n("Resize", ["x", "", "", "sizes"], mode="linear", coordinate_transformation_mode="half_pixel"),
+    ]
+
+
+CASES += [
+    resize("nearest-asymmetric-floor", [N, 2, 3, 4], "nearest", "asymmetric", scales=[1, 1, 2, 2], nearest_mode="floor"),
+    resize("nearest-half-pixel-3x", [N, 2, 3, 2], "nearest", "half_pixel", scales=[1, 1, 3, 1.5]),
+    resize("nearest-down", [N, 1, 5, 6], "nearest", "asymmetric", scales=[1, 1, 0.5, 0.7], nearest_mode="ceil"),
+    resize("nearest-half-pixel-sizes", [2, 2, 3, 4], "nearest", "half_pixel", sizes=[2, 2, 5, 9],
+           nearest_mode="round_prefer_ceil"),
+    resize("linear-pytorch-half-pixel", [N, 2, 3, 4], "linear", "pytorch_half_pixel", scales=[1, 1, 2, 2]),
+    resize("linear-half-pixel-down", [N, 2, 5, 6], "linear", "half_pixel", scales=[1, 1, 0.6, 0.5]),
+    resize("linear-align-corners-sizes", [2, 2, 3, 4], "linear", "align_corners", sizes=[2, 2, 5, 7]),
+    resize("linear-asymmetric-1d", [N, 2, 4], "linear", "asymmetric", scales=[1, 1, 2.5]),
+    OpCase("Resize-linear-runtime-sizes", "Resize", resize_to_runtime_size(), {"x": [N, 2, 3, 4]}),
+]

@@ -45,6 +45,9 @@ LIMITS = [
     "No control flow: If, Loop and Scan have no rule (mark their outputs stop-gradient).",
     "Pad: constant mode with constant, non-negative pads. MaxPool/AveragePool: ceil_mode=0; MaxPool "
     "storage_order=0. Conv/AveragePool auto_pad=SAME_* needs static spatial sizes; AveragePool a static channel count.",
+    "Resize: modes nearest (every nearest_mode) and linear with coordinate_transformation_mode half_pixel, "
+    "pytorch_half_pixel, asymmetric or align_corners; cubic, antialias, tf_half_pixel_for_nn, tf_crop_and_resize "
+    "and keep_aspect_ratio_policy other than stretch are refused with one line naming the attribute.",
     "Einsum: no repeated subscript within one operand (diagonals). GatherND: batch_dims=0.",
     "Not differentiated: BatchNormalization running mean/variance, Clip bounds, Where condition, "
     "indices, shapes and axes. Floor, Ceil, Round and Sign have zero gradient.",
