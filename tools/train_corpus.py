@@ -26,9 +26,9 @@ from amp_rewrite.errors import AmpRewriteError  # noqa: E402
 from amp_rewrite.training import AdamW, Trainer  # noqa: E402
 
 
-def train(model, feeds: dict, precision: str, steps: int):
+def train(model, feeds: dict, precision: str, steps: int, lr: float = corpus.LR):
     """(trainer, losses, skipped) for `steps` steps on one batch."""
-    trainer = Trainer(model, loss="mse", optimizer=AdamW(corpus.LR), precision=precision, provider="cpu",
+    trainer = Trainer(model, loss="mse", optimizer=AdamW(lr), precision=precision, provider="cpu",
                       verbose=False)
     results = [trainer.step(feeds) for _ in range(steps)]
     return trainer, [r.loss for r in results if not r.skipped], sum(r.skipped for r in results)
@@ -41,7 +41,7 @@ def row(entry: corpus.Entry, steps: int) -> str:
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), "?")
         feeds = corpus.batch(model, entry)
         feeds["targets"] = corpus.target(model, feeds)
-        runs = {p: train(model, feeds, p, steps) for p in ("float32", "float16")}
+        runs = {p: train(model, feeds, p, steps, entry.lr or corpus.LR) for p in ("float32", "float16")}
     except corpus.Unavailable as why:
         return f"| {entry.name} | {entry.source} | {opset} | unavailable: {why} | | |"
     except AmpRewriteError as error:
@@ -51,8 +51,9 @@ def row(entry: corpus.Entry, steps: int) -> str:
     trainer, l32, s32 = runs["float32"]
     _, l16, s16 = runs["float16"]
     count = sum(int(np.prod(v.shape)) for v in trainer.weights().values())
+    lr = f" (lr {entry.lr:g})" if entry.lr else ""
     return (f"| {entry.name} | {entry.source} | {opset} | {len(trainer.trainable)} ({count:,}) | {s32} / {s16} | "
-            f"{_curve(l32)} / {_curve(l16)} |")
+            f"{_curve(l32)} / {_curve(l16)}{lr} |")
 
 
 def _curve(losses: list[float]) -> str:

