@@ -311,3 +311,46 @@ CASES += [
     resize("linear-asymmetric-1d", [N, 2, 4], "linear", "asymmetric", scales=[1, 1, 2.5]),
     OpCase("Resize-linear-runtime-sizes", "Resize", resize_to_runtime_size(), {"x": [N, 2, 3, 4]}),
 ]
+
+
+# -- LSTM / GRU: T=3 steps, batch N, 2 features, hidden 3; every output read by the loss ----------
+def recurrent(op, tag, direction="forward", bias=True, initial=(), outputs=("y", "yh", "yc"), **attrs):
+    gates, d = (4 if op == "LSTM" else 3), (2 if direction == "bidirectional" else 1)
+    inputs = {"x": [3, N, 2], "w": [d, gates * 3, 2], "r": [d, gates * 3, 3]}
+    if bias:
+        inputs["b"] = [d, 2 * gates * 3]
+    inputs.update({name: [d, N, 3] for name in initial})
+    slots = ["x", "w", "r", "b" if bias else "", "", "h0" if "h0" in initial else "", "c0" if "c0" in initial else ""]
+    while not slots[-1]:
+        slots.pop()
+    node = n(op, slots, outputs, hidden_size=3, direction=direction, **attrs)
+    # onnx.reference runs no reverse-time Scan: ORT's float32 gradient is checked against the differences
+    return OpCase(f"{op}-{tag}", op, [node], inputs, outputs=tuple(o for o in outputs if o),
+                  reference_runs_gradient=False)
+
+
+CASES += [
+    recurrent("LSTM", "forward", initial=("h0", "c0")),
+    recurrent("LSTM", "reverse-no-bias", direction="reverse", bias=False),
+    recurrent("LSTM", "bidirectional-y-only", direction="bidirectional", initial=("h0",), outputs=("y",)),
+    recurrent("LSTM", "yh-only", outputs=("", "yh")),
+    recurrent("GRU", "forward", initial=("h0",), outputs=("y", "yh")),
+    recurrent("GRU", "reverse-linear-before-reset", direction="reverse", outputs=("y", "yh"), linear_before_reset=1),
+    recurrent("GRU", "bidirectional", direction="bidirectional", initial=("h0",), outputs=("y", "yh")),
+    recurrent("GRU", "bidirectional-linear-before-reset", direction="bidirectional", outputs=("y",), linear_before_reset=1),
+]
+
+
+# -- If: the branches read a and b from the enclosing graph; one branch taken per case ----------------
+def if_case(tag, taken):
+    def nodes(elem):
+        then = helper.make_graph([n("Mul", ["a", "b"], ["t0"]), n("Tanh", ["t0"], ["t"])], "then", [],
+                                 [helper.make_tensor_value_info("t", elem, None)])
+        other = helper.make_graph([n("Sub", ["a", "a"], ["e0"]), n("Add", ["e0", "a"], ["e"])], "else", [],
+                                  [helper.make_tensor_value_info("e", elem, None)])
+        return [n("If", ["cond"], then_branch=then, else_branch=other)]
+
+    return OpCase(f"If-{tag}", "If", nodes, {"a": [N, 3], "b": [3]}, consts={"cond": np.array(taken)})
+
+
+CASES += [if_case("then", True), if_case("else-reads-one-capture", False)]

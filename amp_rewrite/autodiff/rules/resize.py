@@ -47,9 +47,9 @@ def _resized_axes(ctx, rank: int) -> list[tuple[int, int]]:
     for k, axis in enumerate(axes):
         if scales is not None and len(scales) and scales[k] == 1.0:
             continue
-        if not _has_scales(ctx) and (
-            (sizes is not None and sizes[k] == x_dims[axis]) or (x_dims[axis] is not None and x_dims[axis] == y_dims[axis])
-        ):
+        same_size = (sizes is not None and sizes[k] == x_dims[axis]) or (
+            x_dims[axis] is not None and x_dims[axis] == y_dims[axis])
+        if same_size and not _has_scales(ctx):
             continue
         kept.append((k, axis))
     return kept
