@@ -21,9 +21,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import corpus  # noqa: E402
-from amp_rewrite.errors import AmpRewriteError  # noqa: E402
-from amp_rewrite.training import AdamW, Trainer  # noqa: E402
+import corpus
+
+from amp_rewrite.errors import AmpRewriteError
+from amp_rewrite.training import AdamW, Trainer
 
 
 def train(model, feeds: dict, precision: str, steps: int, lr: float = corpus.LR):

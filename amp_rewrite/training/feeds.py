@@ -11,6 +11,7 @@ TrainingError too (`run_failure`).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import onnx
@@ -40,7 +41,7 @@ class FeedCheck:
     classes: int | None = None
 
     @classmethod
-    def of(cls, step_model: onnx.ModelProto, batch_inputs, loss, forward: onnx.ModelProto) -> "FeedCheck":
+    def of(cls, step_model: onnx.ModelProto, batch_inputs, loss, forward: onnx.ModelProto) -> FeedCheck:
         declared = {i.name: i for i in step_model.graph.input}
         specs = {name: _spec(declared[name]) for name in batch_inputs}
         loss = losses.resolve_loss(loss)
@@ -65,13 +66,19 @@ class FeedCheck:
         return arrays
 
 
+def ort_message(text: str) -> str:
+    """ONNX Runtime's message on one line, without its "[ONNXRuntimeError] : 1 : FAIL : " code."""
+    lines = text.strip().splitlines() or [""]
+    return re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", "", lines[0])
+
+
 def run_failure(error: Exception, precision: str) -> TrainingError:
     """ONNX Runtime's failure of a step as one TrainingError line (advice for a refused kernel)."""
-    text = str(error).strip().splitlines()
-    line = (text[0] if text else type(error).__name__).split("] : ")[-1]
-    if "NOT_IMPLEMENTED" in str(error) or "Could not find an implementation" in str(error):
+    line = ort_message(str(error)) or type(error).__name__
+    if any(refusal in str(error) for refusal in ("NOT_IMPLEMENTED", "Could not find an implementation",
+                                                  "data type is not supported")):
         advice = ("use precision='float16', or a CUDA machine" if precision == "bfloat16"
-                  else "use precision='float32'")
+                  else "use precision='float32', or a CUDA machine")
         return TrainingError(f"ONNX Runtime has no kernel for a node of the {precision} step graph ({line}): {advice}")
     return TrainingError(f"ONNX Runtime failed the step: {line}")
 

@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from amp_rewrite.errors import TrainingError
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.errors import TrainingError
 
 LOSS_OUTPUT = "loss"
 LABELS_INPUT = "labels"

@@ -46,10 +46,11 @@ class Parameters:
 def find(graph: onnx.GraphProto) -> Parameters:
     """The parameters of `graph` (initializers and Constant nodes), by how they are used."""
     constants = _float_constants(graph)
-    producer = {out: node for node in graph.node for out in node.output}
-    data = _data_dependent(graph)
+    data: set[str] = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+    nodes = list(_walk(graph, data))  # If/Loop/Scan bodies too: their weights are lifted to the main graph
+    producer = {out: node for node in nodes for out in node.output}
     found, quantized = set(), set()
-    for node in graph.node:
+    for node in nodes:
         for slot in _parameter_slots(node, data):
             source = _constant_source(node.input[slot], producer, constants)
             if source is not None and _is_parameter(constants[source], node.op_type):
@@ -112,14 +113,20 @@ def _float_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return constants
 
 
-def _data_dependent(graph: onnx.GraphProto) -> set[str]:
-    """Tensors whose values depend on a graph input's values (not just on its shape)."""
-    initializers = {t.name for t in graph.initializer}
-    data = {i.name for i in graph.input if i.name not in initializers}
-    for node in graph.node:  # topological order
-        if node.op_type not in SHAPE_ONLY_OPS and any(name in data for name in node.input):
+def _walk(graph: onnx.GraphProto, data: set[str]):
+    """Every node, a subgraph's nodes before the node that holds them, in topological order, while
+    `data` grows by the tensors whose values depend on a graph input's values (not only its shape;
+    a body's own inputs, Loop/Scan's iteration values, count as data)."""
+    for node in graph.node:
+        bodies = [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+        bodies += [g for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
+        for body in bodies:
+            data.update(i.name for i in body.input)
+            yield from _walk(body, data)
+        reads_data = any(n in data for n in node.input) or any(o.name in data for b in bodies for o in b.output)
+        if node.op_type not in SHAPE_ONLY_OPS and reads_data:
             data.update(o for o in node.output if o)
-    return data
+        yield node
 
 
 def _parameter_slots(node: onnx.NodeProto, data: set[str]) -> tuple[int, ...]:

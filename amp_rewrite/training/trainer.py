@@ -398,9 +398,10 @@ def _open_step_session(model: onnx.ModelProto, provider: str, precision: str, de
             raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
         return session, "cuda" if used == CUDA else "cpu"
     except TrainingError as error:
+        text = feed_checks.ort_message(str(error))
         if precision != "bfloat16":
-            raise
-        raise TrainingError(f"{error} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
+            raise TrainingError(text) from None
+        raise TrainingError(f"{text} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
                             "use the CUDA provider or float16)") from None
 
 

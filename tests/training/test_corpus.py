@@ -11,16 +11,27 @@ from __future__ import annotations
 
 import functools
 
+import corpus
 import numpy as np
 import pytest
 
-import corpus
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import AdamW, Trainer
 
 # model -> the start of the one line a user gets (see ARCHITECTURE.md, "What the Trainer refuses")
 REFUSED = {
+    "ddddocr-ocr": ("float32", "feed 'targets': got float32[8, 1, 8210], needs float32[1, seqlen] (rank 2)"),
+    "ddddocr-ocr-quantized": ("float32", "feed 'targets': got float32[8, 1, 8210], needs float32[1, seqlen]"),
+    "silero-vad-openvino": ("float32", "cannot load model: model: main graph: node name 'F0::anon' is used twice"),
+    # float16 nodes inside If bodies are not probed against the CPU provider's kernels (kernels.py)
+    "silero-vad-ifless": ("float16", "ONNX Runtime has no kernel for a node of the float16 step graph"),
+    # the float16 rewrite leaves GRU's unread Y_h declared float32 while GRU runs in float16
+    "gru-tagger": ("float16", "ONNX Runtime refused the step graph: Type Error: Type (tensor(float)) of output arg "
+                              "(/gru/GRU_output_1)"),
 }
+# A traceback today, in the If gradient (issue 26 item 2): xfail, so the day it trains this says so.
+BROKEN = {name: "If gradient: ValidationError \"Field 'name' of 'init' is required\" in the grad If node"
+          for name in ("silero-vad", "silero-vad-op15", "silero-vad-half")}
 MAX_SKIPPED_FP16 = 3
 
 
@@ -47,8 +58,17 @@ def _train(name, precision):
     return [trainer.step(feeds) for _ in range(corpus.STEPS)]
 
 
-@pytest.mark.parametrize("precision", ["float32", "float16"])
-@pytest.mark.parametrize("name", [n for n in corpus.CORPUS if n not in REFUSED])
+def _cases():
+    for name in corpus.CORPUS:
+        for precision in ("float32", "float16"):
+            refused = REFUSED.get(name, ("",))[0]
+            if refused == "float32" or refused == precision:
+                continue
+            marks = [pytest.mark.xfail(reason=BROKEN[name], strict=True)] if name in BROKEN else []
+            yield pytest.param(name, precision, id=f"{name}-{precision}", marks=marks)
+
+
+@pytest.mark.parametrize("name, precision", list(_cases()))
 def test_a_real_model_fine_tunes_with_the_defaults(name, precision):
     results = _train(name, precision)
     skipped = [r.skipped for r in results]
@@ -60,6 +80,7 @@ def test_a_real_model_fine_tunes_with_the_defaults(name, precision):
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_what_stays_unsupported_is_refused_in_one_line(name):
+    precision, line = REFUSED[name]
     with pytest.raises(TrainingError) as error:
-        _train(name, "float32")
-    assert str(error.value).startswith(REFUSED[name]) and "\n" not in str(error.value)
+        _train(name, precision)
+    assert str(error.value).startswith(line) and "\n" not in str(error.value)

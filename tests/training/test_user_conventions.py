@@ -9,14 +9,14 @@ import logging
 
 import numpy as np
 import pytest
+from helpers import init, make_model, node, tensor
 from onnx import TensorProto
+from training_models import softmax_regression
 
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import SGD, Trainer, parameters
 from amp_rewrite.training.feeds import run_failure
 from amp_rewrite.training.losses import CrossEntropy
-from helpers import init, make_model, node, tensor
-from training_models import softmax_regression
 
 FEATURES, CLASSES, BATCH = 4, 3, 8
 
@@ -142,7 +142,7 @@ def test_float16_on_cpu_counts_its_float16_nodes(capsys):
 def test_absent_and_empty_optional_inputs_never_crash_discovery():
     """Conv without bias, Gemm without C, LayerNorm without bias, a Conv whose bias is named ""."""
     rng = np.random.default_rng(0)
-    w = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    w = lambda *s: rng.standard_normal(s).astype(np.float32)
     nodes = [node("Conv", ["x", "k1"], ["c1"], name="conv_no_bias"),
              node("Conv", ["c1", "k2", ""], ["c2"], name="conv_empty_bias"),
              node("Flatten", ["c2"], ["flat"], name="flat"),
