@@ -110,7 +110,10 @@ def _layer_norm(n: _Node, x: str, gamma: str, beta: str, simplified: bool = Fals
     variance = e.reduce_mean(e.op("Mul", [centered, centered]), [-1])
     inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [variance, n.const(n.attr("epsilon", 1e-12))])])])
     scaled = e.op("Mul", [e.op("Mul", [centered, inv_std]), gamma])
-    n.out(0, "Add", [scaled, beta]) if beta else n.out(0, "Identity", [scaled])
+    if beta:
+        n.out(0, "Add", [scaled, beta])
+    else:
+        n.out(0, "Identity", [scaled])
     if stats and n.y(1) and mean:
         n.out(1, "Identity", [mean])
     if stats and n.y(2):

@@ -26,6 +26,7 @@ from amp_rewrite.onnx_facts import (ELEMENT_SIZE, FLOAT_TYPES, KNOWN_TYPES, TYPE
 # installed release; an unknown release uses the newest entry not above it, capped by the opsets
 # of ORT's own schema registry. A model beyond these would load here but not in ONNX Runtime.
 ORT_LIMITS = {(1, 31): (13, 26)}
+ORT_MIN_OPSET = 7  # older ai.onnx opsets ONNX Runtime does not guarantee (and Cast's `to` was a string)
 
 
 def _fail(path, message: str):
@@ -214,7 +215,7 @@ class Validated(NamedTuple):
 
 
 def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_memory: bool = False,
-             checker: bool = True) -> Validated:
+             checker: bool = True, walked=None) -> Validated:
     """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
     Returns the bytes of tensor data it counted on the way and whether it holds subgraphs.
 
@@ -246,11 +247,14 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
                          f"ONNX Runtime supports (at most {limit})")
         if opset.version < 1:
             _fail(where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid")
+        if domain == "" and opset.version < ORT_MIN_OPSET:
+            _fail(where, f"opset {opset.version} of domain 'ai.onnx' is older than ONNX Runtime supports (at least "
+                         f"{ORT_MIN_OPSET}); convert it with onnx.version_converter")
     if not seen_domains:
         _fail(where, "model imports no opset")
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
-    walked = walk(model.graph)
+    walked = walked or walk(model.graph)  # the loader's, when it has walked already
     data_bytes, float_bytes = _check_tensor_sizes(model, where, in_memory, walked)
     found = Validated(data_bytes, float_bytes, len(walked[0]) > 1)
     if not checker and not _breaks_rules_checker_skips(model.graph, walked[0]):
@@ -276,3 +280,57 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
             _fail(where, f"invalid ONNX model: {message}")
         except Exception as exc:  # the checker's own failures are ours to state plainly
             _fail(where, f"invalid ONNX model: {_one_line(str(exc)) or type(exc).__name__}")
+
+
+def check_after_failure(model: onnx.ModelProto, path=None) -> None:
+    """Checks too slow to run on every model, run when a stage failed, to tell a bad input (one
+    ModelError line) from a bug of ours: text that is not UTF-8 (protobuf hands it over as
+    bytes), and a call of a model-local function that does not match the function."""
+    where = _where(path)
+    bad = _bad_text(model, "model")
+    if bad is not None:
+        _fail(where, f"{bad[0]} is not valid UTF-8 text ({bad[1][:40]!r})")
+    functions = {(f.domain, f.name): f for f in model.functions}
+    graphs, _ = walk(model.graph)
+    for owner in (*graphs, *model.functions):
+        for node in owner.node:
+            function = functions.get((node.domain, node.op_type))
+            if function is not None:
+                _check_call(where, node, function)
+
+
+def _bad_text(message, label: str):
+    """(field path, bytes) of the first string field that is not UTF-8, or None. Reads only
+    string and message fields (never tensor bytes)."""
+    for field in message.DESCRIPTOR.fields:
+        repeated = getattr(field, "is_repeated", None)
+        repeated = field.label == field.LABEL_REPEATED if repeated is None else repeated
+        if field.type == field.TYPE_STRING:
+            values = getattr(message, field.name) if repeated else [getattr(message, field.name)]
+            for value in values:
+                if not isinstance(value, str):
+                    return f"{label}.{field.name}", bytes(value)
+        elif field.type == field.TYPE_MESSAGE:
+            if repeated:
+                children = getattr(message, field.name)
+            else:
+                children = [getattr(message, field.name)] if message.HasField(field.name) else []
+            for child in children:
+                found = _bad_text(child, f"{label}.{field.name}")
+                if found is not None:
+                    return found
+    return None
+
+
+def _check_call(where: str, node: onnx.NodeProto, function: onnx.FunctionProto) -> None:
+    """A call passes no more inputs and outputs than the function declares, and every input its
+    body reads (the inliner asserts on the first and leaves an empty name for the second)."""
+    for kind, given, declared in (("inputs", node.input, function.input), ("outputs", node.output, function.output)):
+        if len(given) > len(declared):
+            _fail(where, f"node {node.name or node.op_type!r} calls function {function.name!r} with {len(given)} "
+                         f"{kind}; it declares {len(declared)}")
+    read = {name for body_node in function.node for name in body_node.input}
+    for i, formal in enumerate(function.input):
+        if formal in read and (i >= len(node.input) or not node.input[i]):
+            _fail(where, f"node {node.name or node.op_type!r} calls function {function.name!r} without its "
+                         f"input {formal!r}, which the function reads")

@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import json
 import logging
-import os
 import re
 import sys
 
@@ -27,6 +26,7 @@ from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
 from amp_rewrite.training import feeds as feed_checks, kernels, parameters, precision as precision_line, skips
+from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
@@ -263,20 +263,11 @@ class Trainer:
         atomic_write(path, lambda f: np.savez(f, **arrays))
 
     def load(self, path) -> None:
-        """Restore a checkpoint written by `save` for the same model, optimizer and loss scale."""
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                meta = json.loads(str(data["meta"]))
-                names = [str(n) for n in data["names"]]
-                state = {name: data[f"state_{i}"] for i, name in enumerate(names)}
-        except (OSError, KeyError, ValueError) as error:
-            raise TrainingError(f"cannot read checkpoint {os.fspath(path)!r}: {error}") from None
-        expected = self._checkpoint_meta()
-        for key in ("format", "optimizer", "loss_scale"):
-            if meta.get(key) != expected[key]:
-                raise TrainingError(f"checkpoint {key} {meta.get(key)!r} does not match this trainer's {expected[key]!r}")
-        self.load_state(state)
-        self.lr = meta["lr"]
+        """Restore a checkpoint written by `save` for the same model, optimizer and loss scale; the
+        whole file is verified first (training/checkpoint.py), so a bad one changes nothing."""
+        checkpoint = read_checkpoint(path, self._checkpoint_meta(), self.step_graph.initial_state)
+        self.load_state(checkpoint.state)
+        self.lr = checkpoint.meta["lr"]
 
     def inference_model(self, precision: str = "float32") -> onnx.ModelProto:
         """The original model with the trained weights; rewritten to `precision` unless float32."""

@@ -402,3 +402,56 @@ def _weights_as_inputs(model, trainable):
     out.graph.input.extend(helper.make_tensor_value_info(k, TensorProto.DOUBLE, list(v.shape))
                            for k, v in trainable.items() if k not in {i.name for i in out.graph.input})
     return out
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_torchscript_export_of_a_two_layer_bidirectional_rnn_matches_torch(cell):
+    """What the exporter writes (per-layer nodes, reordered weight initializers, Squeeze/Transpose
+    between layers) differentiates to torch's gradients."""
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    module = getattr(torch.nn, cell)(3, 4, num_layers=2, bidirectional=True)
+    x = torch.randn(5, 2, 3)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), buffer, dynamo=False, opset_version=17, input_names=["x"], output_names=["y"])
+    model = onnx.load_from_string(buffer.getvalue())
+    assert {n.op_type for n in model.graph.node} >= {cell}
+    r = torch.randn(5, 2, 8)
+    graph = model.graph
+    del graph.output[1:]
+    graph.initializer.append(numpy_helper.from_array(r.numpy(), "R"))
+    graph.node.extend([helper.make_node("Mul", ["y", "R"], ["yr"]), helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)])
+    graph.output.append(helper.make_tensor_value_info("loss", FLOAT, []))
+    grad_model = build_gradient_graph(model, "loss", ["x"])
+    got = dict(zip([o.name for o in grad_model.graph.output], session(grad_model).run(None, {"x": x.numpy()})))
+    x.requires_grad_(True)
+    (module(x)[0] * r).sum().backward()
+    np.testing.assert_allclose(got["x_grad"], x.grad.numpy(), rtol=1e-4, atol=1e-5)
+    weights = build_gradient_graph(model, "loss")  # every float initializer: the exporter's copies of the weights
+    names = [f"{n.input[slot]}_grad" for n in model.graph.node if n.op_type == cell for slot in (1, 2, 3)]
+    assert len(names) == 6
+    values = dict(zip([o.name for o in weights.graph.output], session(weights).run(None, {"x": x.detach().numpy()})))
+    total = sum(float(np.abs(values[n]).sum()) for n in names)
+    expected = sum(float(p.grad.abs().sum()) for p in module.parameters())
+    assert abs(total - expected) <= 1e-4 * expected  # same gradients, reordered into ONNX's gate layout
+
+
+def test_a_loop_reading_a_weight_is_refused_by_name():
+    """A Loop body that reads a weight on the loss path has no rule: one line names it (before, the
+    captured weight was silently left without its gradient)."""
+    from amp_rewrite.errors import GradientError
+
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["h", "w"], ["h2"]), helper.make_node("Identity", ["c"], ["c2"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", FLOAT, [3])],
+        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", FLOAT, [3])])
+    loop = helper.make_node("Loop", ["n", "", "x"], ["y"], name="repeat", body=body)
+    inputs = [helper.make_tensor_value_info("x", FLOAT, [3])]
+    model, _ = loss_model([loop], inputs, {"w": np.ones(3, np.float32), "n": np.array(2, np.int64)}, [3])
+    with pytest.raises(GradientError, match="no gradient rule for op Loop \\(node 'repeat'\\)"):
+        build_gradient_graph(model, "loss", ["w"])
