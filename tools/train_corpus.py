@@ -48,7 +48,8 @@ def row(entry: corpus.Entry, steps: int) -> str:
     except AmpRewriteError as error:
         return f"| {entry.name} | {entry.source} | {opset} | refused: {str(error).splitlines()[0]} | | |"
     except Exception as error:  # noqa: BLE001 - shown as the bug it is
-        return f"| {entry.name} | {entry.source} | {opset} | TRACEBACK {type(error).__name__}: {error} | | |"
+        first = (str(error).strip().splitlines() or [""])[0]
+        return f"| {entry.name} | {entry.source} | {opset} | TRACEBACK {type(error).__name__}: {first} | | |"
     trainer, l32, s32 = runs["float32"]
     _, l16, s16 = runs["float16"]
     count = sum(int(np.prod(v.shape)) for v in trainer.weights().values())
