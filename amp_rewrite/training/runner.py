@@ -5,7 +5,7 @@ on the session's device, bound with IOBinding as the step's input *and* as the o
 next value, so the step updates it in place: one copy of the state, no host copies, nothing but the
 batch in and the loss and skip flag out per step. That is safe because every node that reads a
 state tensor runs before the node that writes it (`check_in_place`, checked once per graph); the
-writers are elementwise (`Where`, `Identity`). `read`/`write` copy a tensor out or in on demand
+writers are elementwise or the update's `If`, whose branches are checked alike. `read`/`write` copy a tensor out or in on demand
 (checkpoints, export, the skip diagnostic).
 
 The data-parallel runner (`distributed.MpiRunner`) has the same surface over two sessions.
@@ -26,13 +26,13 @@ PROVIDERS = ("auto", "cuda", "cpu")
 
 
 def open_step_session(model: onnx.ModelProto, provider: str, precision: str, device_id: int = 0, threads: int = 0,
-                      arena: bool = True):
+                      arena: bool = False):
     """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error.
     `threads`: CPU intra-op threads (0: ONNX Runtime's default); `arena`: ORT's CPU memory arena."""
     if provider not in PROVIDERS:
         raise TrainingError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
     try:
-        options = session_options(intra_op_num_threads=threads, enable_cpu_mem_arena=arena)
+        options = session_options(intra_op_num_threads=threads, enable_cpu_mem_arena=arena, enable_mem_pattern=arena)
         session, used = open_session(model.SerializeToString(), provider, options=options, device_id=device_id,
                                      error=TrainingError, what="the step graph")
         if provider == "cuda" and used != CUDA:
@@ -91,7 +91,7 @@ class SessionRunner:
     primary = True
 
     def __init__(self, step: StepGraph, initial: dict[str, np.ndarray], lr: float, provider: str, precision: str,
-                 threads: int = 0, arena: bool = True):
+                 threads: int = 0, arena: bool = False):
         check_in_place(step.model, step.next_state)
         self.session, self.device = open_step_session(step.model, provider, precision, threads=threads, arena=arena)
         self.feed_types = feed_dtypes(step.model)
@@ -122,16 +122,20 @@ class SessionRunner:
 
 
 def check_in_place(model: onnx.ModelProto, next_state: dict[str, str]) -> None:
-    """Every (live) reader of a state input must run before the node writing its next value (an ancestor
-    of it), or updating in place would feed it the new value. Our own bug if not, so a RuntimeError.
-    Readers before the finite flag (forward, backward) are ancestors of every gated writer: the walk
-    from each writer stops there, so it visits only that tensor's update chain."""
-    graph = model.graph
+    """Every (live) reader of a state input must run before the node writing its next value (an
+    ancestor of it), or updating in place would feed it the new value. Our own bug if not, so a
+    RuntimeError. Readers before the finite flag (forward, backward) are ancestors of every gated
+    writer: the walk from each writer stops there, so it visits only that tensor's update chain.
+    A writer with branches (the update's `If`) is checked the same way inside each branch."""
+    _check_graph(model.graph, next_state)
+
+
+def _check_graph(graph: onnx.GraphProto, next_state: dict[str, str]) -> None:
     producers = {out: node for node in graph.node for out in node.output if out}
     readers: dict[str, list] = {}
     live = _ancestors(producers, [o.name for o in graph.output], stop=set())  # a dead reader reads nothing used
     for node in live.values():
-        for name in set(node.input):
+        for name in set(_reads(node)):
             if name in next_state:
                 readers.setdefault(name, []).append(node)
     before_flag = _ancestors(producers, [SKIPPED_OUTPUT], stop=set())
@@ -144,6 +148,23 @@ def check_in_place(model: onnx.ModelProto, next_state: dict[str, str]) -> None:
             if id(reader) in writer_chain or (gated and id(reader) in before_flag):
                 continue
             raise RuntimeError(f"step graph node {reader.name!r} reads state {state!r} but does not run before its update")
+    writers = {id(producers[out]): producers[out] for out in next_state.values() if out in producers}
+    for writer in writers.values():
+        for attribute in writer.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                branch = attribute.g
+                outputs = dict(zip(writer.output, (o.name for o in branch.output)))
+                _check_graph(branch, {s: outputs[o] for s, o in next_state.items() if o in outputs})
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """Tensors a node reads, including those its branches read from the outer scope."""
+    names = [i for i in node.input if i]
+    for attribute in node.attribute:
+        for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+            for inner in body.node:
+                names.extend(_reads(inner))
+    return names
 
 
 def _identity_of(producers: dict, name: str) -> str:
@@ -162,5 +183,5 @@ def _ancestors(producers: dict, targets: list[str], stop: set) -> dict[int, onnx
         if node is None or id(node) in seen or id(node) in stop:
             continue
         seen[id(node)] = node
-        pending.extend(i for i in node.input if i)
+        pending.extend(_reads(node))
     return seen
