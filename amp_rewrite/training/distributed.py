@@ -140,7 +140,7 @@ class MpiRunner:
     """
 
     def __init__(self, step: StepGraph, initial: dict[str, np.ndarray], lr: float, provider: str, precision: str,
-                 loss: str, threads: int = 0, arena: bool = True, loss_reduction: str | None = None,
+                 loss: str, threads: int = 0, arena: bool = False, loss_reduction: str | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, device_id: int | None = None, comm=None):
         self.loss_reduction = _check_reduction(loss, loss_reduction)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):

@@ -72,7 +72,7 @@ class Trainer:
                  loss_scale="auto", precision: str = "float16", provider: str = "auto",
                  on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
                  distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True,
-                 recompute=None, threads: int = 0, arena: bool = True, **distributed_options):
+                 recompute=None, threads: int = 0, arena: bool = False, **distributed_options):
         self.precision = _check_choice("precision", precision, PRECISIONS)
         _check_distributed(distributed, distributed_options)
         _check_threads(threads)
