@@ -33,7 +33,6 @@ BERT = dict(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attentio
             max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 SEQ = 128
 CONTENDERS = ("torch", "torch-bf16", "ort-training", "trainer", "trainer-fp16")
-EXTRA = ("trainer-arena",)  # --contenders may name these too: the Trainer with arena=True
 LR = 1e-3
 
 
@@ -197,7 +196,7 @@ def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
     return floor, step
 
 
-def _trainer_step(kind, threads, precision, batch, recompute, model_dir, arena=False):
+def _trainer_step(kind, threads, precision, batch, recompute, model_dir):
     import onnx
 
     from amp_rewrite.training import AdamW, Trainer
@@ -210,8 +209,6 @@ def _trainer_step(kind, threads, precision, batch, recompute, model_dir, arena=F
         model, feeds = model.SerializeToString(), make_feeds(shape, batch)
         model = onnx.load_from_string(model)
     options = {"threads": threads} if threads else {}  # an older checkout, compared with PYTHONPATH, has none
-    if arena:
-        options["arena"] = True
     trainer = Trainer(model, optimizer=AdamW(LR), precision=precision, provider="cpu", recompute=recompute,
                       verbose=False, **options)
     del model
@@ -274,8 +271,7 @@ def child(args) -> None:
         floor, step = _ort_training_step(args.model, args.child_threads, batch, recompute, args.model_dir)
     else:
         precision = "float16" if args.child == "trainer-fp16" else "float32"
-        floor, step = _trainer_step(args.model, args.child_threads, precision, batch, recompute, args.model_dir,
-                                    arena=args.child == "trainer-arena")
+        floor, step = _trainer_step(args.model, args.child_threads, precision, batch, recompute, args.model_dir)
     print("ready", flush=True)
     count = 0
     for line in sys.stdin:

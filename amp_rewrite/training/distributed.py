@@ -140,7 +140,7 @@ class MpiRunner:
     """
 
     def __init__(self, step: StepGraph, initial: dict[str, np.ndarray], lr: float, provider: str, precision: str,
-                 loss: str, threads: int = 0, arena: bool = False, loss_reduction: str | None = None,
+                 loss: str, threads: int = 0, loss_reduction: str | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB, device_id: int | None = None, comm=None):
         self.loss_reduction = _check_reduction(loss, loss_reduction)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -163,7 +163,7 @@ class MpiRunner:
         split = split_step_graph(step, self._share)
         self._check_same_step_graph(split)
         check_in_place(split.apply, step.next_state)
-        options = {"device_id": device_id, "threads": threads, "arena": arena}
+        options = {"device_id": device_id, "threads": threads}
         self._grad_session, self.device = open_step_session(split.gradient, provider, precision, **options)
         self._apply_session, _ = open_step_session(split.apply, provider, precision, **options)
         self.feed_types = feed_dtypes(split.gradient)

@@ -60,7 +60,7 @@ class Trainer:
     constants (default: the model's parameters, `training.parameters`). `gradient_builder`: a
     function with `amp_rewrite.autodiff.build_gradient_graph`'s signature (the default).
     `verbose`: say what is trained (one line on stderr). `threads`: CPU intra-op threads (0: ONNX
-    Runtime's default). `arena`: ONNX Runtime's CPU memory arena for the step session.
+    Runtime's default).
     `distributed="mpi"`: data-parallel over MPI ranks; its options (`loss_reduction`, `bucket_mb`,
     `device_id`, `comm`) are described at `amp_rewrite.training.distributed.MpiRunner`.
     `recompute`: segments whose activations the backward recomputes instead of keeping: node-name
@@ -72,7 +72,7 @@ class Trainer:
                  loss_scale="auto", precision: str = "float16", provider: str = "auto",
                  on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
                  distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True,
-                 recompute=None, threads: int = 0, arena: bool = False, **distributed_options):
+                 recompute=None, threads: int = 0, **distributed_options):
         self.precision = _check_choice("precision", precision, PRECISIONS)
         _check_distributed(distributed, distributed_options)
         _check_threads(threads)
@@ -101,12 +101,12 @@ class Trainer:
         del step
         if distributed is None:
             self.runner = SessionRunner(self.step_graph, initial, self.optimizer.lr, provider, self.precision,
-                                        threads=threads, arena=arena)
+                                        threads=threads)
         else:
             from amp_rewrite.training.distributed import MpiRunner
 
             self.runner = MpiRunner(self.step_graph, initial, self.optimizer.lr, provider, self.precision, loss,
-                                    threads=threads, arena=arena, **distributed_options)
+                                    threads=threads, **distributed_options)
         del initial
         self.device = self.runner.device
         self._specs = self.runner.state.specs()
