@@ -307,12 +307,12 @@ class Trainer:
         self.runner.on_primary(write)
 
     def report(self, html=None):
-        """The mixed-precision rewrite's report of the step graph; with `html` (a path) also the
-        HTML picture, forward, backward, loss-scale and optimizer regions drawn apart."""
+        """The mixed-precision rewrite's report of the step graph (the one the step was built
+        with, no rewrite again); with `html` (a path) also the HTML picture, forward, backward,
+        loss-scale and optimizer regions drawn apart."""
         from amp_rewrite.training.picture import step_report
 
-        return step_report(self._float_step, self.precision, html, title="training step",
-                           force_fp32=self._forced_fp32)
+        return step_report(self._float_step, self.step_graph.report, self.precision, html, title="training step")
 
     # --- internals ------------------------------------------------------------------------------
 
