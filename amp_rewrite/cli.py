@@ -1,23 +1,26 @@
 """`amp-rewrite model.onnx`: argparse front end. Every user error is one line and an exit code.
 
-Exit codes: 0 ok; 2 bad arguments; 3 bad model; 4 bad op list; 5 output not writable;
-6 validation over tolerance; 1 anything else amp-rewrite refuses. An unexpected internal error
-prints one line too (with --debug for the traceback) and exits 70.
+Exit codes (README's table): 0 ok; 2 bad arguments; 3 bad model; 4 bad op list; 5 output not
+writable; 6 validation over tolerance (nothing written unless --keep-failed); 1 anything else
+amp-rewrite refuses; 130/143 interrupted (SIGINT/SIGTERM: temporaries removed). Only a bug of
+ours exits 70 (one line; --debug shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from amp_rewrite.analysis.oplists import TARGETS
 from amp_rewrite.analysis.kernels import colouring_provider
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.checks import fallback, validate
-from amp_rewrite.errors import AmpRewriteError, UsageError
-from amp_rewrite.io import atomic_write_bytes, check_output_path, load, save
+from amp_rewrite.errors import AmpRewriteError, UsageError, one_line
+from amp_rewrite.io import OutputPlan, atomic_write_bytes, load, save
 
 SUFFIX = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -34,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=TARGETS, default="float16", help="low-precision type (default float16)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.add_argument("--dry-run", action="store_true", help="decide and report, write no model")
+    p.add_argument("--keep-failed", action="store_true",
+                   help="with --validate/--tolerance: write the outputs even when over tolerance (exit 6 still)")
     p.add_argument("--report", metavar="FILE.json", help="write every decision and the summary as JSON")
     p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
                    help="graph inputs/outputs become the target type too (default: keep float32)")
@@ -114,23 +119,31 @@ def rewrite_options(args) -> RewriteOptions:
                              pointwise_check=args.pointwise_check)
 
 
+def output_plan(args, source: Path, output: Path) -> OutputPlan:
+    """Every path this run writes, checked before any work against each other and every path it
+    reads (the model now; its data files as the loader finds them, before reading one)."""
+    writes = {"-o": None if args.dry_run else output, "--report": args.report, "--html": args.html}
+    plan = OutputPlan(writes, reads=[source], force=args.force)
+    if args.inputs:
+        plan.check_reads([Path(args.inputs)], label="the --inputs file")
+    plan.check_reads([Path(f) for f in args.op_lists], label="an --op-lists file")
+    return plan
+
+
 def run(args) -> int:
     options = rewrite_options(args)  # bad option values fail before anything is read
+    fallback.check_values(samples_count=args.samples, safety=args.safety, rtol=args.rtol, atol=args.atol,
+                          max_runs=args.max_runs, checks=args.validate or args.calibrate or args.tolerance)
     source = Path(args.model)
     output = Path(args.output) if args.output else default_output(source, args.target)
     if args.explain is not None:
-        args.dry_run = True
-    if not args.dry_run:
-        check_output_path(output, [source], args.force)
-    if args.report:
-        check_output_path(Path(args.report), [source, output], True)
-    if args.html:
-        check_output_path(Path(args.html), [source, output], True)
+        args.dry_run, args.report, args.html = True, None, None  # --explain writes nothing
+    plan = output_plan(args, source, output)
     # Only rewriting and saving: big external weights can stay on disk until written (memory).
     needs_weights = args.validate or args.calibrate or args.tolerance or args.html or args.explain is not None
     # onnx.checker: up front when the original runs in ONNX Runtime, else once, on the rewrite
     runs_original = args.validate or args.calibrate or args.tolerance
-    loaded = load(source, lazy_weights=not needs_weights, checker=bool(runs_original))
+    loaded = load(source, lazy_weights=not needs_weights, checker=bool(runs_original), outputs=plan)
     checked = fallback.check(
         loaded, inputs=args.inputs, dims=dict(options.dims), samples_count=args.samples,
         validate=args.validate, calibrate=args.calibrate or args.tolerance, tolerance=args.tolerance,
@@ -141,12 +154,14 @@ def run(args) -> int:
     if args.explain is not None:
         print(fallback.explain_text(result.report, args.explain))
         return 0
-    if not args.dry_run:
+    # over tolerance: a refusal, so nothing is written unless asked (--keep-failed)
+    writes = checked.passed or args.keep_failed
+    if writes and not args.dry_run:
         save(result.model, output, external_data=args.external_data or loaded.had_external_data,
-                      keep_model=False)
-    if args.report:
+             keep_model=False, keep=plan.reads)
+    if writes and args.report:
         atomic_write_bytes(Path(args.report), json.dumps(result.report.to_dict(), indent=1).encode())
-    if args.html:
+    if writes and args.html:
         from amp_rewrite.report import html as html_report
         atomic_write_bytes(Path(args.html), html_report.render(result.report, loaded.model, source.name).encode())
     if not args.quiet:
@@ -154,10 +169,21 @@ def run(args) -> int:
         print(result.report.table_text())
         if checked.validation is not None:
             print(checked.validation.to_text())
-        print("dry run: no model written" if args.dry_run else f"wrote {output}")
+        if args.dry_run:
+            print("dry run: no model written")
+        else:
+            print(f"wrote {output}" if writes else "over tolerance: nothing written (--keep-failed writes it)")
     if checked.validation is not None:
         checked.validation.raise_if_failed()
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so every write on the way out removes its temporaries."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def main(argv=None) -> int:
@@ -165,11 +191,16 @@ def main(argv=None) -> int:
     if len(argv) >= 3 and argv[0] == "explain":  # `amp-rewrite explain model.onnx NODE` = --explain NODE
         argv = [argv[1], "--explain", argv[2], *argv[3:]]
     debug = "--debug" in argv
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         return run(build_parser().parse_args(argv))
     except AmpRewriteError as exc:
         print(f"amp-rewrite: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print("amp-rewrite: terminated; nothing written", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("amp-rewrite: interrupted; nothing written", file=sys.stderr)
         return 130
@@ -179,6 +210,9 @@ def main(argv=None) -> int:
     except Exception as exc:  # a bug of ours: one line unless asked for more
         if debug:
             raise
-        print(f"amp-rewrite: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)",
-              file=sys.stderr)
+        print(f"amp-rewrite: internal error: {type(exc).__name__}: {one_line(str(exc))} "
+              f"(rerun with --debug for details)", file=sys.stderr)
         return 70
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)

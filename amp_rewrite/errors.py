@@ -5,10 +5,19 @@ the API raises them as they are. Anything else escaping is a bug in amp-rewrite.
 """
 
 
+def one_line(text: str) -> str:
+    """`text` as one line: line breaks in a path or a quoted name are shown escaped."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 class AmpRewriteError(Exception):
-    """Base of every error amp-rewrite raises on purpose. `exit_code` is the CLI's status."""
+    """Base of every error amp-rewrite raises on purpose. `exit_code` is the CLI's status.
+    The message is always one line (a newline in a file name is shown as \\n)."""
 
     exit_code = 1
+
+    def __init__(self, message="", *args):
+        super().__init__(one_line(str(message)), *args)
 
 
 class UsageError(AmpRewriteError):

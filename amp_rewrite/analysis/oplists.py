@@ -2,7 +2,8 @@
 
 The lists are data (`op_lists/*.yaml`); this module only reads them. A list file maps each of the
 four list names to `{op: reason}` (or a plain list of ops), may `extends:` another file whose
-entries it overrides, and names its `target`. User overrides (a YAML file of the same shape, CLI
+entries it overrides (a regular file in its own folder: io.external's rules), and names its
+`target`. Files are read bounded in size and nesting depth. User overrides (a YAML file of the same shape, CLI
 flags, API arguments) move an op into the list they name; naming one op in two lists of the same
 source is an error. Ops are keyed `OpType` for the default ONNX domain and `domain:OpType` else.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -18,6 +20,7 @@ from typing import Iterable, Mapping
 import yaml
 
 from amp_rewrite.errors import OpListError
+from amp_rewrite.io.external import contained_file, read_bounded
 
 LISTS = ("allow", "deny", "infer", "clear")
 FILE_KEYS = {"target", "extends", *LISTS}
@@ -56,28 +59,46 @@ class OpLists:
         return sorted(op for op, e in self.entries.items() if e.list == list_name)
 
 
+MAX_YAML_BYTES = 2**20  # an op list is a few KB; a bigger file is not one
+MAX_YAML_DEPTH = 32  # an op list nests three deep; deeper nesting is refused before it recurses
+
+
 class _SafeLoader(yaml.SafeLoader):
-    """A safe loader that refuses aliases, so a YAML 'billion laughs' cannot blow up memory."""
+    """A safe loader that refuses aliases (a 'billion laughs' cannot blow up memory) and nesting
+    deeper than MAX_YAML_DEPTH (100k brackets cannot exhaust the stack)."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.YAMLError(f"aliases are not allowed (line {event.start_mark.line + 1})")
-        return super().compose_node(parent, index)
+        self.depth = getattr(self, "depth", 0) + 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                event = self.peek_event()
+                raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels (line {event.start_mark.line + 1})")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
 
 def _read_yaml(path: Path) -> dict:
+    """A YAML mapping from a regular file of at most MAX_YAML_BYTES; every failure one OpListError line."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise OpListError(f"{path}: cannot read op list ({exc.strerror or exc})") from None
+        os.stat(path)
+    except (OSError, ValueError) as exc:
+        raise OpListError(f"{path}: cannot read op list ({getattr(exc, 'strerror', None) or exc})") from None
+    data = read_bounded(path, MAX_YAML_BYTES, what="op list", error=OpListError)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise OpListError(f"{path}: op list is not UTF-8 text") from None
     try:
         data = yaml.load(text, Loader=_SafeLoader)
     except yaml.YAMLError as exc:
-        detail = str(exc).replace("\n", " ")
-        raise OpListError(f"{path}: invalid YAML: {detail}") from None
+        detail = " ".join(str(exc).split())
+        raise OpListError(f"{path}: invalid YAML: {detail[:300]}") from None
+    except RecursionError:  # a structure the depth limit does not see (kept as a backstop)
+        raise OpListError(f"{path}: invalid YAML: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -117,7 +138,10 @@ def _check_one_list_each(sections: Mapping[str, Mapping[str, str]], source: str)
 
 def _parse_file(path: Path, chain: tuple[Path, ...] = ()) -> tuple[str | None, dict[str, Entry]]:
     """Entries of one file with its `extends` chain applied (later files override earlier)."""
-    path = path.resolve()
+    try:
+        path = path.resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a NUL byte, a loop of links, a name too long
+        raise OpListError(f"{path}: cannot read op list ({getattr(exc, 'strerror', None) or exc})") from None
     if path in chain:
         raise OpListError(f"{path}: 'extends' loops back to itself")
     data = _read_yaml(path)
@@ -131,7 +155,9 @@ def _parse_file(path: Path, chain: tuple[Path, ...] = ()) -> tuple[str | None, d
     if data.get("extends"):
         if not isinstance(data["extends"], str):
             raise OpListError(f"{path}: 'extends' must name one file")
-        base_target, entries = _parse_file(path.parent / data["extends"], chain + (path,))
+        base = contained_file(path.parent, data["extends"], what=f"{path}: 'extends'", error=OpListError,
+                              inside="the op list's folder")
+        base_target, entries = _parse_file(base, chain + (path,))
         target = target or base_target
     sections = {name: _entries_of(data.get(name), f"{path}: {name}") for name in LISTS}
     _check_one_list_each(sections, str(path))

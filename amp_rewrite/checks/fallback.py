@@ -30,6 +30,7 @@ from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.sessions import open_session
+from amp_rewrite.errors import UsageError
 from amp_rewrite.io import load
 
 HUGE = 1e30
@@ -307,6 +308,23 @@ class CheckedResult:
         return self.validation is None or self.validation.passed
 
 
+def check_values(*, samples_count, safety, rtol, atol, max_runs, checks: bool) -> None:
+    """Numbers a check cannot run with are usage errors, before any work (no ZeroDivisionError
+    from --safety 0, no PASSED from comparing zero samples)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not number(safety) or safety <= 0:
+        raise UsageError(f"safety {safety!r} must be a positive number (the limit is max/safety)")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if not number(value) or value < 0:
+            raise UsageError(f"{name} {value!r} must be a number of at least 0")
+    if not isinstance(max_runs, int) or isinstance(max_runs, bool) or max_runs < 1:
+        raise UsageError(f"max runs {max_runs!r} must be a whole number of at least 1")
+    if not isinstance(samples_count, int) or isinstance(samples_count, bool) or samples_count < (1 if checks else 0):
+        raise UsageError(f"samples {samples_count!r} must be a whole number of at least 1 to validate or calibrate")
+
+
 def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1, validate: bool = False,
           calibrate: bool = False, tolerance: bool = False, provider: str = "auto", rtol: float = 1e-2,
           atol: float = 1e-3, reference="auto", safety: float = cal_mod.DEFAULT_SAFETY, progress=None,
@@ -317,6 +335,8 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
     A model the caller loaded from a file is rewritten in place (no second copy) only when no
     check needs the original and `keep_original` is False.
     """
+    check_values(samples_count=samples_count, safety=safety, rtol=rtol, atol=atol, max_runs=max_runs,
+                  checks=validate or calibrate or tolerance)
     loaded = load(model)
     if keep_original or validate or calibrate or tolerance:
         loaded = _shared(loaded)

@@ -25,6 +25,7 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.checks.sessions import CPU, CUDA, open_session
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import load
+from amp_rewrite.io.npz import read_npz
 from amp_rewrite.progress import Progress
 
 REFERENCE_NODE_LIMIT = 2000  # the reference evaluator is slow: automatic only for small models
@@ -79,26 +80,44 @@ def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int =
 
 
 def load_samples(path, model: onnx.ModelProto) -> list:
-    """Samples from an .npz: keys `NAME` (one sample) or `I/NAME` (sample I), one per input."""
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--inputs {path}: cannot read as .npz ({exc})") from None
-    names = [v.name for v in feed_inputs(model)]
+    """Samples from an .npz: keys `NAME` (one sample) or `I/NAME` (sample I), one per input, each
+    of the declared element type and shape (io.npz reads it bounded; every fault a UsageError)."""
+    what = f"--inputs {path}"
+    data = read_npz(path, what=what)
+    inputs = feed_inputs(model)
     by_sample: dict = {}
-    for key in data.files:
+    for key, array in data.items():
         index, _, name = key.rpartition("/")
-        by_sample.setdefault(index, {})[name] = data[key]
+        by_sample.setdefault(index, {})[name] = array
     samples = []
     for index in sorted(by_sample, key=lambda k: (len(k), k)):
         feeds = by_sample[index]
-        missing = [n for n in names if n not in feeds]
+        missing = [v.name for v in inputs if v.name not in feeds]
         if missing:
-            raise UsageError(f"--inputs {path}: sample {index or 0} lacks input(s) {', '.join(missing)}")
-        samples.append({n: feeds[n] for n in names})
+            raise UsageError(f"{what}: sample {index or 0} lacks input(s) {', '.join(missing)}")
+        for value in inputs:
+            _check_sample(what, index or "0", value, feeds[value.name])
+        samples.append({v.name: feeds[v.name] for v in inputs})
     if not samples:
-        raise UsageError(f"--inputs {path}: no samples")
+        raise UsageError(f"{what}: no samples")
     return samples
+
+
+def _check_sample(what: str, index: str, value: onnx.ValueInfoProto, array: np.ndarray) -> None:
+    """One sample array against its input's declared type: element type, rank and fixed dims."""
+    if not value.type.HasField("tensor_type"):
+        return  # sequences, maps: ONNX Runtime says what it expects
+    declared = value.type.tensor_type
+    expected = helper.tensor_dtype_to_np_dtype(declared.elem_type)
+    if array.dtype != expected:
+        raise UsageError(f"{what}: sample {index} input {value.name!r} is {array.dtype}, the model declares {np.dtype(expected)}")
+    if not declared.HasField("shape"):
+        return
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
+    if len(dims) != array.ndim or any(d is not None and d != n for d, n in zip(dims, array.shape)):
+        shown = [d if d is not None else "?" for d in dims]
+        raise UsageError(f"{what}: sample {index} input {value.name!r} has shape {list(array.shape)}, "
+                         f"the model declares {shown}")
 
 
 def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> list:
@@ -134,6 +153,12 @@ def compare(reference, candidate, *, rtol: float, atol: float, name: str = "") -
         stats.update(passed=False, error="shape differs", max_abs=float("inf"), max_rel=float("inf"), cosine=0.0,
                      nan=0, inf=0, ref_nan=0, ref_inf=0, top1=None, within=0.0)
         return stats
+    if any(not _numeric(x) for x in (*ref, *cand)):  # strings, objects: the rewrite must keep them exactly
+        same = all(r.dtype == c.dtype and np.array_equal(r, c) for r, c in zip(ref, cand))
+        stats.update(passed=same, max_abs=0.0 if same else float("inf"), max_rel=0.0 if same else float("inf"),
+                     cosine=1.0 if same else 0.0, nan=0, inf=0, ref_nan=0, ref_inf=0, top1=None,
+                     within=1.0 if same else 0.0, **({} if same else {"error": "values differ"}))
+        return stats
     r = np.concatenate([x.astype(np.float64).ravel() for x in ref]) if ref else np.zeros(0)
     c = np.concatenate([x.astype(np.float64).ravel() for x in cand]) if cand else np.zeros(0)
     both = np.isfinite(r) & np.isfinite(c)
@@ -155,6 +180,10 @@ def compare(reference, candidate, *, rtol: float, atol: float, name: str = "") -
     )
     stats["passed"] = bool(new_bad == 0 and within.all())
     return stats
+
+
+def _numeric(array: np.ndarray) -> bool:
+    return array.dtype.kind in "biufc"
 
 
 def _top1(ref, cand):

@@ -26,6 +26,7 @@ from amp_rewrite.onnx_facts import (ELEMENT_SIZE, FLOAT_TYPES, KNOWN_TYPES, TYPE
 # installed release; an unknown release uses the newest entry not above it, capped by the opsets
 # of ORT's own schema registry. A model beyond these would load here but not in ONNX Runtime.
 ORT_LIMITS = {(1, 31): (13, 26)}
+ORT_MIN_OPSET = 7  # older ai.onnx opsets ONNX Runtime does not guarantee (and Cast's `to` was a string)
 
 
 def _fail(path, message: str):
@@ -246,6 +247,9 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
                          f"ONNX Runtime supports (at most {limit})")
         if opset.version < 1:
             _fail(where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid")
+        if domain == "" and opset.version < ORT_MIN_OPSET:
+            _fail(where, f"opset {opset.version} of domain 'ai.onnx' is older than ONNX Runtime supports (at least "
+                         f"{ORT_MIN_OPSET}); convert it with onnx.version_converter")
     if not seen_domains:
         _fail(where, "model imports no opset")
     if not model.graph.output:
@@ -276,3 +280,44 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
             _fail(where, f"invalid ONNX model: {message}")
         except Exception as exc:  # the checker's own failures are ours to state plainly
             _fail(where, f"invalid ONNX model: {_one_line(str(exc)) or type(exc).__name__}")
+
+
+def check_after_failure(model: onnx.ModelProto, path=None) -> None:
+    """Checks too slow to run on every model, run when a stage failed, to tell a bad input (one
+    ModelError line) from a bug of ours: names and domains that are not UTF-8 text (protobuf hands
+    them over as bytes), and a call of a model-local function without an input its body reads."""
+    where = _where(path)
+    for opset in model.opset_import:
+        _text(where, "an opset import", opset.domain)
+    functions = {}
+    bodies = []
+    for function in model.functions:
+        _text(where, "a model-local function", function.domain, function.name, *function.input, *function.output)
+        functions[(function.domain, function.name)] = function
+        bodies.append(function)
+    graphs, _ = walk(model.graph)
+    for owner in (*graphs, *bodies):
+        for node in owner.node:
+            _text(where, f"node {node.name!r}" if isinstance(node.name, str) else "a node",
+                  node.op_type, node.domain, node.name, *node.input, *node.output)
+            function = functions.get((node.domain, node.op_type))
+            if function is not None:
+                _check_call(where, node, function)
+    for graph in graphs:
+        for value in (*graph.input, *graph.output, *graph.initializer):
+            _text(where, "a graph input, output or initializer", value.name)
+
+
+def _text(where: str, what: str, *values) -> None:
+    for value in values:
+        if not isinstance(value, str):
+            _fail(where, f"{what} has a name or domain that is not valid UTF-8 text ({bytes(value)[:40]!r})")
+
+
+def _check_call(where: str, node: onnx.NodeProto, function: onnx.FunctionProto) -> None:
+    """A call passes every formal input its body reads (the inliner would leave an empty name)."""
+    read = {name for body_node in function.node for name in body_node.input}
+    for i, formal in enumerate(function.input):
+        if formal in read and (i >= len(node.input) or not node.input[i]):
+            _fail(where, f"node {node.name or node.op_type!r} calls function {function.name!r} without its "
+                         f"input {formal!r}, which the function reads")

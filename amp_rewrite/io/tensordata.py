@@ -1,7 +1,8 @@
 """The bytes of a tensor, wherever they are: in the proto, or in a checked external-data file.
 
 A model loaded with `lazy_weights` keeps its big weights on disk: each such tensor refers to its
-file by an absolute path that loading already checked lies inside the model's folder. Reading
+file by an absolute path that loading already checked (`external.resolve`), and only such a
+reference is ever opened. Reading
 one tensor at a time (range checks, conversion, saving) keeps memory near one copy of the
 converted weights instead of the original and the converted side by side.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
+
+from amp_rewrite.io import external
 
 
 def is_external(tensor: onnx.TensorProto) -> bool:
@@ -23,11 +26,8 @@ def external_info(tensor: onnx.TensorProto) -> dict:
 
 def tensor_bytes(tensor: onnx.TensorProto) -> bytes:
     """Raw little-endian bytes of `tensor`'s values."""
-    if is_external(tensor):
-        info = external_info(tensor)
-        with open(info["location"], "rb") as handle:
-            handle.seek(int(info.get("offset") or 0))
-            return handle.read(int(info["length"])) if info.get("length") else handle.read()
+    if is_external(tensor):  # only ever a reference the loader checked (external.point_at)
+        return external.checked_reference(tensor).read()
     if tensor.HasField("raw_data"):
         return tensor.raw_data
     return numpy_helper.to_array(tensor).tobytes()

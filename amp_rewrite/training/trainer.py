@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import sys
 
@@ -26,6 +25,7 @@ from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
 from amp_rewrite.training import kernels, parameters, skips
+from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import Optimizer
 from amp_rewrite.training.prepare import prepare
@@ -264,25 +264,18 @@ class Trainer:
         atomic_write(path, lambda f: np.savez(f, **arrays))
 
     def load(self, path) -> None:
-        """Restore a checkpoint written by `save` for the same model, optimizer and loss scale;
-        data-parallel: rank 0 reads and checks it, then every rank gets its state."""
+        """Restore a checkpoint written by `save` for the same model, optimizer and loss scale. The
+        whole file is verified first (training/checkpoint.py), so a bad one changes nothing; then it
+        is written into the runner's state. Data-parallel: rank 0 reads and verifies it, then every
+        rank gets its state."""
         self.runner.on_primary(lambda: self._load(path))
         self.runner.share_state()
 
     def _load(self, path) -> None:
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                meta = json.loads(str(data["meta"]))
-                names = [str(n) for n in data["names"]]
-                state = {name: data[f"state_{i}"] for i, name in enumerate(names)}
-        except (OSError, KeyError, ValueError) as error:
-            raise TrainingError(f"cannot read checkpoint {os.fspath(path)!r}: {error}") from None
-        expected = self._checkpoint_meta()
-        for key in ("format", "optimizer", "loss_scale"):
-            if meta.get(key) != expected[key]:
-                raise TrainingError(f"checkpoint {key} {meta.get(key)!r} does not match this trainer's {expected[key]!r}")
-        self.load_state(state)
-        self.lr = meta["lr"]
+        shapes = {name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in self._specs.items()}
+        checkpoint = read_checkpoint(path, self._checkpoint_meta(), shapes)  # stand-ins: shape and dtype, no data
+        self.load_state(checkpoint.state)
+        self.lr = checkpoint.meta["lr"]
 
     def inference_model(self, precision: str = "float32") -> onnx.ModelProto:
         """The original model with the trained weights; rewritten to `precision` unless float32."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import onnx
@@ -38,6 +39,14 @@ def external_model(tmp_path):
     return path, original
 
 
+def _data_file(model_path):
+    """The one data file a saved model names (`<name>.<run>.data`, unique to the run that wrote it)."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    names = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    assert len(names) == 1 and re.fullmatch(re.escape(model_path.name) + r"\.[0-9a-f]{8}\.data", next(iter(names)))
+    return model_path.parent / names.pop()
+
+
 def _session(path):
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -49,7 +58,7 @@ def test_cli_keeps_external_data_and_halves_it(external_model, tmp_path):
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     out = tmp_path / "net.fp16.onnx"
     assert main([str(path), "-o", str(out), "--quiet"]) == 0
-    data_in, data_out = tmp_path / "net.onnx.data", tmp_path / "net.fp16.onnx.data"
+    data_in, data_out = tmp_path / "net.onnx.data", _data_file(out)
     assert data_out.is_file()
     assert 0.45 <= data_out.stat().st_size / data_in.stat().st_size <= 0.55
     assert out.stat().st_size < 4096  # the weights are not inline
@@ -57,9 +66,7 @@ def test_cli_keeps_external_data_and_halves_it(external_model, tmp_path):
     feeds = random_feeds(original)
     assert_close(_session(out).run(None, feeds), run_ort(original, feeds))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before  # input untouched
-    rewritten = onnx.load(str(out), load_external_data=False)
-    locations = {e.value for t in rewritten.graph.initializer for e in t.external_data if e.key == "location"}
-    assert locations == {"net.fp16.onnx.data"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, out.name, data_out.name])
 
 
 def test_api_rewrites_a_path_with_external_data(external_model, tmp_path):
@@ -72,7 +79,7 @@ def test_api_rewrites_a_path_with_external_data(external_model, tmp_path):
     before = result.model.SerializeToString()
     model_io.save(result.model, target, external_data=True)
     assert result.model.SerializeToString() == before  # saving leaves the model as it was
-    assert (tmp_path / "api.onnx.data").is_file()
+    assert _data_file(target).is_file()
     assert_close(_session(target).run(None, feeds), run_ort(original, feeds))
 
 
@@ -89,7 +96,7 @@ def test_external_data_flag_on_an_inline_model(tmp_path):
     onnx.save(model, path)
     out = tmp_path / "out.onnx"
     assert main([str(path), "-o", str(out), "--quiet", "--external-data"]) == 0
-    assert (tmp_path / "out.onnx.data").is_file()
+    assert _data_file(out).is_file()
     feeds = random_feeds(model)
     assert_close(_session(out).run(None, feeds), run_ort(model, feeds))
 
@@ -98,9 +105,12 @@ def test_rerun_with_force_replaces_model_and_data_together(external_model, tmp_p
     path, original = external_model
     out = tmp_path / "o.onnx"
     assert main([str(path), "-o", str(out), "--quiet"]) == 0
-    first = (out.read_bytes(), (tmp_path / "o.onnx.data").read_bytes())
+    first_data = _data_file(out)
+    first = first_data.read_bytes()
     assert main([str(path), "-o", str(out), "--quiet", "--force"]) == 0
-    assert (out.read_bytes(), (tmp_path / "o.onnx.data").read_bytes()) == first  # byte-identical reruns
+    second_data = _data_file(out)
+    assert second_data != first_data and second_data.read_bytes() == first  # a new name, the same bytes
+    assert not first_data.exists()  # the replaced model's data is removed after
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
