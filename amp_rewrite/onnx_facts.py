@@ -75,9 +75,10 @@ def default_opset(model: onnx.ModelProto) -> int | None:
 # --- walks ---------------------------------------------------------------------------------------
 
 
-def walk(graph: onnx.GraphProto) -> tuple[list, list]:
+def walk(graph: onnx.GraphProto, sparse: list | None = None) -> tuple[list, list]:
     """(every graph, main first; every tensor attribute): one walk over the node attributes,
-    which costs about a microsecond a node."""
+    which costs about a microsecond a node. `sparse`, when given, also gets the sparse tensor
+    attributes (SparseTensorProtos) on the way (the loader's external-data check needs them)."""
     graphs, tensors = [graph], []
     for g in graphs:  # grows as subgraphs are found
         for node in g.node:
@@ -88,7 +89,12 @@ def walk(graph: onnx.GraphProto) -> tuple[list, list]:
                 if attr.HasField("g"):
                     graphs.append(attr.g)
                 graphs.extend(attr.graphs)
+                if sparse is not None and attr.type in _SPARSE_ATTRIBUTES:
+                    sparse.extend([attr.sparse_tensor] if attr.HasField("sparse_tensor") else attr.sparse_tensors)
     return graphs, tensors
+
+
+_SPARSE_ATTRIBUTES = (onnx.AttributeProto.SPARSE_TENSOR, onnx.AttributeProto.SPARSE_TENSORS)
 
 
 def all_graphs(graph: onnx.GraphProto) -> list:

@@ -344,6 +344,8 @@ def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1
     options = options or RewriteOptions.of(**rewrite_kwargs)
     check_dims(model.graph, options.dims)  # a typo fails now, not after calibrating
     dims = dict(options.dims) if dims is None else dims  # one size per dim: samples as estimates
+    if samples is not None and not len(samples) and (validate or calibrate or tolerance):
+        raise UsageError("no samples: a check on nothing would pass anything")
     if samples is None and (validate or calibrate or tolerance):
         samples = (val.load_samples(inputs, model) if inputs is not None
                    else val.synthesise(model, dims=dims, count=samples_count))

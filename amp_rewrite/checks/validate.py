@@ -266,6 +266,8 @@ def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol:
     rewritten = load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
     if samples is None:
         samples = synthesise(original, dims=dims)
+    if not len(samples):
+        raise UsageError("no samples to validate on: comparing nothing would pass anything")
     names, ref, used = expected or reference_outputs(original, samples, provider, progress)
     result = ValidationResult(rtol, atol, used, len(samples))
     if provider == "cuda" and used != CUDA:

@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite.errors import ModelError
-from amp_rewrite.onnx_facts import ELEMENT_SIZE
+from amp_rewrite.onnx_facts import ELEMENT_SIZE, walk
 
 MAX_NAME = 4096  # longer names are refused before the file system sees them (PATH_MAX)
 _PACKED_4BIT = {getattr(TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, name)}
@@ -92,42 +92,64 @@ def read_bounded(path: Path, limit: int, *, what: str, error=ModelError) -> byte
 # --- every tensor of a model -----------------------------------------------------------------------
 
 
+def _sparse_parts(sparse_tensors) -> Iterator[TensorProto]:
+    for s in sparse_tensors:
+        yield s.values
+        yield s.indices
+
+
 def _attribute_tensors(attr: onnx.AttributeProto, graphs: list) -> Iterator[TensorProto]:
+    """An attribute's tensors (dense and sparse); its subgraphs go on `graphs`."""
     if attr.HasField("t"):
         yield attr.t
     yield from attr.tensors
-    sparse = ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + list(attr.sparse_tensors)
-    for s in sparse:
-        yield s.values
-        yield s.indices
+    yield from _sparse_parts([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
+    yield from _sparse_parts(attr.sparse_tensors)
     if attr.HasField("g"):
         graphs.append(attr.g)
     graphs.extend(attr.graphs)
 
 
-def _node_tensors(nodes, graphs: list) -> Iterator[TensorProto]:
-    for node in nodes:
-        for attr in node.attribute:
-            yield from _attribute_tensors(attr, graphs)
-
-
-def model_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
-    """Every TensorProto in `model`: initializers and sparse initializers of every graph and
-    subgraph, tensor attributes (dense and sparse), model-local function bodies and their
-    attribute defaults, training-info graphs. One walk, each tensor once."""
-    graphs = [model.graph]
-    for info in model.training_info:
-        graphs.extend([info.initialization, info.algorithm])
+def _function_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
+    """Tensors of model-local function bodies (and their subgraphs) and attribute defaults, in
+    place (the loader writes their bytes back into these very messages)."""
     for function in model.functions:
-        yield from _node_tensors(function.node, graphs)
+        graphs: list = []
         for attr in function.attribute_proto:
             yield from _attribute_tensors(attr, graphs)
-    for graph in graphs:  # grows as subgraphs are found
+        for node in function.node:
+            for attr in node.attribute:
+                yield from _attribute_tensors(attr, graphs)
+        for graph in graphs:  # grows as subgraphs are found
+            yield from graph.initializer
+            yield from _sparse_parts(graph.sparse_initializer)
+            for node in graph.node:
+                for attr in node.attribute:
+                    yield from _attribute_tensors(attr, graphs)
+
+
+def model_tensors(model: onnx.ModelProto, walked=None, sparse=None) -> Iterator[TensorProto]:
+    """Every TensorProto in `model`: initializers and sparse initializers of every graph and
+    subgraph, tensor attributes (dense and sparse), model-local function bodies and their
+    attribute defaults, training-info graphs. `walked`, `sparse`: what `walk(model.graph,
+    sparse)` gave, when the caller has it (the loader shares one walk with validation)."""
+    if walked is None:
+        sparse = []
+        walked = walk(model.graph, sparse)
+    graphs, attribute_tensors = walked
+    for info in model.training_info:
+        for graph in (info.initialization, info.algorithm):
+            more: list = []
+            extra, extra_tensors = walk(graph, more)
+            graphs = [*graphs, *extra]
+            attribute_tensors = [*attribute_tensors, *extra_tensors]
+            sparse = [*sparse, *more]
+    for graph in graphs:
         yield from graph.initializer
-        for s in graph.sparse_initializer:
-            yield s.values
-            yield s.indices
-        yield from _node_tensors(graph.node, graphs)
+        yield from _sparse_parts(graph.sparse_initializer)
+    yield from attribute_tensors
+    yield from _sparse_parts(sparse)
+    yield from _function_tensors(model)
 
 
 def is_external(tensor: TensorProto) -> bool:

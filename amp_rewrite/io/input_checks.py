@@ -215,7 +215,7 @@ class Validated(NamedTuple):
 
 
 def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_memory: bool = False,
-             checker: bool = True) -> Validated:
+             checker: bool = True, walked=None) -> Validated:
     """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
     Returns the bytes of tensor data it counted on the way and whether it holds subgraphs.
 
@@ -254,7 +254,7 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
         _fail(where, "model imports no opset")
     if not model.graph.output:
         _fail(where, "the main graph has no outputs (ONNX Runtime cannot load it)")
-    walked = walk(model.graph)
+    walked = walked or walk(model.graph)  # the loader's, when it has walked already
     data_bytes, float_bytes = _check_tensor_sizes(model, where, in_memory, walked)
     found = Validated(data_bytes, float_bytes, len(walked[0]) > 1)
     if not checker and not _breaks_rules_checker_skips(model.graph, walked[0]):
@@ -284,38 +284,51 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
 
 def check_after_failure(model: onnx.ModelProto, path=None) -> None:
     """Checks too slow to run on every model, run when a stage failed, to tell a bad input (one
-    ModelError line) from a bug of ours: names and domains that are not UTF-8 text (protobuf hands
-    them over as bytes), and a call of a model-local function without an input its body reads."""
+    ModelError line) from a bug of ours: text that is not UTF-8 (protobuf hands it over as
+    bytes), and a call of a model-local function that does not match the function."""
     where = _where(path)
-    for opset in model.opset_import:
-        _text(where, "an opset import", opset.domain)
-    functions = {}
-    bodies = []
-    for function in model.functions:
-        _text(where, "a model-local function", function.domain, function.name, *function.input, *function.output)
-        functions[(function.domain, function.name)] = function
-        bodies.append(function)
+    bad = _bad_text(model, "model")
+    if bad is not None:
+        _fail(where, f"{bad[0]} is not valid UTF-8 text ({bad[1][:40]!r})")
+    functions = {(f.domain, f.name): f for f in model.functions}
     graphs, _ = walk(model.graph)
-    for owner in (*graphs, *bodies):
+    for owner in (*graphs, *model.functions):
         for node in owner.node:
-            _text(where, f"node {node.name!r}" if isinstance(node.name, str) else "a node",
-                  node.op_type, node.domain, node.name, *node.input, *node.output)
             function = functions.get((node.domain, node.op_type))
             if function is not None:
                 _check_call(where, node, function)
-    for graph in graphs:
-        for value in (*graph.input, *graph.output, *graph.initializer):
-            _text(where, "a graph input, output or initializer", value.name)
 
 
-def _text(where: str, what: str, *values) -> None:
-    for value in values:
-        if not isinstance(value, str):
-            _fail(where, f"{what} has a name or domain that is not valid UTF-8 text ({bytes(value)[:40]!r})")
+def _bad_text(message, label: str):
+    """(field path, bytes) of the first string field that is not UTF-8, or None. Reads only
+    string and message fields (never tensor bytes)."""
+    for field in message.DESCRIPTOR.fields:
+        repeated = getattr(field, "is_repeated", None)
+        repeated = field.label == field.LABEL_REPEATED if repeated is None else repeated
+        if field.type == field.TYPE_STRING:
+            values = getattr(message, field.name) if repeated else [getattr(message, field.name)]
+            for value in values:
+                if not isinstance(value, str):
+                    return f"{label}.{field.name}", bytes(value)
+        elif field.type == field.TYPE_MESSAGE:
+            if repeated:
+                children = getattr(message, field.name)
+            else:
+                children = [getattr(message, field.name)] if message.HasField(field.name) else []
+            for child in children:
+                found = _bad_text(child, f"{label}.{field.name}")
+                if found is not None:
+                    return found
+    return None
 
 
 def _check_call(where: str, node: onnx.NodeProto, function: onnx.FunctionProto) -> None:
-    """A call passes every formal input its body reads (the inliner would leave an empty name)."""
+    """A call passes no more inputs and outputs than the function declares, and every input its
+    body reads (the inliner asserts on the first and leaves an empty name for the second)."""
+    for kind, given, declared in (("inputs", node.input, function.input), ("outputs", node.output, function.output)):
+        if len(given) > len(declared):
+            _fail(where, f"node {node.name or node.op_type!r} calls function {function.name!r} with {len(given)} "
+                         f"{kind}; it declares {len(declared)}")
     read = {name for body_node in function.node for name in body_node.input}
     for i, formal in enumerate(function.input):
         if formal in read and (i >= len(node.input) or not node.input[i]):

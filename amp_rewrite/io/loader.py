@@ -18,7 +18,7 @@ from onnx import TensorProto
 from amp_rewrite.errors import ModelError
 from amp_rewrite.io import external
 from amp_rewrite.io.input_checks import check_after_failure, validate
-from amp_rewrite.onnx_facts import all_tensors
+from amp_rewrite.onnx_facts import all_graphs, walk
 
 @dataclass
 class LoadedModel:
@@ -55,21 +55,22 @@ MAX_MODEL_BYTES = 2**31  # protobuf cannot parse more: larger weights must be ex
 LAZY_MIN_BYTES = 2**20  # with lazy_weights, external tensors from this size stay on disk
 
 
-def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False,
-                        outputs=None) -> tuple[tuple[Path, ...], bool]:
+def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False, outputs=None,
+                        walked=None, sparse=None) -> tuple[tuple[Path, ...], bool]:
     """Check every external reference anywhere in the model (external.resolve), then read each
     (or, with `lazy`, point at it): (the data files read, whether any tensor was left on disk).
     Every reference is checked, and the data files against `outputs` (an OutputPlan), before
     any byte is read."""
-    tensors = [t for t in external.model_tensors(model) if external.is_external(t)]
+    tensors = [t for t in external.model_tensors(model, walked, sparse) if external.is_external(t)]
     if not tensors:
         return (), False
     refs = [external.resolve(tensor, path.parent, path) for tensor in tensors]
     files = tuple(dict.fromkeys(ref.path for ref in refs))
     if outputs is not None:
         outputs.check_reads(files, label="a data file of the input model")
-    # only the graphs' initializers and attributes may stay on disk (what tensordata's readers see)
-    movable = {id(t) for t in all_tensors(model.graph) if external.is_external(t)} if lazy else set()
+    # only the graphs' initializers may stay on disk: what `save` streams and tensordata's readers see
+    graphs = walked[0] if walked is not None else all_graphs(model.graph)
+    movable = {id(t) for g in graphs for t in g.initializer if external.is_external(t)} if lazy else set()
     left = False
     for tensor, ref in zip(tensors, refs):
         if id(tensor) in movable and ref.length >= LAZY_MIN_BYTES:
@@ -126,8 +127,10 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
     del data
     if not model.HasField("graph") or not model.opset_import:
         _fail(path, "not an ONNX model (no graph or no opset imports)")
-    data_files, lazy = _load_external_data(model, path, lazy_weights, outputs)
-    found = validate(model, path, skeleton=lazy, checker=checker)
+    sparse: list = []
+    walked = walk(model.graph, sparse)  # one walk, shared by the external-data check and validation
+    data_files, lazy = _load_external_data(model, path, lazy_weights, outputs, walked, sparse)
+    found = validate(model, path, skeleton=lazy, checker=checker, walked=walked)
     return LoadedModel(model, path, bool(data_files), data_files, owned=True, lazy=lazy, data_bytes=found.data_bytes,
                        float_bytes=found.float_bytes, nested=found.nested, checked=checker)
 

@@ -12,6 +12,7 @@ the way out; the CLI turns SIGTERM into such an interrupt).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -167,6 +168,22 @@ def old_data_files(path: Path) -> list[Path]:
     return [path.parent / n for n in sorted(names) if "/" not in n and os.sep not in n and _ours(path, n)]
 
 
+def _place(tmp: str, target: Path) -> None:
+    """Give the finished temporary its run-unique name, never over an existing file: a hard link
+    where the file system has them, else a rename after checking the name is free."""
+    try:
+        os.link(tmp, target)
+        return
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK):
+            raise
+    if os.path.lexists(target):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+    os.rename(tmp, target)
+
+
 class OutputPair:
     """A model file and its external-data file, replaced together (see the module docstring).
 
@@ -218,7 +235,7 @@ class OutputPair:
             old = old_data_files(self.path)
             interrupt_hook("rename")
             if self._data_tmp is not None:
-                os.link(self._data_tmp, self.data_path)  # never over an existing file
+                _place(self._data_tmp, self.data_path)
                 self._linked = True
                 remove_quietly(self._data_tmp)
                 self._data_tmp = None

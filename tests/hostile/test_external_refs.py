@@ -79,6 +79,16 @@ def _sparse_model(location: str) -> onnx.ModelProto:
     return model
 
 
+def _sparse_attribute_model(location: str) -> onnx.ModelProto:
+    """A Constant whose sparse_value has external values."""
+    model = make_corpus.valid_model()
+    values = _external(numpy_helper.from_array(np.ones(16, np.float32), "SV"), location)
+    indices = numpy_helper.from_array(np.arange(16, dtype=np.int64), "SV_idx")
+    sparse = helper.make_sparse_tensor(values, indices, [4, 32])
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["sv"], name="sparse_const", sparse_value=sparse))
+    return model
+
+
 def _initializer_model(location: str) -> onnx.ModelProto:
     model = make_corpus.valid_model()
     _external(model.graph.initializer[0], location, length=512)
@@ -86,7 +96,7 @@ def _initializer_model(location: str) -> onnx.ModelProto:
 
 
 PLACES = {"function": _function_model, "subgraph": _subgraph_model, "sparse": _sparse_model,
-          "initializer": _initializer_model}
+          "sparse_attribute": _sparse_attribute_model, "initializer": _initializer_model}
 
 
 @pytest.fixture()

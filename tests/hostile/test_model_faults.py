@@ -144,3 +144,17 @@ def test_an_opset_older_than_onnx_runtime_supports_is_refused(tmp_path, capsys):
     path.write_bytes(model.SerializeToString())
     assert main([str(path), "--dry-run"]) == 3
     assert "older than ONNX Runtime supports (at least 7)" in capsys.readouterr().err
+
+
+def test_a_function_call_with_more_inputs_than_the_function_declares(tmp_path, capsys):
+    """Hypothesis found it: onnx's inliner asserts (a RuntimeError, exit 70) on such a call."""
+    body = [helper.make_node("Add", ["a", "b"], ["c"])]
+    fn = helper.make_function("local", "F", ["a", "b"], ["c"], body, [helper.make_opsetid("", 17)])
+    graph = helper.make_graph([helper.make_node("F", ["x", "x", "x"], ["y"], domain="local", name="call")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    model = helper.make_model(graph, functions=[fn],
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
+    model.ir_version = 8
+    with pytest.raises(errors.ModelError, match="with 3 inputs; it declares 2"):
+        amp_rewrite.rewrite(model)

@@ -249,3 +249,26 @@ def test_sigterm_removes_temporaries(tmp_path):
     assert "terminated; nothing written" in proc.stderr.read()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "out.onnx"]
     assert out.read_bytes() == b"previous output"
+
+
+def test_a_file_system_without_hard_links_still_gets_the_pair(tmp_path, monkeypatch):
+    def no_links(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    out = tmp_path / "out.onnx"
+    model_io.save(_big_model(), out, external_data=True)
+    model_io.save(_big_model(seed=2), out, external_data=True)  # replaces the pair, removes the old data
+    assert len(list(tmp_path.glob("out.onnx.*.data"))) == 1 and not list(tmp_path.glob(".*"))
+    _check_pair(out, _big_model(seed=2))
+
+
+def test_validating_on_no_samples_is_a_usage_error():
+    """Finding 7's API side: zero samples compared nothing and reported PASSED."""
+    from amp_rewrite.checks import fallback, validate
+
+    model = make_corpus.valid_model()
+    with pytest.raises(errors.UsageError, match="no samples"):
+        validate.validate(model, model, [])
+    with pytest.raises(errors.UsageError, match="no samples"):
+        fallback.check(model, samples=[], validate=True)
