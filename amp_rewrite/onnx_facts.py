@@ -154,11 +154,13 @@ def sort_graphs(model: onnx.ModelProto) -> None:
 
 
 def names_in(graph: onnx.GraphProto) -> set[str]:
-    """Every tensor and node name in a graph, so new names never collide with the model's."""
+    """Every tensor and node name in a graph and its subgraphs, so new names never collide with the model's."""
     names = {i.name for i in graph.input} | {o.name for o in graph.output}
     names |= {i.name for i in graph.initializer} | {v.name for v in graph.value_info}
     for n in graph.node:
         names.update(n.input)
         names.update(n.output)
         names.add(n.name)
+        for body in subgraphs(n):
+            names |= names_in(body)
     return names

@@ -266,3 +266,86 @@ CASES += [
     OpCase("MSE-primitives", "Pow", [n("Sub", ["p", "q"], ["d"]), n("Pow", ["d", "two"], ["sq"]), n("ReduceMean", ["sq"], keepdims=0)],
            {"p": [N, 3], "q": [N, 3]}, consts={"two": np.array(2.0)}),
 ]
+
+
+# -- Resize: one case per mode family exporters emit (scales/sizes must stay float32/int64) ----------
+def resize(tag, x, mode, coordinates, scales=None, sizes=None, **attrs):
+    def nodes(elem):
+        made = []
+        if scales is not None:
+            made.append(helper.make_node("Constant", [], ["scales"], value=helper.make_tensor(
+                "scales", TensorProto.FLOAT, [len(scales)], scales)))
+        if sizes is not None:
+            made.append(helper.make_node("Constant", [], ["sizes"], value=helper.make_tensor(
+                "sizes", TensorProto.INT64, [len(sizes)], sizes)))
+        inputs = ["x", "", "scales"] if scales is not None else ["x", "", "", "sizes"]
+        return made + [n("Resize", inputs, mode=mode, coordinate_transformation_mode=coordinates, **attrs)]
+
+    return OpCase(f"Resize-{tag}", "Resize", nodes, {"x": x})
+
+
+def resize_to_runtime_size():
+    """sizes computed from Shape(x) at run time (FPN exports): the resized axes are found from the dims."""
+    return [
+        n("Shape", ["x"], ["lead"], start=0, end=2),
+        helper.make_node("Constant", [], ["hw"], value=helper.make_tensor("hw", TensorProto.INT64, [2], [5, 7])),
+        n("Concat", ["lead", "hw"], ["sizes"], axis=0),
+        n("Resize", ["x", "", "", "sizes"], mode="linear", coordinate_transformation_mode="half_pixel"),
+    ]
+
+
+CASES += [
+    resize("nearest-asymmetric-floor", [N, 2, 3, 4], "nearest", "asymmetric", scales=[1, 1, 2, 2], nearest_mode="floor"),
+    resize("nearest-half-pixel-3x", [N, 2, 3, 2], "nearest", "half_pixel", scales=[1, 1, 3, 1.5]),
+    resize("nearest-down", [N, 1, 5, 6], "nearest", "asymmetric", scales=[1, 1, 0.5, 0.7], nearest_mode="ceil"),
+    resize("nearest-half-pixel-sizes", [2, 2, 3, 4], "nearest", "half_pixel", sizes=[2, 2, 5, 9],
+           nearest_mode="round_prefer_ceil"),
+    resize("linear-pytorch-half-pixel", [N, 2, 3, 4], "linear", "pytorch_half_pixel", scales=[1, 1, 2, 2]),
+    resize("linear-half-pixel-down", [N, 2, 5, 6], "linear", "half_pixel", scales=[1, 1, 0.6, 0.5]),
+    resize("linear-align-corners-sizes", [2, 2, 3, 4], "linear", "align_corners", sizes=[2, 2, 5, 7]),
+    resize("linear-asymmetric-1d", [N, 2, 4], "linear", "asymmetric", scales=[1, 1, 2.5]),
+    OpCase("Resize-linear-runtime-sizes", "Resize", resize_to_runtime_size(), {"x": [N, 2, 3, 4]}),
+]
+
+
+# -- LSTM / GRU: T=3 steps, batch N, 2 features, hidden 3; every output read by the loss ----------
+def recurrent(op, tag, direction="forward", bias=True, initial=(), outputs=("y", "yh", "yc"), **attrs):
+    gates, d = (4 if op == "LSTM" else 3), (2 if direction == "bidirectional" else 1)
+    inputs = {"x": [3, N, 2], "w": [d, gates * 3, 2], "r": [d, gates * 3, 3]}
+    if bias:
+        inputs["b"] = [d, 2 * gates * 3]
+    inputs.update({name: [d, N, 3] for name in initial})
+    slots = ["x", "w", "r", "b" if bias else "", "", "h0" if "h0" in initial else "", "c0" if "c0" in initial else ""]
+    while not slots[-1]:
+        slots.pop()
+    node = n(op, slots, outputs, hidden_size=3, direction=direction, **attrs)
+    # onnx.reference runs no reverse-time Scan: ORT's float32 gradient is checked against the differences
+    return OpCase(f"{op}-{tag}", op, [node], inputs, outputs=tuple(o for o in outputs if o),
+                  reference_runs_gradient=False)
+
+
+CASES += [
+    recurrent("LSTM", "forward", initial=("h0", "c0")),
+    recurrent("LSTM", "reverse-no-bias", direction="reverse", bias=False),
+    recurrent("LSTM", "bidirectional-y-only", direction="bidirectional", initial=("h0",), outputs=("y",)),
+    recurrent("LSTM", "yh-only", outputs=("", "yh")),
+    recurrent("GRU", "forward", initial=("h0",), outputs=("y", "yh")),
+    recurrent("GRU", "reverse-linear-before-reset", direction="reverse", outputs=("y", "yh"), linear_before_reset=1),
+    recurrent("GRU", "bidirectional", direction="bidirectional", initial=("h0",), outputs=("y", "yh")),
+    recurrent("GRU", "bidirectional-linear-before-reset", direction="bidirectional", outputs=("y",), linear_before_reset=1),
+]
+
+
+# -- If: the branches read a and b from the enclosing graph; one branch taken per case ----------------
+def if_case(tag, taken):
+    def nodes(elem):
+        then = helper.make_graph([n("Mul", ["a", "b"], ["t0"]), n("Tanh", ["t0"], ["t"])], "then", [],
+                                 [helper.make_tensor_value_info("t", elem, None)])
+        other = helper.make_graph([n("Sub", ["a", "a"], ["e0"]), n("Add", ["e0", "a"], ["e"])], "else", [],
+                                  [helper.make_tensor_value_info("e", elem, None)])
+        return [n("If", ["cond"], then_branch=then, else_branch=other)]
+
+    return OpCase(f"If-{tag}", "If", nodes, {"a": [N, 3], "b": [3]}, consts={"cond": np.array(taken)})
+
+
+CASES += [if_case("then", True), if_case("else-reads-one-capture", False)]

@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from amp_rewrite.autodiff import build_gradient_graph, covered_ops
+from amp_rewrite.autodiff.contrib import DECOMPOSED
 from amp_rewrite.autodiff.registry import REGISTRY
 from autodiff_cases import CASES  # a sibling in tools/ (also read by tests/autodiff/test_rules.py)
 
@@ -42,9 +43,21 @@ ORT_REGISTRY = set(
 LIMITS = [
     "Opset 13 or newer. Scatter-add needs opset 16: GatherElements, GatherND and overlapping MaxPool "
     "refuse older opsets with a clear error; Gather falls back to a one-hot MatMul.",
-    "No control flow: If, Loop and Scan have no rule (mark their outputs stop-gradient).",
+    "If: the gradient flows through the branch taken into every tensor the branches read from outside "
+    "(zeros for the other branch's); weights stored inside branches (initializers, Constant nodes) are lifted "
+    "to main-graph initializers first. The backward recomputes the branch's forward. Loop and Scan have no rule "
+    "(mark their outputs stop-gradient): 'no gradient rule for op Loop', also when only a body capture needs one.",
     "Pad: constant mode with constant, non-negative pads. MaxPool/AveragePool: ceil_mode=0; MaxPool "
     "storage_order=0. Conv/AveragePool auto_pad=SAME_* needs static spatial sizes; AveragePool a static channel count.",
+    "Resize: modes nearest (every nearest_mode) and linear with coordinate_transformation_mode half_pixel, "
+    "pytorch_half_pixel, asymmetric or align_corners; cubic, antialias, tf_half_pixel_for_nn, tf_crop_and_resize "
+    "and keep_aspect_ratio_policy other than stretch are refused with one line naming the attribute.",
+    "LSTM/GRU: default activations only; clip, peepholes (a non-zero P), input_forget=1 and layout=1 are "
+    "refused with one line. Backpropagation runs in ONNX Scan ops (any sequence length); onnx.reference "
+    "cannot run a reverse-time Scan, so their cases check ORT's float32 gradient against the differences.",
+    "Fused ops: Attention without do_rotary, past_present_share_buffer, past_sequence_length and 4-D or [2B] "
+    "masks; FusedMatMul without transBatch; SimplifiedLayerNormalization on the last axis only. Each refusal is "
+    "one GradientError line naming the attribute.",
     "Einsum: no repeated subscript within one operand (diagonals). GatherND: batch_dims=0.",
     "Not differentiated: BatchNormalization running mean/variance, Clip bounds, Where condition, "
     "indices, shapes and axes. Floor, Ceil, Round and Sign have zero gradient.",
@@ -107,6 +120,14 @@ def render() -> str:
         name = f"{domain}::{op}" if domain else op
         lines.append(f"| {name} | {differentiable(rule)} | {doc} | {ops} | {cases.get(op, 0)} | "
                      f"{'yes' if op in ORT_REGISTRY else 'no'} |")
+    lines += ["", "## ONNX Runtime's fused ops, decomposed before differentiation", "",
+              "`build_gradient_graph` first rewrites these (emitted by ONNX Runtime's transformers optimizer for",
+              "BERT/GPT-2 and by its graph optimizer) into the standard ops below, which the rules above differentiate;",
+              "`tests/autodiff/test_real_model_rules.py` checks each forward against ONNX Runtime's kernel and each",
+              "gradient against torch and finite differences.", "",
+              "| Op | Standard-op form |", "|---|---|"]
+    for (domain, op), fn in sorted(DECOMPOSED.items()):
+        lines.append(f"| {domain + '::' if domain else ''}{op} | {' '.join((fn.__doc__ or '').split())} |")
     lines += ["", "## Limits", "", *[f"- {limit}" for limit in LIMITS]]
     lines += ["", "## Backward ops and the float16 AMP lists", "",
               "The AMP rewrite colours the gradient graph like any other graph; these are the lists the",

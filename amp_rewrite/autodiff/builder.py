@@ -20,6 +20,8 @@ from onnx import helper
 
 from ..errors import GradientError
 from ..onnx_facts import default_opset
+from .branches import lift_branch_weights
+from .contrib import decompose_contrib_ops
 from .emitter import Emitter
 from .graphinfo import GraphIndex, TypeInfo
 from .registry import GradContext, lookup
@@ -57,6 +59,8 @@ def build_gradient_graph(
         raise GradientError(f"aggregation must be one of {AGGREGATION}, not {aggregation!r}")
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    decompose_contrib_ops(out)  # ORT's fused transformer ops as the standard ops they compute
+    lift_branch_weights(out)  # weights inside If branches become initializers: trainable, differentiable
     builder = _Builder(out, loss, wrt, set(stop_gradients), grad_output, unconnected, aggregation)
     builder.run()
     if recompute is not None:
@@ -74,8 +78,15 @@ def model_opset(model: onnx.ModelProto) -> int:
 
 
 class _Builder:
-    def __init__(self, model, loss, wrt, stops, grad_output, unconnected, aggregation):
+    def __init__(self, model, loss, wrt, stops, grad_output, unconnected, aggregation, *,
+                 seeds: dict[str, str] | None = None, taken=None, grad_names: dict[str, str] | None = None):
+        """seeds: {tensor: its incoming gradient} instead of a loss (the vector-Jacobian product an
+        If branch's backward needs); taken: names already used around this graph (a subgraph's
+        scopes); grad_names: the gradient outputs' names when not `<name>_grad`."""
         self.model = model
+        self.seeds = seeds
+        self.grad_names = grad_names or {}
+        self.produced: set[str] = set()
         self.graph = model.graph
         self.loss = loss
         self.stops = stops
@@ -92,10 +103,11 @@ class _Builder:
         self.forward_count = len(self.nodes)
         self.emitted_by: dict[int, tuple[int, int]] = {}  # forward node -> its backward nodes (range)
         self.rules = [lookup(node) for node in self.nodes]
-        self._check_loss()
+        if not seeds:
+            self._check_loss()
         self.wrt = self._default_wrt() if wrt is None else list(dict.fromkeys(wrt))
         self._check_wrt()
-        self.emit = Emitter.for_graph(self.graph, self.opset)
+        self.emit = Emitter.for_graph(self.graph, self.opset, taken)
 
     # -- checks --------------------------------------------------------------------------------
     def _known(self, name: str) -> bool:
@@ -123,7 +135,7 @@ class _Builder:
     # -- reachability --------------------------------------------------------------------------
     def _carries(self, n: int, slot: int) -> bool:
         """Whether input `slot` of node n can carry a gradient at all."""
-        name = self.nodes[n].input[slot]
+        name = self.index.inputs[n][slot]
         if not name or name in self.stops or not self.info.is_float(name):
             return False
         rule = self.rules[n]
@@ -131,7 +143,7 @@ class _Builder:
 
     def _reaches_loss(self) -> set[str]:
         """Tensors the loss depends on through differentiable edges."""
-        seen, stack = set(), [self.loss]
+        seen, stack = set(), list(self.seeds or [self.loss])
         while stack:
             name = stack.pop()
             if name in seen or name in self.stops:
@@ -139,7 +151,7 @@ class _Builder:
             seen.add(name)
             n = self.index.producer.get(name)
             if n is not None:
-                stack.extend(self.nodes[n].input[s] for s in range(len(self.nodes[n].input)) if self._carries(n, s))
+                stack.extend(name for s, name in enumerate(self.index.inputs[n]) if self._carries(n, s))
         return seen
 
     def _reached_from_sources(self) -> set[str]:
@@ -164,16 +176,18 @@ class _Builder:
         # pending contributions per tensor, pending output gradients per node
         self.pending = {t: 0 for t in on_path}
         for n in path_nodes:
-            for slot, name in enumerate(self.nodes[n].input):
+            for slot, name in enumerate(self.index.inputs[n]):
                 if name in on_path and self._carries(n, slot):
                     self.pending[name] += 1
         self.node_pending = {n: sum(1 for o in self.nodes[n].output if o in on_path) for n in path_nodes}
         self.partial: dict[str, list[str]] = {t: [] for t in on_path}
         self.done: dict[str, str | None] = {}
         self.ready: deque[int] = deque()
-        if self.loss in on_path:
-            self.pending[self.loss] += 1
-            self._contribute(self.loss, self._seed())
+        seeds = {t: g for t, g in (self.seeds or {self.loss: None}).items() if t in on_path}
+        for name in seeds:  # every seed counted before any flows, so none finishes early
+            self.pending[name] += 1
+        for name, seed in seeds.items():
+            self._contribute(name, seed or self._seed())
         while self.ready:
             self._visit(self.ready.popleft())
         stuck = [t for t in on_path if t not in self.done]
@@ -208,15 +222,16 @@ class _Builder:
     def _visit(self, n: int) -> None:
         node = self.nodes[n]
         output_grads = [self.done.get(o) if o in self.on_path else None for o in node.output]
-        needs = [bool(name) and name in self.on_path and self._carries(n, s) for s, name in enumerate(node.input)]
+        inputs = self.index.inputs[n]
+        needs = [bool(name) and name in self.on_path and self._carries(n, s) for s, name in enumerate(inputs)]
         grads: list[str | None] = []
         if any(output_grads):
             self.emit.scope = f"grad/{node.name or node.op_type + str(n)}"
-            ctx = GradContext(node, output_grads, needs, self.emit, self.info, self.index)
+            ctx = GradContext(node, output_grads, needs, self.emit, self.info, self.index, inputs)
             start = len(self.emit.new_nodes)
             grads = list(self.rules[n].fn(ctx) or ())
             self.emitted_by[n] = (start, len(self.emit.new_nodes))
-        for slot, name in enumerate(node.input):
+        for slot, name in enumerate(inputs):
             if needs[slot]:
                 self._contribute(name, grads[slot] if slot < len(grads) else None)
 
@@ -235,17 +250,22 @@ class _Builder:
         if self.pending[name] == 0:
             self._finish(name)
 
+    def _grad_name(self, name: str) -> str:
+        return self.grad_names.get(name) or f"{name}_grad"
+
     def _final_name(self, name: str) -> str:
-        return self.emit.claim(f"{name}_grad")
+        final = self._grad_name(name)
+        self.produced.add(final)
+        return final if name in self.grad_names else self.emit.claim(final)
 
     def _finish(self, name: str) -> None:
         parts = self.partial.pop(name)
         self.emit.scope = f"grad/accumulate/{name}"
         if name in self.wrt:
-            final = f"{name}_grad"
+            final = self._grad_name(name)
             if not parts:
                 self._zeros(name)
-            elif final not in self.emit.taken:
+            elif final not in self.produced:  # pairwise aggregation may have written it already
                 op = "Sum" if len(parts) > 1 else "Identity"
                 self.emit.op(op, parts, [self._final_name(name)])
             grad = final
@@ -278,5 +298,5 @@ class _Builder:
                     continue
                 self._zeros(name)
             elem = self.info.elem.get(name, onnx.TensorProto.FLOAT)
-            self.graph.output.append(helper.make_tensor_value_info(f"{name}_grad", elem, self.info.dims.get(name)))
+            self.graph.output.append(helper.make_tensor_value_info(self._grad_name(name), elem, self.info.dims.get(name)))
         self.graph.node.extend(self.emit.new_nodes)

@@ -58,6 +58,13 @@ class Emitter:
         straight into `graph`; `taken` defaults to every name in the graph."""
         return cls([], graph.initializer, opset, names_in(graph) if taken is None else taken, scope)
 
+    def body(self, scope: str | None = None) -> "Emitter":
+        """An emitter for a subgraph body (a Scan the backward runs): its own node list, names
+        and constants shared with this graph (the body reads constants from the outer scope)."""
+        other = Emitter([], self.initializers, self.opset, self.names, scope or self.scope)
+        other._constants = self._constants
+        return other
+
     @property
     def new_nodes(self):
         return self.nodes

@@ -25,6 +25,7 @@ class GraphIndex:
     producer: dict[str, int] = field(default_factory=dict)
     consumers: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     constants: dict[str, onnx.TensorProto] = field(default_factory=dict)
+    inputs: list[list[str]] = field(default_factory=list)  # per node: its inputs, then what its bodies capture
 
     @classmethod
     def of(cls, graph: onnx.GraphProto) -> "GraphIndex":
@@ -32,7 +33,8 @@ class GraphIndex:
         for init in graph.initializer:
             index.constants[init.name] = init
         for n, node in enumerate(graph.node):
-            for slot, name in enumerate(node.input):
+            index.inputs.append(node_inputs(node))
+            for slot, name in enumerate(index.inputs[n]):
                 if name:
                     index.consumers[name].append((n, slot))
             for name in node.output:
@@ -48,6 +50,31 @@ class GraphIndex:
         """The value of an initializer or Constant output, or None when it is computed at run time."""
         tensor = self.constants.get(name)
         return None if tensor is None else numpy_helper.to_array(tensor)
+
+
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """The node's inputs, then the outer-scope tensors its subgraphs read (an If branch reads its
+    weights and activations that way), so a gradient can flow into them like into an input."""
+    bodies = [a.g for a in node.attribute if a.HasField("g")] + [g for a in node.attribute for g in a.graphs]
+    if not bodies:
+        return list(node.input)
+    captured: dict[str, None] = {}
+    for body in bodies:
+        captured.update(dict.fromkeys(captures(body)))
+    return [*node.input, *(name for name in captured if name not in node.input)]
+
+
+def captures(graph: onnx.GraphProto) -> list[str]:
+    """Names a graph (and the graphs nested in it) reads but does not define, in reading order."""
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    read: dict[str, None] = {}
+    for node in graph.node:
+        for name in node_inputs(node):
+            if name and name not in defined:
+                read[name] = None
+        defined.update(node.output)
+    read.update((o.name, None) for o in graph.output if o.name not in defined)
+    return list(read)
 
 
 @dataclass

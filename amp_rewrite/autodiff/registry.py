@@ -53,8 +53,9 @@ def lookup(node: onnx.NodeProto) -> GradientRule | None:
 class GradContext:
     """What a rule may see and do for one forward node."""
 
-    def __init__(self, node, output_grads, needs, emit: Emitter, info: TypeInfo, index: GraphIndex):
+    def __init__(self, node, output_grads, needs, emit: Emitter, info: TypeInfo, index: GraphIndex, inputs=None):
         self.node = node
+        self.inputs = list(node.input) if inputs is None else inputs  # then outer-scope captures (If)
         self.output_grads = output_grads
         self._needs = needs
         self.emit = emit
@@ -65,8 +66,8 @@ class GradContext:
 
     # -- the node ------------------------------------------------------------------------------
     def x(self, i: int) -> str:
-        """Name of input i, or '' when it is absent."""
-        return self.node.input[i] if i < len(self.node.input) else ""
+        """Name of input i, or '' when it is absent (past the node's inputs: its bodies' captures)."""
+        return self.inputs[i] if i < len(self.inputs) else ""
 
     def y(self, i: int = 0) -> str:
         return self.node.output[i] if i < len(self.node.output) else ""

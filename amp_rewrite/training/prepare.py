@@ -1,5 +1,6 @@
 """Make an exported model trainable as it comes: inline model-local functions (dynamo exports),
-convert opsets below 13 (autodiff's floor) with onnx.version_converter, and promote float
+convert opsets below 13 (autodiff's floor) with onnx.version_converter, lift weights stored inside
+If branches to the main graph, and promote float
 Constant nodes that hold parameters to initializers (PaddlePaddle stores every weight that way).
 """
 
@@ -10,6 +11,7 @@ import logging
 import onnx
 from onnx import helper
 
+from amp_rewrite.autodiff.branches import lift_branch_weights
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import parameters
 
@@ -24,6 +26,7 @@ def prepare(model: onnx.ModelProto, say=log.info) -> tuple[onnx.ModelProto, para
     if out.functions:
         out = onnx.inliner.inline_local_functions(out)
     out = _convert_opset(out, say)
+    lift_branch_weights(out)  # weights stored inside If branches become initializers the branches read
     found = parameters.find(out.graph)
     _promote_constants(out.graph, set(found.names))
     return out, found

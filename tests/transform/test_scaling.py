@@ -148,7 +148,7 @@ def test_cli_reports_the_scaled_regions(tmp_path, capsys):
     assert data["scaling"]["regions"][0]["k"] >= 1
     assert not any(f["node"] in ("fc1", "fc2") for f in data["calibration"]["forced"])
     assert main([str(path), "--calibrate", "--no-scale-activations", "--inputs", str(inputs), "-o",
-                 str(tmp_path / "p.onnx"), "--report", str(report)]) == 0
+                 str(tmp_path / "p.onnx"), "--report", str(report), "--force"]) == 0  # the report exists
     data = json.loads(report.read_text())
     assert "scaling" not in data and any(f["node"] == "fc1" for f in data["calibration"]["forced"])
 
