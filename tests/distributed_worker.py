@@ -64,7 +64,7 @@ def equivalence(out, rank):
                           distributed="mpi", loss_reduction=kind, bucket_mb=bucket_mb)
         results = [trainer.step(shard(b)) for b in global_batches(kind)]
         np.savez(os.path.join(out, f"{name}-rank{rank}.npz"), losses=[r.loss for r in results],
-                 buckets=len(trainer._buckets.flat), **{f"state/{k}": v for k, v in trainer.state().items()})
+                 buckets=len(trainer.runner.buckets.flat), **{f"state/{k}": v for k, v in trainer.state().items()})
 
 
 def nonfinite_and_checkpoint(out, rank):

@@ -41,8 +41,8 @@ def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
     if barrier:
         barrier()
     for trainer in trainers.values():
-        for key in getattr(trainer, "timings", {}):
-            trainer.timings[key] = 0.0
+        for key in getattr(trainer.runner, "timings", {}):
+            trainer.runner.timings[key] = 0.0
     times = {name: [] for name in trainers}
     for i in range(repeat):
         for name, trainer in trainers.items():
@@ -50,7 +50,7 @@ def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
             trainer.step(feeds[i % len(feeds)])
             times[name].append(time.perf_counter() - start)
     return {name: {"median": statistics.median(t), "mean": sum(t) / repeat,
-                   "phases": {k: v / repeat for k, v in getattr(trainers[name], "timings", {}).items()}}
+                   "phases": {k: v / repeat for k, v in getattr(trainers[name].runner, "timings", {}).items()}}
             for name, t in times.items()}
 
 
@@ -66,7 +66,7 @@ def worker(args) -> int:
     from amp_rewrite.training.distributed import shard
 
     trainers = {"mpi": make_trainer(args, distributed="mpi", bucket_mb=args.bucket_mb)}
-    comm = trainers["mpi"].comm
+    comm = trainers["mpi"].runner.comm
     if comm.Get_size() == 1:
         trainers["single"] = make_trainer(args)
     feeds = [shard(f) for f in make_feeds((784,), args.global_batch)]

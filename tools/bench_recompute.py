@@ -160,7 +160,7 @@ def child(args) -> None:
     else:
         options.enable_cpu_mem_arena = arena == "default"
     session = ort.InferenceSession(step.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    state = {**step.initial_state, "opt/lr": np.array(1e-4, np.float32)}
+    state = {**trainer.state(), "opt/lr": np.array(1e-4, np.float32)}
     plan, segments = trainer.recompute_plan, len(trainer.recompute_plan.segments) if trainer.recompute_plan else 0
     del model, trainer
     gc.collect()

@@ -1,26 +1,39 @@
-"""Training-step time: amp-rewrite's ONNX Runtime step (float32 and mixed precision) against
-PyTorch eager on the same MLP and small CNN (same run, medians, torch optional).
+"""Training beside torch and ONNX Runtime training: step time and memory, side by side.
 
-    python tools/bench_train.py                 # CPU: float32 vs torch eager, mixed-precision overhead
-    python tools/bench_train.py --provider cuda # GPU: float32 vs float16 on the CUDA provider
+    python tools/bench_train.py                          # MLP, CNN, BERT; 1 thread and the default
+    python tools/bench_train.py --models mlp --threads 1 --rounds 10
+    python tools/bench_train.py --recompute              # BERT batch 64: recompute="auto" vs torch checkpointing
 
-A step is forward + cross-entropy + backward + SGD(momentum) update; the ONNX Runtime step also
-does the loss scaling, finite check and gated update, all in one session run.
+Each contender (torch eager float32, torch CPU autocast bfloat16, ONNX Runtime training artifacts
+when an onnxruntime-training Python is given with --ort-training-python or AMP_ORT_TRAINING_PYTHON,
+the Trainer float32 and float16) runs in a fresh process of its own; the driver asks each for one
+step in turn, rotating the order every round, so load drift hits all alike. Step times are medians
+after warm-up; ratios are medians of per-round ratios to torch float32. Memory is the peak RSS above
+the process's floor after its imports (VmHWM minus VmRSS then): setup and steps. Every contender
+trains with AdamW(1e-3, weight decay 1e-2) on a cross-entropy loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from amp_rewrite.training import SGD, Trainer
-
 IR_VERSION = 8
+BATCH = {"mlp": 256, "cnn": 128, "bert": 16}
+BERT = dict(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+            max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+SEQ = 128
+CONTENDERS = ("torch", "torch-bf16", "ort-training", "trainer", "trainer-fp16")
+LR = 1e-3
 
 
 def _uniform(rng, fan_in, shape):
@@ -68,101 +81,349 @@ def _model(nodes, weights, input_shape, classes):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
 
 
-def median_ms(steps: dict, feeds: dict, warmup: int, repeat: int) -> dict:
-    """Median step time of each runner, timed round-robin so load drift hits all of them alike."""
-    for i in range(warmup):
-        for name, step in steps.items():
-            step(feeds[name][i % len(feeds[name])])
-    times = {name: [] for name in steps}
-    for i in range(repeat):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step(feeds[name][i % len(feeds[name])])
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
-
-
-def ort_trainer(model, precision, provider):
-    return Trainer(model, optimizer=SGD(0.01, momentum=0.9), precision=precision, provider=provider)
-
-
-def torch_runner(kind, weights, feeds_list, threads):
-    """(step function, its feeds): the same model, loss and optimizer in PyTorch eager on CPU; None without torch."""
-    try:
-        import torch
-    except ImportError:
-        return None, None
-    torch.set_num_threads(threads)
-    params = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
-    optimizer = torch.optim.SGD(list(params.values()), lr=0.01, momentum=0.9)
-    F = torch.nn.functional
-
-    def forward(x):
-        if kind == "mlp":
-            count = len(params) // 2
-            for i in range(count):
-                x = x @ params[f"w{i}"] + params[f"b{i}"]
-                x = F.relu(x) if i < count - 1 else x
-            return x
-        i = 0
-        while f"conv{i}.w" in params:
-            x = F.max_pool2d(F.relu(F.conv2d(x, params[f"conv{i}.w"], params[f"conv{i}.b"], padding=1)), 2)
-            i += 1
-        return torch.flatten(x, 1) @ params["fc.w"] + params["fc.b"]
-
-    torch_feeds = [(torch.from_numpy(f["x"]), torch.from_numpy(f["labels"])) for f in feeds_list]
-
-    def step(feeds):
-        x, labels = feeds
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(forward(x), labels)
-        loss.backward()
-        optimizer.step()
-        return loss.item()  # the host read our step does too
-
-    return step, torch_feeds
-
-
 def make_feeds(input_shape, batch, classes=10, count=4, seed=0):
     rng = np.random.default_rng(seed)
     return [{"x": rng.standard_normal((batch, *input_shape)).astype(np.float32),
              "labels": rng.integers(0, classes, batch).astype(np.int64)} for _ in range(count)]
 
 
+def bert_feeds(batch, count=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"input_ids": rng.integers(0, BERT["vocab_size"], (batch, SEQ)).astype(np.int64),
+             "labels": rng.integers(0, BERT["vocab_size"], (batch, SEQ)).astype(np.int64)} for _ in range(count)]
+
+
+def bert_module():
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(**BERT)).train()
+
+
+def export_bert(path: str) -> None:
+    """The BERT's ONNX export (TorchScript exporter, logits only), written once per run."""
+    import io
+    import warnings
+
+    import onnx
+    import torch
+
+    module = bert_module().eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, input_ids):
+            return self.inner(input_ids=input_ids).logits
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits(), (torch.zeros(2, SEQ, dtype=torch.int64),), buffer, dynamo=False, opset_version=17,
+                          input_names=["input_ids"], output_names=["logits"],
+                          dynamic_axes={"input_ids": {0: "N"}, "logits": {0: "N"}})
+    model = onnx.load_from_string(buffer.getvalue())
+    model.ir_version = min(model.ir_version, 10)
+    onnx.save(model, path)
+
+
+# --- one contender in its own process ------------------------------------------------------------
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    F = torch.nn.functional
+    if kind == "bert":
+        import transformers  # noqa: F401  (imported before the floor, as the module needs it)
+    floor = _status("VmRSS")
+    if kind == "bert":
+        module = bert_module()
+        if recompute:
+            module.gradient_checkpointing_enable()
+        params = list(module.parameters())
+        feeds = [(torch.from_numpy(f["input_ids"]), torch.from_numpy(f["labels"])) for f in bert_feeds(batch)]
+
+        def loss_of(x, labels):
+            logits = module(input_ids=x).logits
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    else:
+        _, weights, shape = (mlp(width=1024) if kind == "mlp" else small_cnn())
+        tensors = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
+        params = list(tensors.values())
+        feeds = [(torch.from_numpy(f["x"]), torch.from_numpy(f["labels"])) for f in make_feeds(shape, batch)]
+
+        def loss_of(x, labels):
+            if kind == "mlp":
+                count = len(tensors) // 2
+                for i in range(count):
+                    x = x @ tensors[f"w{i}"] + tensors[f"b{i}"]
+                    x = F.relu(x) if i < count - 1 else x
+            else:
+                i = 0
+                while f"conv{i}.w" in tensors:
+                    x = F.max_pool2d(F.relu(F.conv2d(x, tensors[f"conv{i}.w"], tensors[f"conv{i}.b"], padding=1)), 2)
+                    i += 1
+                x = torch.flatten(x, 1) @ tensors["fc.w"] + tensors["fc.b"]
+            return F.cross_entropy(x.float(), labels)
+
+    optimizer = torch.optim.AdamW(params, lr=LR)
+
+    def step(i):
+        x, labels = feeds[i % len(feeds)]
+        optimizer.zero_grad(set_to_none=True)
+        if bf16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_of(x, labels)
+        else:
+            loss = loss_of(x, labels)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    return floor, step
+
+
+def _trainer_step(kind, threads, precision, batch, recompute, model_dir):
+    import onnx
+
+    from amp_rewrite.training import AdamW, Trainer
+
+    floor = _status("VmRSS")
+    if kind == "bert":
+        model, feeds = os.path.join(model_dir, "bert.onnx"), bert_feeds(batch)
+    else:
+        model, _, shape = mlp(width=1024) if kind == "mlp" else small_cnn()
+        model, feeds = model.SerializeToString(), make_feeds(shape, batch)
+        model = onnx.load_from_string(model)
+    options = {"threads": threads} if threads else {}  # an older checkout, compared with PYTHONPATH, has none
+    trainer = Trainer(model, optimizer=AdamW(LR), precision=precision, provider="cpu", recompute=recompute,
+                      verbose=False, **options)
+    del model
+
+    def step(i):
+        return trainer.step(feeds[i % len(feeds)]).loss
+
+    return floor, step
+
+
+def _ort_training_step(kind, threads, batch, recompute, model_dir):
+    """ONNX Runtime training artifacts (onnxruntime-training), in its own Python."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.training import api, artifacts
+
+    ort.set_default_logger_severity(3)
+    floor = _status("VmRSS")
+    model, _, shape = mlp(width=1024) if kind == "mlp" else small_cnn()
+    feeds = make_feeds(shape, batch)
+    folder = tempfile.mkdtemp(prefix="ortt-")
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=folder)
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            saved = onnx.load(path)
+            saved.ir_version = min(saved.ir_version, 10)
+            onnx.save(saved, path)
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    state = api.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
+    module = api.Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
+                        session_options=options)
+    optimizer = api.Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
+    optimizer.set_learning_rate(LR)
+    module.train()
+
+    def step(i):
+        f = feeds[i % len(feeds)]
+        loss = module(f["x"], f["labels"])
+        optimizer.step()
+        module.lazy_reset_grad()
+        return float(loss)
+
+    return floor, step
+
+
+def child(args) -> None:
+    """Set up one contender, then serve the driver: `step` runs one step and prints its ms,
+    `mem` prints the peak MB above the floor."""
+    batch = args.batch or BATCH[args.model]
+    recompute = "auto" if args.with_recompute else None
+    if args.child in ("torch", "torch-bf16"):
+        floor, step = _torch_step(args.model, args.child_threads, args.child == "torch-bf16", batch, recompute,
+                                  args.model_dir)
+    elif args.child == "ort-training":
+        floor, step = _ort_training_step(args.model, args.child_threads, batch, recompute, args.model_dir)
+    else:
+        precision = "float16" if args.child == "trainer-fp16" else "float32"
+        floor, step = _trainer_step(args.model, args.child_threads, precision, batch, recompute, args.model_dir)
+    print("ready", flush=True)
+    count = 0
+    for line in sys.stdin:
+        if line.strip() == "step":
+            start = time.perf_counter()
+            step(count)
+            print(f"{1e3 * (time.perf_counter() - start):.3f}", flush=True)
+            count += 1
+        elif line.strip() == "mem":
+            print(f"{(_status('VmHWM') - floor) / 2**20:.1f}", flush=True)
+        else:
+            return
+
+
+# --- the driver ----------------------------------------------------------------------------------
+
+class Contender:
+    def __init__(self, python, name, model, threads, model_dir, batch, recompute):
+        argv = [python, os.path.abspath(__file__), "--child", name, "--model", model, "--child-threads", str(threads),
+                "--model-dir", model_dir]
+        if batch:
+            argv += ["--batch", str(batch)]
+        if recompute:
+            argv += ["--with-recompute"]
+        self.name = name
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ready(self) -> bool:
+        line = self.process.stdout.readline()
+        return line.strip() == "ready"
+
+    def ask(self, command: str) -> float:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline())
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.write("quit\n")
+            self.process.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+        self.process.wait(timeout=60)
+
+
+def measure(specs: dict, model: str, threads: int, model_dir: str, warmup: int, rounds: int, batch=None):
+    """{label: (median ms, median ratio to the first label, peak MB above floor)}; labels whose
+    process failed to start get None."""
+    started = {}
+    for label, (python, name, recompute) in specs.items():
+        started[label] = Contender(python, name, model, threads, model_dir, batch, recompute)
+    alive = {label: c for label, c in started.items() if c.ready()}
+    times = {label: [] for label in alive}
+    labels = list(alive)
+    for r in range(warmup + rounds):
+        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        for label in order:
+            ms = alive[label].ask("step")
+            if r >= warmup:
+                times[label].append(ms)
+    memory = {label: alive[label].ask("mem") for label in labels}
+    for c in started.values():
+        c.close()
+    base = labels[0] if labels else None
+    results = {}
+    for label in specs:
+        if label not in alive:
+            results[label] = None
+            continue
+        ratios = [t / b for t, b in zip(times[label], times[base])]
+        results[label] = (statistics.median(times[label]), statistics.median(ratios), memory[label])
+    return results
+
+
+def _ort_training_python(args):
+    python = args.ort_training_python or os.environ.get("AMP_ORT_TRAINING_PYTHON")
+    if not python:
+        return None
+    check = subprocess.run([python, "-c", "import onnxruntime.training"], capture_output=True)
+    return python if check.returncode == 0 else None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "auto"])
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
-    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--models", default="mlp,cnn,bert")
+    parser.add_argument("--threads", default="1,0", help="intra-op threads, comma-separated (0: each library's default)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
+    parser.add_argument("--recompute", action="store_true", help="BERT at batch 64 with and without recompute")
+    parser.add_argument("--ort-training-python", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-threads", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--with-recompute", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    model_dir = tempfile.mkdtemp(prefix="bench-train-")
     try:
-        import torch
-        threads = args.threads or torch.get_num_threads()
-    except ImportError:
-        threads = args.threads or 1
-    builders = {"mlp": mlp, "cnn": small_cnn}
-    rows = []
-    for kind in args.models.split(","):
-        model, weights, input_shape = builders[kind]()
-        feeds = make_feeds(input_shape, args.batch)
-        full, mixed = ort_trainer(model, "float32", args.provider), ort_trainer(model, "float16", args.provider)
-        steps, all_feeds = {"fp32": full.step, "fp16": mixed.step}, {"fp32": feeds, "fp16": feeds}
-        eager_step, eager_feeds = torch_runner(kind, weights, feeds, threads) if full.device == "cpu" else (None, None)
-        if eager_step is not None:
-            steps["torch"], all_feeds["torch"] = eager_step, eager_feeds
-        ms = median_ms(steps, all_feeds, args.warmup, args.repeat)
-        skipped = args.warmup + args.repeat - mixed.step_count  # costs the same, but would mean a broken run
-        rows.append((kind, full.device, ms.get("torch"), ms["fp32"], ms["fp16"], skipped))
-    print(f"batch {args.batch}, median of {args.repeat} steps after {args.warmup} warm-up (round-robin), SGD(momentum=0.9)")
-    print("| model | device | torch eager ms | ORT float32 ms | ORT fp32 / torch | ORT float16 AMP ms | AMP / fp32 | AMP skipped |")
-    print("|---|---|---|---|---|---|---|---|")
-    for kind, device, eager, fp32, fp16, skipped in rows:
-        eager_text = f"{eager:.2f}" if eager is not None else "n/a"
-        ratio = f"{fp32 / eager:.2f}" if eager is not None else "n/a"
-        print(f"| {kind} | {device} | {eager_text} | {fp32:.2f} | {ratio} | {fp16:.2f} | {fp16 / fp32:.2f} | {skipped} |")
+        if args.recompute:
+            return _recompute_table(args, model_dir)
+        return _table(args, model_dir)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def _table(args, model_dir) -> int:
+    wanted = args.contenders.split(",")
+    ort_python = _ort_training_python(args) if "ort-training" in wanted else None
+    specs = {name: (sys.executable, name, False) for name in wanted if name != "ort-training"}
+    if "ort-training" in wanted and ort_python:
+        specs["ort-training"] = (ort_python, "ort-training", False)
+    print(f"rounds {args.rounds} after {args.warmup} warm-up, fresh process per contender, order rotated each round; "
+          "ms / ratio to torch fp32 (median of per-round ratios) / peak MB above the import floor")
+    if "ort-training" in wanted and not ort_python:
+        print("ONNX Runtime training: not installed (give --ort-training-python or AMP_ORT_TRAINING_PYTHON)")
+    models = args.models.split(",")
+    print("| threads | contender | " + " | ".join(f"{m} (batch {args.batch or BATCH[m]})" for m in models) + " |")
+    print("|---|---|" + "---|" * len(models))
+    for threads in [int(t) for t in args.threads.split(",")]:
+        cells = {label: [] for label in specs}
+        for model in models:
+            if model == "bert" and not os.path.exists(os.path.join(model_dir, "bert.onnx")):
+                export_bert(os.path.join(model_dir, "bert.onnx"))
+            model_specs = {k: v for k, v in specs.items() if not (k == "ort-training" and model == "bert")}
+            results = measure(model_specs, model, threads, model_dir, args.warmup, args.rounds, args.batch)
+            for label in specs:
+                result = results.get(label)
+                cells[label].append(f"{result[0]:.1f} / {result[1]:.2f} / {result[2]:.0f}" if result else "n/a")
+        for label in specs:
+            print(f"| {threads or 'default'} | {label} | " + " | ".join(cells[label]) + " |", flush=True)
+    return 0
+
+
+def _recompute_table(args, model_dir) -> int:
+    batch = args.batch or 64
+    export_bert(os.path.join(model_dir, "bert.onnx"))
+    threads = int(args.threads.split(",")[0])
+    specs = {"torch": (sys.executable, "torch", False), "torch checkpointing": (sys.executable, "torch", True),
+             "trainer": (sys.executable, "trainer", False), 'trainer recompute="auto"': (sys.executable, "trainer", True)}
+    results = measure(specs, "bert", threads, model_dir, args.warmup, args.rounds, batch)
+    print(f"BERT batch {batch}x{SEQ}, {threads or 'default'} threads, rounds {args.rounds} after {args.warmup} warm-up")
+    print("| contender | ms | time vs its plain run | peak MB above floor | memory vs its plain run |")
+    print("|---|---|---|---|---|")
+    for label, plain in (("torch", "torch"), ("torch checkpointing", "torch"), ("trainer", "trainer"),
+                         ('trainer recompute="auto"', "trainer")):
+        ms, _, mb = results[label]
+        print(f"| {label} | {ms:.0f} | {ms / results[plain][0]:.2f} | {mb:.0f} | {mb / results[plain][2]:.2f} |")
     return 0
 
 

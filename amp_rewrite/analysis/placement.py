@@ -22,6 +22,7 @@ import networkx as nx
 from networkx.algorithms.flow import boykov_kolmogorov
 
 from amp_rewrite.analysis.graph import FLOAT, ColouringGraph, group_names
+from amp_rewrite.analysis.reasons import Reason, Step
 
 LOW_BYTES, FP32_BYTES = 2, 4
 CAST_BYTES = LOW_BYTES + FP32_BYTES  # a Cast reads one type and writes the other
@@ -452,8 +453,6 @@ def free_vertices(lists: list, paintable: list, allow: dict, deny: dict) -> list
 def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, low_io: frozenset = frozenset()):
     """(low: allow + the free vertices the cut put low, with reasons; reasons of the free ones it
     kept float32). `m` is paint's masks (lists, paintable)."""
-    from amp_rewrite.analysis.paint import Reason, Step
-
     free = free_vertices(m.lists, m.paintable, allow, deny)
     done = place(cg, free, allow.__contains__, low_io)
     low = dict(allow)

@@ -19,11 +19,10 @@ import onnx
 from onnx import helper
 
 from ..errors import GradientError
-from ..onnx_facts import default_opset
 from .branches import lift_branch_weights
 from .contrib import decompose_contrib_ops
 from .emitter import Emitter
-from .graphinfo import GraphIndex, TypeInfo
+from .graphinfo import GraphIndex, TypeInfo, model_opset
 from .registry import GradContext, lookup
 
 MIN_OPSET = 13
@@ -68,13 +67,6 @@ def build_gradient_graph(
 
         apply(builder, recompute)
     return out
-
-
-def model_opset(model: onnx.ModelProto) -> int:
-    opset = default_opset(model)
-    if opset is None:
-        raise GradientError("the model imports no default-domain opset")
-    return opset
 
 
 class _Builder:

@@ -278,8 +278,7 @@ def decompose_contrib_ops(model: onnx.ModelProto) -> int:
     found = [i for i, node in enumerate(graph.node) if (_domain(node), node.op_type) in DECOMPOSED]
     if not found:
         return 0
-    from .builder import model_opset
-    from .graphinfo import TypeInfo
+    from .graphinfo import TypeInfo, model_opset
 
     info = TypeInfo.of(model)
     emit = Emitter([], graph.initializer, model_opset(model), names_in(graph), scope="decomposed")

@@ -13,7 +13,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ..onnx_facts import FLOAT_TYPES
+from ..errors import GradientError
+from ..onnx_facts import FLOAT_TYPES, default_opset
 
 Dims = list  # one entry per axis: int (static), str (symbolic) or None (unknown)
 
@@ -185,3 +186,10 @@ def _dim(d: onnx.TensorShapeProto.Dimension):
     if d.HasField("dim_param"):
         return d.dim_param
     return None
+
+
+def model_opset(model: onnx.ModelProto) -> int:
+    opset = default_opset(model)
+    if opset is None:
+        raise GradientError("the model imports no default-domain opset")
+    return opset

@@ -27,9 +27,9 @@ import numpy as np
 import onnxruntime as ort
 
 from amp_rewrite.errors import AmpRewriteError, TrainingError
+from amp_rewrite.training.runner import DeviceState, check_in_place, feed_dtypes, open_step_session
 from amp_rewrite.training.split_step import split_step_graph
-from amp_rewrite.training.step_graph import LR_INPUT, SKIPPED_OUTPUT
-from amp_rewrite.training.trainer import StepResult, Trainer, _input_dtypes, _open_step_session
+from amp_rewrite.training.step_graph import SKIPPED_OUTPUT, StepGraph
 
 DEFAULT_BUCKET_MB = 25.0  # torch DDP's default bucket size
 MEAN_LOSSES = ("cross_entropy", "mse")
@@ -52,7 +52,7 @@ ABORT_GRACE_S = 0.5  # seconds between our failure line and MPI's Abort
 def install_abort_hook(comm=None) -> None:
     """Make an uncaught exception on this rank end the whole job: one line naming the rank, then
     `Abort`, since the other ranks would otherwise wait in their next collective forever. Called by
-    the DistributedTrainer; call it first thing in a script to cover the code before it too."""
+    the MpiRunner; call it first thing in a script to cover the code before it too."""
     comm = comm or mpi().COMM_WORLD
     if getattr(sys.excepthook, "amp_rewrite_abort", False):
         return
@@ -126,22 +126,22 @@ class GradientBuckets:
         self.tail = self.flat[-1][-_TAIL:]
 
 
-class DistributedTrainer(Trainer):
-    """`Trainer(..., distributed="mpi")`: one rank of a data-parallel job (see the module doc).
+class MpiRunner:
+    """The step runner of one rank of a data-parallel job (`Trainer(..., distributed="mpi")`, see
+    the module doc): the gradient session, the Allreduce, the apply session; the state lives in
+    ONNX Runtime's memory and the apply session updates it in place.
 
     Each rank feeds its own share of every batch (`shard`). `loss_reduction`: "mean" (the
     built-in losses; the default for a named loss output) or "sum" (a loss summed over samples,
     whose rank sums add up to the global sum). `bucket_mb`: Allreduce bucket size. `device_id`:
     CUDA device (default: the rank's index on its node); on CPU the node's cores are split between
-    its ranks. `comm`: an mpi4py communicator (default COMM_WORLD). `timings` adds up the seconds
-    spent in the gradient session, the Allreduce and the apply session.
+    its ranks unless `threads` says. `comm`: an mpi4py communicator (default COMM_WORLD).
+    `timings` adds up the seconds spent in the gradient session, the Allreduce and the apply session.
     """
 
-    def __init__(self, model, loss: str = "cross_entropy", optimizer=None, *args, distributed: str = "mpi",
-                 loss_reduction: str | None = None, bucket_mb: float = DEFAULT_BUCKET_MB, device_id: int | None = None,
-                 comm=None, **options):
-        if distributed != "mpi":
-            raise TrainingError(f"distributed must be None or 'mpi', got {distributed!r}")
+    def __init__(self, step: StepGraph, initial: dict[str, np.ndarray], lr: float, provider: str, precision: str,
+                 loss: str, threads: int = 0, loss_reduction: str | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, device_id: int | None = None, comm=None):
         self.loss_reduction = _check_reduction(loss, loss_reduction)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise TrainingError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
@@ -150,46 +150,48 @@ class DistributedTrainer(Trainer):
         self.comm = comm or self._mpi.COMM_WORLD
         install_abort_hook(self.comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.primary = self.rank == 0
         local = self.comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
         local_rank, local_size = local.Get_rank(), local.Get_size()
         local.Free()
-        self._device_id = local_rank if device_id is None else int(device_id)
-        self._threads = max(1, len(os.sched_getaffinity(0)) // local_size) if hasattr(os, "sched_getaffinity") else 0
+        device_id = local_rank if device_id is None else int(device_id)
+        if not threads and hasattr(os, "sched_getaffinity"):
+            threads = max(1, len(os.sched_getaffinity(0)) // local_size)
         self.timings = {"gradient": 0.0, "allreduce": 0.0, "apply": 0.0}
-        super().__init__(model, loss, optimizer, *args, **options)
 
-    # --- start ----------------------------------------------------------------------------------
-
-    def _start(self, provider: str) -> None:
         self._share = 1.0 / self.size if self.loss_reduction == "mean" else 1.0
-        self._split = split_step_graph(self.step_graph, self._share)
-        self._check_same_step_graph()
-        options = {"device_id": self._device_id, "threads": self._threads}
-        self._grad_session, self.device = _open_step_session(self._split.gradient, provider, self.precision, **options)
-        self._apply_session, _ = _open_step_session(self._split.apply, provider, self.precision, **options)
-        self._feed_types = _input_dtypes(self._split.gradient)
-        self._host_arrays: list[np.ndarray] = []
-        initial = self.step_graph.initial_state
-        self._buffers = [self._device_state(initial), self._device_state(initial)]
-        self._current = 0
-        self._loss = np.zeros((), np.float32)
-        self._skipped = np.zeros((), np.bool_)
+        split = split_step_graph(step, self._share)
+        self._check_same_step_graph(split)
+        check_in_place(split.apply, step.next_state)
+        options = {"device_id": device_id, "threads": threads}
+        self._grad_session, self.device = open_step_session(split.gradient, provider, precision, **options)
+        self._apply_session, _ = open_step_session(split.apply, provider, precision, **options)
+        self.feed_types = feed_dtypes(split.gradient)
+        self.state = DeviceState(initial, lr, self.device, device_id)
+        shapes = {split.grads[w]: initial[w].shape for w in step.weights}
+        self.buckets = GradientBuckets(shapes, self.bucket_bytes)
+        self._loss, self._skipped = np.zeros((), np.float32), np.zeros((), np.bool_)
         self._global_skipped = np.zeros((), np.bool_)
-        self._lr = self._device_value(np.array(self.optimizer.lr, np.float32))
-        shapes = {self._split.grads[w]: initial[w].shape for w in self.step_graph.weights}
-        self._buckets = GradientBuckets(shapes, self.bucket_bytes)
-        self._host = {name: ort.OrtValue.ortvalue_from_numpy(view) for name, view in self._buckets.views.items()}
-        self._host[self.step_graph.loss_output] = ort.OrtValue.ortvalue_from_numpy(self._loss)
-        self._host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(self._skipped)
-        self._global_skipped_value = ort.OrtValue.ortvalue_from_numpy(self._global_skipped)
-        self._grad_bindings = [self._gradient_binding(0), self._gradient_binding(1)]
-        self._apply_bindings = [self._apply_binding(0, 1), self._apply_binding(1, 0)]
-        self._broadcast_state()
+        host = {name: ort.OrtValue.ortvalue_from_numpy(view) for name, view in self.buckets.views.items()}
+        host[step.loss_output] = ort.OrtValue.ortvalue_from_numpy(self._loss)
+        host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(self._skipped)
+        self._grad_binding = self._grad_session.io_binding()
+        self.state.bind(self._grad_binding, feed_dtypes(split.gradient))
+        for value in split.gradient.graph.output:
+            self._grad_binding.bind_ortvalue_output(value.name, host[value.name])
+        self._apply_binding = self._apply_session.io_binding()
+        self.state.bind(self._apply_binding, feed_dtypes(split.apply), step.next_state)
+        host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(self._global_skipped)  # apply reads the global flag
+        for name in feed_dtypes(split.apply):
+            if name in host:
+                self._apply_binding.bind_ortvalue_input(name, host[name])
+        self._host = host  # the OrtValues over the numpy buffers stay alive with the bindings
+        self.share_state()
 
-    def _check_same_step_graph(self) -> None:
+    def _check_same_step_graph(self, split) -> None:
         """Every rank must run the same step, or the Allreduce sizes differ and the job hangs."""
         digest = hashlib.sha256()
-        for part in (self._split.gradient, self._split.apply):
+        for part in (split.gradient, split.apply):
             digest.update(part.SerializeToString(deterministic=True))
         config = {"bucket_bytes": self.bucket_bytes, "reduction": self.loss_reduction}
         digest.update(json.dumps(config, sort_keys=True).encode())
@@ -201,66 +203,45 @@ class DistributedTrainer(Trainer):
             raise TrainingError(f"rank {differing[0]} built a different step graph than rank 0 (model, loss, optimizer, "
                                 "precision or trainer options differ): every rank must run the same training script")
 
-    def _broadcast_state(self) -> None:
+    def share_state(self) -> None:
         """Weights, optimizer slots, step count, loss-scale state and learning rate from rank 0."""
-        state = self.state()
-        for name in sorted(state):
+        names = sorted(self.state.values)
+        state = {name: self.state.read(name) for name in names}
+        for name in names:
             self.comm.Bcast(state[name], root=0)
-        lr = np.array(self.lr, np.float32)
+        lr = np.array(self.state.lr.numpy(), np.float32)
         self.comm.Bcast(lr, root=0)
-        self.load_state(state)
-        self.lr = float(lr)
+        self.state.write(state)
+        self.state.lr.update_inplace(lr)
 
-    # --- stepping -------------------------------------------------------------------------------
-
-    def _run(self, feeds: dict, retries: int) -> StepResult:
-        binding = self._grad_bindings[self._current]
-        for name in self.step_graph.batch_inputs:
-            if name not in feeds:
-                raise TrainingError(f"missing feed {name!r} (the step needs: {', '.join(self.step_graph.batch_inputs)})")
-            binding.bind_cpu_input(name, np.ascontiguousarray(feeds[name], dtype=self._feed_types[name]))
+    def run(self, batch: dict[str, np.ndarray]) -> tuple[float, bool]:
+        """Gradients of this rank's batch, summed over ranks, then the same update on every rank."""
+        for name, array in batch.items():
+            self._grad_binding.bind_cpu_input(name, array)
         started = time.perf_counter()
-        self._grad_session.run_with_iobinding(binding)
+        self._grad_session.run_with_iobinding(self._grad_binding)
         computed = time.perf_counter()
-        tail = self._buckets.tail
+        tail = self.buckets.tail
         tail[0] = self._loss * np.float32(self._share)
         tail[1] = 1.0 if self._skipped else 0.0
-        for flat in self._buckets.flat:
+        for flat in self.buckets.flat:
             self.comm.Allreduce(self._mpi.IN_PLACE, flat, op=self._mpi.SUM)
         reduced = time.perf_counter()
         self._global_skipped[...] = tail[1] > 0
-        self._apply_session.run_with_iobinding(self._apply_bindings[self._current])
-        self._current = 1 - self._current
+        self._apply_session.run_with_iobinding(self._apply_binding)
         applied = time.perf_counter()
         for key, seconds in (("gradient", computed - started), ("allreduce", reduced - computed), ("apply", applied - reduced)):
             self.timings[key] += seconds
-        return StepResult(float(tail[0]), self.loss_scale, bool(self._global_skipped), retries)
+        return float(tail[0]), bool(self._global_skipped)
 
-    def fit(self, batches, epochs: int = 1, progress: bool | None = None) -> list[float]:
-        """`Trainer.fit` on this rank's batches (as many on every rank); progress on rank 0 only."""
-        if not callable(batches) and hasattr(batches, "__len__"):
-            counts = self.comm.allgather(len(batches))
-            if len(set(counts)) > 1:
-                raise TrainingError(f"ranks got different numbers of batches ({', '.join(map(str, counts))}): "
-                                    "each would wait for the others' last steps forever; deal them with shard()")
-        return super().fit(batches, epochs, progress if self.rank == 0 else False)
+    def check_batch_count(self, count: int) -> None:
+        """Every rank must take as many steps, or the last ones wait for the others forever."""
+        counts = self.comm.allgather(count)
+        if len(set(counts)) > 1:
+            raise TrainingError(f"ranks got different numbers of batches ({', '.join(map(str, counts))}): "
+                                "each would wait for the others' last steps forever; deal them with shard()")
 
-    # --- checkpoint and export ------------------------------------------------------------------
-
-    def save(self, path) -> None:
-        """Rank 0 writes the checkpoint (atomically); every rank returns once it is written."""
-        self._on_rank_zero(lambda: Trainer.save(self, path))
-
-    def export(self, path, precision: str = "float32") -> None:
-        """Rank 0 writes the trained inference model; every rank returns once it is written."""
-        self._on_rank_zero(lambda: Trainer.export(self, path, precision))
-
-    def load(self, path) -> None:
-        """Rank 0 reads and checks the checkpoint, then every rank gets its state (no shared disk needed)."""
-        self._on_rank_zero(lambda: Trainer.load(self, path))
-        self._broadcast_state()
-
-    def _on_rank_zero(self, action) -> None:
+    def on_primary(self, action) -> None:
         """Run `action` on rank 0; a failure there is raised on every rank, so none waits alone."""
         error = None
         if self.rank == 0:
@@ -271,42 +252,6 @@ class DistributedTrainer(Trainer):
         error = self.comm.bcast(error, root=0)
         if error is not None:
             raise TrainingError(error if self.rank == 0 else f"on rank 0: {error}") from None
-
-    # --- internals ------------------------------------------------------------------------------
-
-    def _device_value(self, array: np.ndarray) -> ort.OrtValue:
-        host = np.array(array, copy=True)
-        self._host_arrays.append(host)
-        return ort.OrtValue.ortvalue_from_numpy(host, self.device, self._device_id if self.device == "cuda" else 0)
-
-    def _gradient_binding(self, read: int) -> ort.IOBinding:
-        """Reads the weights and loss scale of state set `read`; gradients land in the buckets."""
-        binding = self._grad_session.io_binding()
-        for value in self._split.gradient.graph.input:
-            if value.name in self.step_graph.next_state:
-                binding.bind_ortvalue_input(value.name, self._buffers[read][value.name])
-            elif value.name == LR_INPUT:
-                binding.bind_ortvalue_input(value.name, self._lr)
-        for value in self._split.gradient.graph.output:
-            binding.bind_ortvalue_output(value.name, self._host[value.name])
-        return binding
-
-    def _apply_binding(self, read: int, write: int) -> ort.IOBinding:
-        """Reads state set `read`, the reduced gradients and the global flag; writes set `write`."""
-        binding = self._apply_session.io_binding()
-        for value in self._split.apply.graph.input:
-            name = value.name
-            if name in self.step_graph.next_state:
-                binding.bind_ortvalue_input(name, self._buffers[read][name])
-            elif name == LR_INPUT:
-                binding.bind_ortvalue_input(name, self._lr)
-            elif name == SKIPPED_OUTPUT:
-                binding.bind_ortvalue_input(name, self._global_skipped_value)
-            else:
-                binding.bind_ortvalue_input(name, self._host[name])
-        for name, out in self.step_graph.next_state.items():
-            binding.bind_ortvalue_output(out, self._buffers[write][name])
-        return binding
 
 
 def _check_reduction(loss: str, reduction: str | None) -> str:

@@ -1,8 +1,8 @@
-"""The rewrite report of a training step graph, and its HTML picture (`Trainer.report`).
+"""The HTML picture of a training step graph's rewrite report (`Trainer.report`).
 
-The step graph is rewritten again with the same pins as `step_graph.apply_precision` (the rewrite
-is deterministic, so this is the model the trainer runs) and drawn with one region per phase:
-forward, loss, backward (`grad/`), loss scale (`amp/`) and optimizer (`opt/`).
+The report is the one the Trainer's own rewrite made (`StepGraph.report`); the picture draws the
+float32 step graph with one region per phase: forward, loss, backward (`grad/`), loss scale
+(`amp/`) and optimizer (`opt/`).
 """
 
 from __future__ import annotations
@@ -12,21 +12,16 @@ from pathlib import Path
 import onnx
 
 from amp_rewrite.errors import TrainingError
-from amp_rewrite.training.step_graph import precision_options
 
 
-def step_report(step_model: onnx.ModelProto, precision: str, html=None, title: str = "training step",
-                force_fp32: dict[str, str] | None = None):
-    """The Report of rewriting the float32 `step_model` to `precision` (`force_fp32`: the nodes the
-    provider refuses, with their reasons); with `html`, the page written there (atomically)."""
-    if precision == "float32":
+def step_report(step_model: onnx.ModelProto, report, precision: str, html=None, title: str = "training step"):
+    """`report` (the rewrite's of the float32 `step_model`); with `html`, the page written there (atomically)."""
+    if precision == "float32" or report is None:
         raise TrainingError("precision float32: the step graph is not rewritten, so there is no report")
-    from amp_rewrite.api import rewrite
     from amp_rewrite.io import atomic_write_bytes
     from amp_rewrite.report import html as html_report
 
-    result = rewrite(step_model, precision_options(precision, force_fp32))
     if html is not None:
-        page = html_report.render(result.report, step_model, title)
+        page = html_report.render(report, step_model, title)
         atomic_write_bytes(Path(html), page.encode())
-    return result.report
+    return report

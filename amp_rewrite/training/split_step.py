@@ -50,7 +50,8 @@ def split_step_graph(step: StepGraph, loss_share: float = 1.0) -> SplitStep:
         shared = graph.node[min(gradient_nodes & apply_nodes)].name
         raise RuntimeError(f"step graph node {shared!r} is needed on both sides of the split")
 
-    weight_shapes = {w: step.initial_state[w].shape for w in step.weights}
+    declared = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    weight_shapes = {w: declared[w] for w in step.weights}  # state inputs are declared with full shapes
     grad_infos = [helper.make_tensor_value_info(grads[w], TensorProto.FLOAT, list(weight_shapes[w])) for w in step.weights]
     skipped_info = helper.make_tensor_value_info(SKIPPED_OUTPUT, TensorProto.BOOL, [])
     loss_info = next(o for o in graph.output if o.name == step.loss_output)

@@ -4,8 +4,8 @@ gated optimizer update and loss-scale update.
 Inputs are the batch feeds plus every piece of state (float32 master weights, optimizer slots,
 step count, loss scale, good-step counter) and the learning rate; outputs are the loss, the
 skipped flag and the next value of every state input. The caller binds each state output back to
-its input, so state never leaves the device. The update is gated with `Where(all_finite, new,
-old)`, so a skipped step returns the old state bit for bit.
+its input, so state never leaves the device. The update is one `If(all_finite)`: a skipped step
+computes no update and passes the old state through bit for bit.
 """
 
 from __future__ import annotations
@@ -121,26 +121,30 @@ def slot_name(weight: str, slot: str) -> str:
 
 
 def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, grads: dict[str, str]):
-    """Unscale, finite check, optional clipping, gated update, scale update; returns (state inputs, next_state)."""
+    """Unscale, finite check, then one `If` on the flag: its then-branch clips and updates every
+    weight and slot and counts the step, its else-branch passes the old values through; then the
+    scale update. Returns (state inputs, next_state)."""
     e.reserve([SCALE_STATE, GOOD_STEPS_STATE, STEP_STATE, LR_INPUT])
     e.reserve(slot_name(w, s) for w in grads for s in optimizer.slots)
     inverse_scale = e.op("Reciprocal", [SCALE_STATE], out=INVERSE_SCALE)
     unscaled = [e.op("Mul", [g, inverse_scale], out=UNSCALED_PREFIX + w) for w, g in grads.items()]
     all_finite = _emit_all_finite(e, [loss_name, *unscaled])
 
-    o = e.scoped("opt/")
+    body = Emitter([], e.initializers, e.opset, e.names, "opt")  # constants stay in the outer graph
+    body._constants = e._constants
     if optimizer.max_grad_norm is not None:
-        unscaled = emit_clip_by_global_norm(o, unscaled, optimizer.max_grad_norm)
-    next_step = o.op("Add", [STEP_STATE, o.const(1, np.int64, "one")], "next_step")
-    step_float = o.op("Cast", [next_step], "step_float", to=TensorProto.FLOAT)
-    next_state = {}
+        unscaled = emit_clip_by_global_norm(body, unscaled, optimizer.max_grad_norm)
+    next_step = body.op("Add", [STEP_STATE, body.const(1, np.int64, "one")], "next_step")
+    step_float = body.op("Cast", [next_step], "step_float", to=TensorProto.FLOAT)
+    updated = {}
     for (weight, _), grad in zip(grads.items(), unscaled):
         slots = {s: slot_name(weight, s) for s in optimizer.slots}
-        new_weight, new_slots = optimizer.emit_update(o.scoped(f"opt/{weight}/"), weight, grad, slots, LR_INPUT, step_float)
-        next_state[weight] = _gate(o, all_finite, new_weight, weight)
-        for slot, new_value in new_slots.items():
-            next_state[slots[slot]] = _gate(o, all_finite, new_value, slots[slot])
-    next_state[STEP_STATE] = _gate(o, all_finite, next_step, STEP_STATE)
+        new_weight, new_slots = optimizer.emit_update(body.scoped(f"opt/{weight}/"), weight, grad, slots, LR_INPUT,
+                                                      step_float)
+        updated[weight] = new_weight
+        updated.update({slots[slot]: new_value for slot, new_value in new_slots.items()})
+    updated[STEP_STATE] = next_step
+    next_state = _emit_gated(e, all_finite, updated, body.nodes)
 
     next_scale, next_good_steps = emit_scale_update(e, loss_scale, all_finite)
     next_state[SCALE_STATE] = e.op("Identity", [next_scale], out=f"{SCALE_STATE}/next")
@@ -148,9 +152,31 @@ def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, g
     return list(next_state), next_state
 
 
-def _gate(e: Emitter, all_finite: str, new: str, old: str) -> str:
-    """The new value on a finite step, the old one (bit for bit) on a skipped step."""
-    return e.op("Where", [all_finite, new, old], out=f"{old}/next")
+def _emit_gated(e: Emitter, all_finite: str, updated: dict[str, str], update_nodes: list) -> dict[str, str]:
+    """`If(all_finite)`: the update nodes on a finite step, the old values (bit for bit) on a
+    skipped one. A skipped step computes no update at all, and no tensor goes through a `Where`."""
+    produced = {out for node in update_nodes for out in node.output}
+    then_outputs = []
+    for state, new in updated.items():
+        if new not in produced:  # a branch output must be made in the branch
+            new = _append(update_nodes, "Identity", [new], e.fresh(f"{state}/updated"), e)
+        then_outputs.append(new)
+    kept_nodes = []
+    kept_outputs = [_append(kept_nodes, "Identity", [state], e.fresh(f"{state}/kept"), e) for state in updated]
+    types = [TensorProto.INT64 if state == STEP_STATE else TensorProto.FLOAT for state in updated]
+    then_branch = helper.make_graph(update_nodes, "opt/update", [],
+                                    [helper.make_tensor_value_info(n, t, None) for n, t in zip(then_outputs, types)])
+    else_branch = helper.make_graph(kept_nodes, "opt/skip", [],
+                                    [helper.make_tensor_value_info(n, t, None) for n, t in zip(kept_outputs, types)])
+    outputs = [e.claim(f"{state}/next") for state in updated]
+    e.nodes.append(helper.make_node("If", [all_finite], outputs, name=e.fresh("opt/If"), then_branch=then_branch,
+                                    else_branch=else_branch))
+    return dict(zip(updated, outputs))
+
+
+def _append(nodes: list, op_type: str, inputs: list[str], output: str, e: Emitter) -> str:
+    nodes.append(helper.make_node(op_type, inputs, [output], name=e.fresh(f"{output}/{op_type}")))
+    return output
 
 
 def _emit_all_finite(e: Emitter, tensors: list[str]) -> str:

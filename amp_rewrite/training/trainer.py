@@ -1,9 +1,9 @@
-"""The loss-scaled training wrapper: one ONNX Runtime session per step graph, state kept on device.
+"""The loss-scaled training wrapper: builds the step graph once and drives it through a runner.
 
-State (master weights, optimizer slots, step count, loss scale, good-step counter) lives in two
-sets of OrtValues on the session's device. Two IOBindings read one set and write the other, and
-the trainer flips between them each step, so nothing but the batch goes in and nothing but the
-loss and the skip flag come out per step.
+The runner (`runner.SessionRunner`, or `distributed.MpiRunner` for data-parallel) owns the
+session(s) and the one copy of the training state, in ONNX Runtime's memory and updated in place
+by each step. The Trainer converts feeds, keeps the skip policy (retry, the skip warning) and reads
+the state out only when asked (`state`, `save`, `export`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import sys
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 import onnxruntime as ort
 
 from amp_rewrite.api import rewrite
-from amp_rewrite.checks.sessions import CUDA, open_session, session_options
+from amp_rewrite.checks.sessions import CUDA
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
@@ -30,13 +30,13 @@ from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
-from amp_rewrite.training.step_graph import (LR_INPUT, SKIPPED_OUTPUT, STEP_STATE, StepGraph, apply_precision,
-                                             build_step_graph)
+from amp_rewrite.training.runner import SessionRunner, open_step_session
+from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, apply_precision, build_step_graph
 
 PRECISIONS = ("float16", "bfloat16", "float32")
-PROVIDERS = ("auto", "cuda", "cpu")
 NONFINITE_POLICIES = ("skip", "retry")
 CHECKPOINT_FORMAT = "amp-rewrite-trainer/1"
+DISTRIBUTED_OPTIONS = {"loss_reduction", "bucket_mb", "device_id", "comm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,31 +61,23 @@ class Trainer:
     finite or the scale is 1. `trainable` / `frozen`: names or full-match regexes over the float
     constants (default: the model's parameters, `training.parameters`). `gradient_builder`: a
     function with `amp_rewrite.autodiff.build_gradient_graph`'s signature (the default).
-    `verbose`: say what is trained (one line on stderr). `distributed="mpi"`: data-parallel over MPI
-    ranks, see `amp_rewrite.training.distributed.DistributedTrainer` (its extra options are
-    accepted here too).
+    `verbose`: say what is trained (one line on stderr). `threads`: CPU intra-op threads (0: ONNX
+    Runtime's default).
+    `distributed="mpi"`: data-parallel over MPI ranks; its options (`loss_reduction`, `bucket_mb`,
+    `device_id`, `comm`) are described at `amp_rewrite.training.distributed.MpiRunner`.
     `recompute`: segments whose activations the backward recomputes instead of keeping: node-name
     regexes, "auto" or a byte budget (`amp_rewrite.autodiff.recompute`); `checkpointed` then lists
     the forward tensors kept for it.
     """
 
-    def __new__(cls, *args, distributed: str | None = None, **kwargs):
-        if distributed is None or cls is not Trainer:
-            return super().__new__(cls)
-        if distributed != "mpi":
-            raise TrainingError(f"distributed must be None or 'mpi', got {distributed!r}")
-        from amp_rewrite.training.distributed import DistributedTrainer
-
-        return super().__new__(DistributedTrainer)
-
     def __init__(self, model, loss="cross_entropy", optimizer: Optimizer = DEFAULT_OPTIMIZER,
                  loss_scale="auto", precision: str = "float16", provider: str = "auto",
                  on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
                  distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True,
-                 recompute=None):
-        if distributed is not None:  # Trainer(..., distributed="mpi") makes a DistributedTrainer in __new__
-            raise TrainingError(f"{type(self).__name__} trains in one process: use Trainer(..., distributed='mpi')")
+                 recompute=None, threads: int = 0, **distributed_options):
         self.precision = _check_choice("precision", precision, PRECISIONS)
+        _check_distributed(distributed, distributed_options)
+        _check_threads(threads)
         say = _say if verbose else (lambda line: None)
         self._model, found = prepare(_load_model(model), say)
         self.optimizer = _check_optimizer(optimizer)
@@ -103,25 +95,27 @@ class Trainer:
         self._float_step = step.model  # what `report` draws
         self.step_graph: StepGraph = apply_precision(step, self.precision)
         self._keep_refused_fp32(step, provider)
-        self._start(provider)
-        precision_line.announce(self.step_graph.model, self.precision, self.device, say)
         self._feed_check = feed_checks.FeedCheck.of(self.step_graph.model, self.step_graph.batch_inputs, loss, self._model)
-        sizes = {w: self.step_graph.initial_state[w].size for w in step.weights}
-        say(f"amp-rewrite: {parameters.summary(list(step.weights), sizes, len(floats) - len(step.weights))}")
+        sizes = {w: step.initial_state[w].size for w in step.weights}
+        initial = step.initial_state
+        # The runner holds the one copy of the state from here on.
+        self.step_graph = dataclasses.replace(self.step_graph, initial_state={})
+        _drop_weight_data(self._model, set(step.weights))
+        del step
+        if distributed is None:
+            self.runner = SessionRunner(self.step_graph, initial, self.optimizer.lr, provider, self.precision,
+                                        threads=threads)
+        else:
+            from amp_rewrite.training.distributed import MpiRunner
 
-    def _start(self, provider: str) -> None:
-        """Open the step session and put the state on its device (a data-parallel trainer opens two)."""
-        self._session, self.device = _open_step_session(self.step_graph.model, provider, self.precision)
+            self.runner = MpiRunner(self.step_graph, initial, self.optimizer.lr, provider, self.precision, loss,
+                                    threads=threads, **distributed_options)
+        del initial
+        self.device = self.runner.device
+        precision_line.announce(self.step_graph.model, self.precision, self.device, say)
+        self._specs = self.runner.state.specs()
         self._skips_in_row, self._warned = 0, False
-        self._feed_types = _input_dtypes(self.step_graph.model)
-        self._host_arrays: list[np.ndarray] = []
-        self._buffers = [self._device_state(self.step_graph.initial_state), self._device_state(self.step_graph.initial_state)]
-        self._current = 0
-        self._loss = np.zeros((), np.float32)
-        self._skipped = np.zeros((), np.bool_)
-        self._host_outputs = [ort.OrtValue.ortvalue_from_numpy(self._loss), ort.OrtValue.ortvalue_from_numpy(self._skipped)]
-        self._lr = self._device_value(np.array(self.optimizer.lr, np.float32))
-        self._bindings = [self._binding(0, 1), self._binding(1, 0)]
+        say(f"amp-rewrite: {parameters.summary(list(self.step_graph.weights), sizes, len(floats) - len(sizes))}")
 
     # --- stepping -------------------------------------------------------------------------------
 
@@ -140,9 +134,14 @@ class Trainer:
     def fit(self, batches, epochs: int = 1, progress: bool | None = None) -> list[float]:
         """Train for `epochs` over `batches` (a list, or a callable epoch -> iterable of feed dicts);
         returns the mean loss of each epoch over its non-skipped steps. The progress line (loss,
-        scale, skipped steps) shows on a terminal by default; `progress=True/False` forces it."""
+        scale, skipped steps) shows on a terminal by default (rank 0 only); `progress=True/False`
+        forces it."""
         if epochs > 1 and not callable(batches) and iter(batches) is batches:
             raise TrainingError("batches is a one-shot iterator: pass a list or a callable for several epochs")
+        if not callable(batches) and hasattr(batches, "__len__"):
+            self.runner.check_batch_count(len(batches))
+        if not self.runner.primary:
+            progress = False
         epoch_losses = []
         for epoch in range(epochs):
             epoch_batches = batches(epoch) if callable(batches) else batches
@@ -159,31 +158,28 @@ class Trainer:
         return epoch_losses
 
     def _run(self, feeds: dict, retries: int) -> StepResult:
-        binding = self._bindings[self._current]
         batch = self._feed_check.check(feeds)
-        for name, array in batch.items():
-            binding.bind_cpu_input(name, array)
-        state = self._current
         try:
-            self._session.run_with_iobinding(binding)
+            loss, skipped = self.runner.run(batch)
+        except TrainingError:
+            raise
         except Exception as error:  # ONNX Runtime's errors never reach the user raw
             raise feed_checks.run_failure(error, self.precision) from None
-        self._current = 1 - self._current
-        result = StepResult(float(self._loss), self.loss_scale, bool(self._skipped), retries)
-        self._watch_skips(result, state, batch)
+        result = StepResult(loss, self.loss_scale, skipped, retries)
+        self._watch_skips(result, batch)
         return result
 
-    def _watch_skips(self, result: StepResult, state: int, batch: dict) -> None:
+    def _watch_skips(self, result: StepResult, batch: dict) -> None:
         """After PATIENCE skips in a row (or a skip at the scale's floor), warn once, naming the
-        tensors whose gradients are not finite (one diagnostic run of the batch that failed)."""
+        tensors whose gradients are not finite (one diagnostic run of the batch that failed; a
+        skipped step left weights and slots as they were)."""
         self._skips_in_row = self._skips_in_row + 1 if result.skipped else 0
         floor = getattr(self.loss_scale_policy, "min_scale", None)
         at_floor = result.skipped and floor is not None and result.loss_scale <= floor and self._skips_in_row > 1
         if self._warned or not (self._skips_in_row >= skips.PATIENCE or at_floor):
             return
         self._warned = True
-        feeds = {name: value.numpy() for name, value in self._buffers[state].items()}
-        feeds |= {LR_INPUT: self._lr.numpy(), **batch}
+        feeds = self.state() | {LR_INPUT: np.array(self.lr, np.float32), **batch}
         bad = skips.nonfinite_tensors(self.step_graph.model, self.step_graph.loss_output, self.step_graph.gradients,
                                       feeds, self.device)
         logging.getLogger("amp_rewrite.training").warning(skips.warning_text(self._skips_in_row, bad))
@@ -211,7 +207,7 @@ class Trainer:
 
     @property
     def loss_scale(self) -> float:
-        return float(self._state_array(SCALE_STATE))
+        return float(self.runner.state.read(SCALE_STATE))
 
     @property
     def checkpointed(self) -> tuple[str, ...]:
@@ -221,41 +217,46 @@ class Trainer:
     @property
     def step_count(self) -> int:
         """Applied (non-skipped) optimizer steps so far."""
-        return int(self._state_array(STEP_STATE))
+        return int(self.runner.state.read(STEP_STATE))
 
     @property
     def lr(self) -> float:
-        return float(self._lr.numpy())
+        return float(self.runner.state.lr.numpy())
 
     @lr.setter
     def lr(self, value: float) -> None:
         """Change the learning rate between steps (schedules); the step graph stays the same."""
-        self._lr.update_inplace(np.array(value, np.float32))
+        self.runner.state.lr.update_inplace(np.array(value, np.float32))
 
     def state(self) -> dict[str, np.ndarray]:
         """A host copy of every state tensor: weights, optimizer slots, step, loss-scale state."""
-        return {name: self._state_array(name) for name in self.step_graph.next_state}
+        return {name: self.runner.state.read(name) for name in self.step_graph.next_state}
 
     def weights(self) -> dict[str, np.ndarray]:
         """A host copy of the float32 master weights."""
-        return {name: self._state_array(name) for name in self.step_graph.weights}
+        return {name: self.runner.state.read(name) for name in self.step_graph.weights}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         """Replace every state tensor (shapes and dtypes must match the step graph)."""
-        expected = self.step_graph.initial_state
-        if set(state) != set(expected):
-            missing = sorted(set(expected) ^ set(state))
+        if set(state) != set(self._specs):
+            missing = sorted(set(self._specs) ^ set(state))
             raise TrainingError(f"state does not match this trainer's step graph (differs in {missing[0]!r})")
-        for name, reference in expected.items():
+        arrays = {}
+        for name, (shape, dtype) in self._specs.items():
             value = np.asarray(state[name])
-            if value.shape != reference.shape or value.dtype != reference.dtype:
-                raise TrainingError(f"state {name!r} is {value.dtype}{list(value.shape)}, expected {reference.dtype}{list(reference.shape)}")
-            self._buffers[self._current][name].update_inplace(np.ascontiguousarray(value))
+            if value.shape != shape or value.dtype != dtype:
+                raise TrainingError(f"state {name!r} is {value.dtype}{list(value.shape)}, expected {dtype}{list(shape)}")
+            arrays[name] = value
+        self.runner.state.write(arrays)
 
     # --- checkpoint and export ------------------------------------------------------------------
 
     def save(self, path) -> None:
-        """Checkpoint weights, optimizer state and loss-scale state to an .npz (atomic, no pickle)."""
+        """Checkpoint weights, optimizer state and loss-scale state to an .npz (atomic, no pickle);
+        data-parallel: rank 0 writes, every rank returns once it is written."""
+        self.runner.on_primary(lambda: self._save(path))
+
+    def _save(self, path) -> None:
         state = self.state()
         arrays = {f"state_{i}": value for i, value in enumerate(state.values())}
         arrays["names"] = np.array(list(state), dtype=np.str_)
@@ -263,9 +264,16 @@ class Trainer:
         atomic_write(path, lambda f: np.savez(f, **arrays))
 
     def load(self, path) -> None:
-        """Restore a checkpoint written by `save` for the same model, optimizer and loss scale; the
-        whole file is verified first (training/checkpoint.py), so a bad one changes nothing."""
-        checkpoint = read_checkpoint(path, self._checkpoint_meta(), self.step_graph.initial_state)
+        """Restore a checkpoint written by `save` for the same model, optimizer and loss scale. The
+        whole file is verified first (training/checkpoint.py), so a bad one changes nothing; then it
+        is written into the runner's state. Data-parallel: rank 0 reads and verifies it, then every
+        rank gets its state."""
+        self.runner.on_primary(lambda: self._load(path))
+        self.runner.share_state()
+
+    def _load(self, path) -> None:
+        shapes = {name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in self._specs.items()}
+        checkpoint = read_checkpoint(path, self._checkpoint_meta(), shapes)  # stand-ins: shape and dtype, no data
         self.load_state(checkpoint.state)
         self.lr = checkpoint.meta["lr"]
 
@@ -274,26 +282,30 @@ class Trainer:
         _check_choice("precision", precision, PRECISIONS)
         model = onnx.ModelProto()
         model.CopyFrom(self._model)
-        weights = self.weights()
+        trained = set(self.step_graph.weights)
         for i, tensor in enumerate(model.graph.initializer):
-            if tensor.name in weights:
-                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(weights[tensor.name], tensor.name))
+            if tensor.name in trained:
+                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(self.runner.state.read(tensor.name), tensor.name))
         if precision == "float32":
             return model
         return rewrite(model, target=precision, keep_io_types=True).model
 
     def export(self, path, precision: str = "float32") -> None:
-        """Write the trained inference model (float32, or rewritten to `precision`), atomically."""
-        data = self.inference_model(precision).SerializeToString()
-        atomic_write(path, lambda f: f.write(data))
+        """Write the trained inference model (float32, or rewritten to `precision`), atomically;
+        data-parallel: rank 0 writes, every rank returns once it is written."""
+        def write():
+            data = self.inference_model(precision).SerializeToString()
+            atomic_write(path, lambda f: f.write(data))
+
+        self.runner.on_primary(write)
 
     def report(self, html=None):
-        """The mixed-precision rewrite's report of the step graph; with `html` (a path) also the
-        HTML picture, forward, backward, loss-scale and optimizer regions drawn apart."""
+        """The mixed-precision rewrite's report of the step graph (the one the step was built
+        with, no rewrite again); with `html` (a path) also the HTML picture, forward, backward,
+        loss-scale and optimizer regions drawn apart."""
         from amp_rewrite.training.picture import step_report
 
-        return step_report(self._float_step, self.precision, html, title="training step",
-                           force_fp32=self._forced_fp32)
+        return step_report(self._float_step, self.step_graph.report, self.precision, html, title="training step")
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -302,28 +314,30 @@ class Trainer:
         meta = {"format": CHECKPOINT_FORMAT, "optimizer": self.optimizer.config(), "loss_scale": policy, "lr": self.lr}
         return json.loads(json.dumps(meta))  # the form it has after a round trip (tuples -> lists)
 
-    def _state_array(self, name: str) -> np.ndarray:
-        return np.array(self._buffers[self._current][name].numpy(), copy=True)
 
-    def _device_value(self, array: np.ndarray) -> ort.OrtValue:
-        """An OrtValue on the session's device; on CPU it wraps a numpy copy, kept alive here."""
-        host = np.array(array, copy=True)
-        self._host_arrays.append(host)
-        return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
+def _check_distributed(distributed, options: dict) -> None:
+    if distributed not in (None, "mpi"):
+        raise TrainingError(f"distributed must be None or 'mpi', got {distributed!r}")
+    unknown = sorted(set(options) - DISTRIBUTED_OPTIONS)
+    if unknown:
+        raise TrainingError(f"Trainer got an unexpected option {unknown[0]!r}")
+    if options and distributed is None:
+        raise TrainingError(f"{sorted(options)[0]} is a data-parallel option: pass distributed='mpi' too")
 
-    def _device_state(self, state: dict[str, np.ndarray]) -> dict[str, ort.OrtValue]:
-        return {name: self._device_value(value) for name, value in state.items()}
 
-    def _binding(self, read: int, write: int) -> ort.IOBinding:
-        """Reads state set `read`, writes set `write`; loss and skip flag land in host scalars."""
-        binding = self._session.io_binding()
-        for name, out in self.step_graph.next_state.items():
-            binding.bind_ortvalue_input(name, self._buffers[read][name])
-            binding.bind_ortvalue_output(out, self._buffers[write][name])
-        binding.bind_ortvalue_input(LR_INPUT, self._lr)
-        binding.bind_ortvalue_output(self.step_graph.loss_output, self._host_outputs[0])
-        binding.bind_ortvalue_output(SKIPPED_OUTPUT, self._host_outputs[1])
-        return binding
+def _check_threads(threads) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise TrainingError(f"threads must be a whole number >= 0 (0: ONNX Runtime's default), got {threads!r}")
+
+
+def _drop_weight_data(model: onnx.ModelProto, names: set[str]) -> None:
+    """Empty the trained initializers of the kept original model: the runner holds their values,
+    and `inference_model` writes them back."""
+    for tensor in model.graph.initializer:
+        if tensor.name in names:
+            for field in ("raw_data", "float_data", "external_data"):
+                tensor.ClearField(field)
+            tensor.data_location = onnx.TensorProto.DEFAULT
 
 
 def _say(line: str) -> None:
@@ -376,38 +390,14 @@ def _check_optimizer(optimizer) -> Optimizer:
     return optimizer
 
 
-def _open_step_session(model: onnx.ModelProto, provider: str, precision: str, device_id: int = 0, threads: int = 0):
-    """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error.
-    `device_id`: the CUDA device; `threads`: CPU intra-op threads (0: ONNX Runtime's default)."""
-    if provider not in PROVIDERS:
-        raise TrainingError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
-    try:
-        options = session_options(intra_op_num_threads=threads)
-        session, used = open_session(model.SerializeToString(), provider, options=options, device_id=device_id,
-                                     error=TrainingError, what="the step graph")
-        if provider == "cuda" and used != CUDA:
-            raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
-        return session, "cuda" if used == CUDA else "cpu"
-    except TrainingError as error:
-        text = feed_checks.ort_message(str(error))
-        if precision != "bfloat16":
-            raise TrainingError(text) from None
-        raise TrainingError(f"{text} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
-                            "use the CUDA provider or float16)") from None
-
-
 def _device_for(model: onnx.ModelProto, provider: str, precision: str) -> str:
     """'cuda' or 'cpu': without CUDA in this ONNX Runtime build, no session is needed to know."""
     if provider == "cpu" or CUDA not in ort.get_available_providers():
         return "cpu"
-    return _open_step_session(model, provider, precision)[1]
+    return open_step_session(model, provider, precision)[1]
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise TrainingError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
-
-
-def _input_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
-    return {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}

@@ -1,0 +1,61 @@
+"""The step runner: one copy of the state in ONNX Runtime's memory, updated in place by the step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.training import AdamW, Trainer
+from amp_rewrite.training.runner import check_in_place
+from training_models import classification_batches, mlp
+
+
+def test_the_step_updates_the_one_copy_of_the_state_in_place():
+    trainer = Trainer(mlp((4, 8, 3)), optimizer=AdamW(0.01), precision="float16", provider="cpu", verbose=False,
+                      threads=1)
+    values = trainer.runner.state.values
+    where = {name: value.data_ptr() for name, value in values.items()}
+    before = trainer.state()
+    batches = classification_batches(count=2)
+    assert not any(trainer.step(b).skipped for b in batches)
+    assert {name: value.data_ptr() for name, value in values.items()} == where  # the same buffers
+    after = trainer.state()
+    assert after["opt/step"] == 2 and not np.array_equal(after["w1"], before["w1"])
+    assert not np.array_equal(after["opt/w1/exp_avg"], before["opt/w1/exp_avg"])
+    assert set(trainer.step_graph.initial_state) == set()  # the trainer keeps no initial copy
+
+
+def _state_graph(reader_after_writer: bool):
+    """w/next = a gated update of w; m/next = m + (w or x): a reader of w the writer does not wait for."""
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("IsNaN", ["s"], ["amp/skipped"]),
+             helper.make_node("Not", ["amp/skipped"], ["ok"]),
+             helper.make_node("Mul", ["w", "s"], ["new"]),
+             helper.make_node("Where", ["ok", "new", "w"], ["w/next"])]
+    read = "w" if reader_after_writer else "x"
+    nodes.append(helper.make_node("Add", ["m", read], ["m/next"], name="late_reader"))
+    value = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [2])  # noqa: E731
+    graph = helper.make_graph(nodes, "g", [value("x"), value("w"), value("m")],
+                              [value("w/next"), value("m/next"), helper.make_tensor_value_info("amp/skipped", TensorProto.BOOL, [])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_in_place_check_refuses_a_reader_that_may_run_after_the_writer():
+    state = {"w": "w/next", "m": "m/next"}
+    check_in_place(_state_graph(reader_after_writer=False), state)
+    with pytest.raises(RuntimeError, match="'late_reader' reads state 'w'"):
+        check_in_place(_state_graph(reader_after_writer=True), state)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"threads": -1}, "threads must be a whole number >= 0"),
+    ({"threads": 1.5}, "threads must be a whole number >= 0"),
+    ({"bucket_mb": 4}, "bucket_mb is a data-parallel option: pass distributed='mpi' too"),
+    ({"distributed": "nccl"}, "distributed must be None or 'mpi'"),
+    ({"colour": 1}, "unexpected option 'colour'"),
+])
+def test_bad_runner_options_are_one_line(options, message):
+    with pytest.raises(TrainingError, match=message):
+        Trainer(mlp((4, 8, 3)), optimizer=AdamW(0.01), provider="cpu", verbose=False, **options)
