@@ -121,6 +121,16 @@ def subgraphs(node: onnx.NodeProto) -> list:
     return found
 
 
+def reads(node: onnx.NodeProto) -> list[str]:
+    """Tensors a node reads, including what its subgraph bodies read (outer-scope values among
+    them): a node with an If branch depends on what that branch reads."""
+    names = [i for i in node.input if i]
+    for body in subgraphs(node):
+        for inner in body.node:
+            names.extend(reads(inner))
+    return names
+
+
 # --- order ---------------------------------------------------------------------------------------
 
 

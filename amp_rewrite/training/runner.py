@@ -20,6 +20,7 @@ import onnxruntime as ort
 
 from amp_rewrite.checks.sessions import CUDA, open_session, session_options
 from amp_rewrite.errors import TrainingError
+from amp_rewrite.onnx_facts import reads
 from amp_rewrite.training.feeds import ort_message
 from amp_rewrite.training.step_graph import LR_INPUT, SKIPPED_OUTPUT, StepGraph
 
@@ -138,7 +139,7 @@ def _check_graph(graph: onnx.GraphProto, next_state: dict[str, str]) -> None:
     readers: dict[str, list] = {}
     live = _ancestors(producers, [o.name for o in graph.output], stop=set())  # a dead reader reads nothing used
     for node in live.values():
-        for name in set(_reads(node)):
+        for name in set(reads(node)):
             if name in next_state:
                 readers.setdefault(name, []).append(node)
     before_flag = _ancestors(producers, [SKIPPED_OUTPUT], stop=set())
@@ -160,15 +161,6 @@ def _check_graph(graph: onnx.GraphProto, next_state: dict[str, str]) -> None:
                 _check_graph(branch, {s: outputs[o] for s, o in next_state.items() if o in outputs})
 
 
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """Tensors a node reads, including those its branches read from the outer scope."""
-    names = [i for i in node.input if i]
-    for attribute in node.attribute:
-        for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-            for inner in body.node:
-                names.extend(_reads(inner))
-    return names
-
 
 def _identity_of(producers: dict, name: str) -> str:
     """What `name` is a chain of Identity nodes of (itself if none)."""
@@ -186,5 +178,5 @@ def _ancestors(producers: dict, targets: list[str], stop: set) -> dict[int, onnx
         if node is None or id(node) in seen or id(node) in stop:
             continue
         seen[id(node)] = node
-        pending.extend(_reads(node))
+        pending.extend(reads(node))
     return seen

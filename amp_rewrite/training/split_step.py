@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from amp_rewrite.onnx_facts import reads
 from amp_rewrite.training.loss_scale import SCALE_STATE
 from amp_rewrite.training.step_graph import INVERSE_SCALE, SKIPPED_OUTPUT, UNSCALED_PREFIX, StepGraph
 
@@ -69,15 +70,6 @@ def _producers(graph: onnx.GraphProto) -> dict[str, int]:
     return {out: i for i, n in enumerate(graph.node) for out in n.output if out}
 
 
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """Tensors a node reads, including those its subgraph bodies read from outer scopes."""
-    names = [i for i in node.input if i]
-    for attribute in node.attribute:
-        for body in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-            for inner in body.node:
-                names.extend(_reads(inner))
-    return names
-
 
 def _ancestors(graph: onnx.GraphProto, producers: dict[str, int], targets: list[str], stop: set[str]) -> set[int]:
     """Indices of the nodes `targets` depend on, not looking past the tensors in `stop`."""
@@ -88,7 +80,7 @@ def _ancestors(graph: onnx.GraphProto, producers: dict[str, int], targets: list[
         if index is None or index in seen:
             continue
         seen.add(index)
-        pending.extend(name for name in _reads(graph.node[index]) if name not in stop)
+        pending.extend(name for name in reads(graph.node[index]) if name not in stop)
     return seen
 
 
@@ -96,7 +88,7 @@ def _part(model: onnx.ModelProto, nodes: set[int], extra_inputs: list, outputs: 
     """A model of the chosen nodes (in their order), the graph inputs and initializers they read."""
     graph = model.graph
     chosen = [graph.node[i] for i in sorted(nodes)]
-    read = {name for n in chosen for name in _reads(n)}
+    read = {name for n in chosen for name in reads(n)}
     read |= {o.name for o in outputs}  # an output may be an input passed through
     part = helper.make_graph(
         chosen, graph.name,

@@ -105,16 +105,22 @@ def _conv_weight_grad(ctx, dy, x, kernel, strides, dilations, pads, group, w_dim
     return e.op("Slice", [dw, e.ints([0] * spatial), e.ints(kernel), e.ints(axes)])
 
 
-@register_gradient("Conv")
-def conv_grad(ctx):
-    """dX by ConvTranspose, dW by a transposed Conv of x with dY, dB by summing dY."""
-    x, w, dy = ctx.x(0), ctx.x(1), ctx.dy()
+def _weight_and_kernel(ctx, w):
+    """A convolution's weight dims and kernel size, both needed static by its gradients."""
     w_dims = ctx.dims(w)
     if w_dims is None:
         raise ctx.error("the weight's shape must be known")
     kernel = list(ctx.attr("kernel_shape") or w_dims[2:])
     if not all(isinstance(k, int) for k in kernel):
         raise ctx.error("the kernel size must be static")
+    return w_dims, kernel
+
+
+@register_gradient("Conv")
+def conv_grad(ctx):
+    """dX by ConvTranspose, dW by a transposed Conv of x with dY, dB by summing dY."""
+    x, w, dy = ctx.x(0), ctx.x(1), ctx.dy()
+    w_dims, kernel = _weight_and_kernel(ctx, w)
     strides, dilations, pads = _geometry(ctx, x, kernel)
     group = ctx.attr("group", 1)
     grads = [None, None, None]
@@ -133,12 +139,7 @@ def conv_transpose_grad(ctx):
     and dW is Conv's weight gradient with the roles of x and dY exchanged; dB sums dY. Explicit
     pads only (auto_pad and output_shape place the output by rules this does not replay)."""
     x, w, dy = ctx.x(0), ctx.x(1), ctx.dy()
-    w_dims = ctx.dims(w)
-    if w_dims is None:
-        raise ctx.error("the weight's shape must be known")
-    kernel = list(ctx.attr("kernel_shape") or w_dims[2:])
-    if not all(isinstance(k, int) for k in kernel):
-        raise ctx.error("the kernel size must be static")
+    w_dims, kernel = _weight_and_kernel(ctx, w)
     if ctx.attr("auto_pad", "NOTSET") not in ("NOTSET", "") or ctx.attr("output_shape"):
         raise ctx.error("only explicit pads are supported (not auto_pad or output_shape)")
     spatial = len(kernel)
