@@ -14,7 +14,8 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
             op_lists=None, allow=(), deny=(), infer=(), clear=(), keep_fp32_nodes=(), clamp: bool = False,
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
             annotate: bool = False, provider: str = "cuda", placement: str = "cost", scale_activations: bool = True,
-            relax_margin: float = 16.0, dims=None, pointwise_check: bool = True, fold_noop_casts: bool = True):
+            relax_margin: float = 16.0, dims=None, pointwise_check: bool = True, fold_noop_casts: bool = True,
+            low_precision_io=()):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -36,6 +37,9 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     op (Exp, Pow, ...) whose pointwise chain from one tensor agrees with float32 on every float16
     value becomes an infer op, no data needed (analysis/pointwise.py). `fold_noop_casts`: the
     model's own Casts that convert nothing in the result are removed (transform/noop_casts.py).
+    `low_precision_io` (full-match regexes): graph inputs and outputs whose names match take
+    `target` (a decoder's `past_key_values.*` and `present.*`), the rest follow `keep_io_types`;
+    a pattern that matches no float32 input or output is a `UsageError`.
     `options` (a RewriteOptions) replaces all keyword options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
@@ -46,5 +50,5 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     calibration=calibration, annotate=annotate,
                                     provider=provider, placement=placement, scale_activations=scale_activations,
                                     relax_margin=relax_margin, dims=dims, pointwise_check=pointwise_check,
-                                    fold_noop_casts=fold_noop_casts)
+                                    fold_noop_casts=fold_noop_casts, low_precision_io=low_precision_io)
     return run(model, options)

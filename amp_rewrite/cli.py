@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", metavar="FILE.json", help="write every decision and the summary as JSON")
     p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
                    help="graph inputs/outputs become the target type too (default: keep float32)")
+    p.add_argument("--low-precision-io", action="append", default=[], metavar="REGEX",
+                   help="graph inputs/outputs whose names fully match REGEX take the target type, the rest follow "
+                        "--no-keep-io-types (repeatable; e.g. 'past_key_values\\..*' 'present\\..*' for a "
+                        "decoder's KV cache); a REGEX matching no float32 input or output is an error")
     for name in ("allow", "deny", "infer", "clear"):
         p.add_argument(f"--{name}", action="append", default=[], metavar="OP",
                        help=f"put op type OP in the {name} list (repeatable; 'domain:Op' for other domains)")
@@ -70,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a range-deny op (Exp, Pow, Reciprocal, Sinh, Cosh) whose pointwise chain from one tensor "
                         "agrees with float32 on every float16 value becomes an infer op, no data needed "
                         "(default on; --no-pointwise-check: the lists alone decide)")
-    p.add_argument("--external-data", action="store_true", help="save weights as external data (<output>.data)")
+    p.add_argument("--external-data", nargs="?", const=True, default=False, metavar="NAME",
+                   help="save weights as external data, in one file beside the output (NAME, a file name; "
+                        "default: <output>.<run>.data, unique to the run). Models over 2 GB, and models "
+                        "whose input had external data, get it unasked")
     _add_check_arguments(p)
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
     p.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
@@ -116,13 +124,20 @@ def rewrite_options(args) -> RewriteOptions:
                              annotate=args.annotate, provider=colouring_provider(args.provider),
                              placement=args.placement or "cost", scale_activations=args.scale_activations,
                              relax_margin=args.relax_margin, dims=validate.parse_dims(args.dim),
-                             pointwise_check=args.pointwise_check)
+                             pointwise_check=args.pointwise_check, low_precision_io=args.low_precision_io)
 
 
 def output_plan(args, source: Path, output: Path) -> OutputPlan:
     """Every path this run writes, checked before any work against each other and every path it
     reads (the model now; its data files as the loader finds them, before reading one)."""
-    writes = {"-o": None if args.dry_run else output, "--report": args.report, "--html": args.html}
+    data = None
+    if isinstance(args.external_data, str) and not args.dry_run:
+        name = args.external_data
+        if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
+            raise UsageError(f"--external-data {name!r}: give a file name, without a folder (it goes beside the output)")
+        data = output.parent / name
+    writes = {"-o": None if args.dry_run else output, "--external-data": data, "--report": args.report,
+              "--html": args.html}
     plan = OutputPlan(writes, reads=[source], force=args.force)
     if args.inputs:
         plan.check_reads([Path(args.inputs)], label="the --inputs file")

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from amp_rewrite.analysis import kernels
 from amp_rewrite.analysis.oplists import TARGETS, OpLists, load_op_lists
 from amp_rewrite.errors import UsageError
+from amp_rewrite.onnx_facts import FLOAT
 
 
 def _as_tuple(value) -> tuple:
@@ -34,6 +35,7 @@ class RewriteOptions:
 
     target: str = "float16"
     keep_io_types: bool = True
+    low_precision_io: tuple = ()  # full-match regexes: main-graph inputs/outputs that take the target type
     op_lists: tuple = ()  # YAML files of user overrides
     allow: tuple = ()  # op types moved into each list
     deny: tuple = ()
@@ -58,7 +60,7 @@ class RewriteOptions:
         unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise UsageError(f"unknown rewrite option(s): {', '.join(sorted(unknown))}")
-        for name in ("op_lists", "allow", "deny", "infer", "clear", "keep_fp32_nodes"):
+        for name in ("op_lists", "allow", "deny", "infer", "clear", "keep_fp32_nodes", "low_precision_io"):
             if name in fields:
                 fields[name] = _as_tuple(fields[name])
         fields["deny"] = fields.get("deny", ()) + _as_tuple(op_block_list)
@@ -83,11 +85,28 @@ class RewriteOptions:
         for name, size in self.dims.items():
             if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise UsageError(f"dim {name!r}={size!r}: a symbolic dim's size must be a whole number of at least 1")
-        for pattern in self.keep_fp32_nodes:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise UsageError(f"keep_fp32_nodes: {pattern!r} is not a valid regular expression ({exc})") from None
+        for option in ("keep_fp32_nodes", "low_precision_io"):
+            for pattern in getattr(self, option):
+                try:
+                    re.compile(pattern)
+                except (re.error, TypeError) as exc:
+                    raise UsageError(f"{option}: {pattern!r} is not a valid regular expression ({exc})") from None
+
+    def low_io_names(self, graph) -> frozenset:
+        """Names of the main graph's float32 inputs and outputs that take the target type: those a
+        `low_precision_io` pattern fully matches (a decoder's KV cache), and all of them without
+        `keep_io_types`. A pattern that matches no float32 input or output is a UsageError: a typo
+        would otherwise leave the model's I/O silently as it was."""
+        floats = [v.name for v in (*graph.input, *graph.output) if v.type.tensor_type.elem_type == FLOAT]
+        chosen = set() if self.keep_io_types else set(floats)
+        for pattern in self.low_precision_io:
+            matched = [name for name in floats if re.fullmatch(pattern, name)]
+            if not matched:
+                shown = ", ".join(floats[:4]) + (", ..." if len(floats) > 4 else "") or "none"
+                raise UsageError(f"low_precision_io: {pattern!r} matches no float32 graph input or output "
+                                 f"(they are: {shown})")
+            chosen.update(matched)
+        return frozenset(chosen)
 
     def lists(self) -> OpLists:
         """The op lists for `target` with the user's files and moves applied."""

@@ -143,9 +143,11 @@ def _only_vertex_uses(cg: ColouringGraph, vertex, node) -> bool:
     return True
 
 
-def colour(cg: ColouringGraph, *, keep_io_types: bool = True, placement: str = "tf") -> Plan:
+def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: str = "tf") -> Plan:
     """Run the passes in order and freeze the result. `placement="cost"`: the infer/clear vertices
-    no deny op reaches are coloured by one minimum cut of bytes moved (placement.py), not TF's rule."""
+    no deny op reaches are coloured by one minimum cut of bytes moved (placement.py), not TF's rule.
+    `low_io`: names of the main graph's inputs and outputs that hold the target type (the rest
+    keep float32; `RewriteOptions.low_io_names`)."""
     m = _Masks(cg)
     allow = paint_allow(cg, m)
     if not allow:  # as TF: without allow ops, casts cannot pay off
@@ -154,8 +156,8 @@ def colour(cg: ColouringGraph, *, keep_io_types: bool = True, placement: str = "
     if placement == "cost":
         from amp_rewrite.analysis import placement as cost
 
-        low, kept = cost.colour_free(cg, m, allow, deny, keep_io_types)
-        graph_outputs = _graph_output_keys(cg) if keep_io_types else _subgraph_output_keys(cg)
+        low, kept = cost.colour_free(cg, m, allow, deny, low_io)
+        graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
         return _freeze(cg, low, {**deny, **kept, **low})
     low = dict(allow)
@@ -163,18 +165,15 @@ def colour(cg: ColouringGraph, *, keep_io_types: bool = True, placement: str = "
     if cg.target == "bfloat16":
         low.update(paint_infer_after_allow(cg, m, low, deny))
     low.update(propagate_allow_through_clear(cg, m, low, deny))
-    graph_outputs = _graph_output_keys(cg) if keep_io_types else _subgraph_output_keys(cg)
-    low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
+    low.update(paint_attribute_typed_outputs(cg, low, _typed_output_keys(cg, low_io)))
     reasons = {**deny, **low}
     return _freeze(cg, low, reasons)
 
 
-def _graph_output_keys(cg: ColouringGraph) -> set:
-    return {(s, o.name) for s, scope in enumerate(cg.scopes) for o in scope.graph.output}
-
-
-def _subgraph_output_keys(cg: ColouringGraph) -> set:
-    return {(s, o.name) for s, scope in enumerate(cg.scopes) if s > 0 for o in scope.graph.output}
+def _typed_output_keys(cg: ColouringGraph, low_io: frozenset) -> set:
+    """Graph outputs whose declared type stays: every body's, and the main graph's not in `low_io`."""
+    return {(s, o.name) for s, scope in enumerate(cg.scopes) for o in scope.graph.output
+            if s > 0 or o.name not in low_io}
 
 
 def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:

@@ -48,12 +48,14 @@ class Term:
     """One float tensor: its size, where its type comes from, and who reads it."""
 
     size: int
-    producer: int | None  # the producing vertex; None: a fixed float32 source (graph input, non-vertex op)
+    producer: int | None  # the producing vertex; None: a fixed source (graph input, non-vertex op)
     readers: tuple  # reader vertices
     fp32_reader: bool  # a reader that needs float32 whatever the colouring (graph output, fixed slot)
+    low_source: bool = False  # a main-graph input in the target type (`low_io`)
+    low_reader: bool = False  # a main-graph output in the target type (`low_io`)
 
 
-def _term(cg: ColouringGraph, key, keep_io_types: bool, cache: dict) -> Term | None:
+def _term(cg: ColouringGraph, key, low_io: frozenset, cache: dict) -> Term | None:
     """The tensor `key` = (def scope, name), or None when it costs no cast (constants, non-float)."""
     s, name = key
     if cg.types.get(name) != FLOAT:
@@ -67,10 +69,13 @@ def _term(cg: ColouringGraph, key, keep_io_types: bool, cache: dict) -> Term | N
         producer = row[slot] if row else None
         if producer is None and (s, n) in cg.constant_nodes:
             return None
-    readers, fp32_reader = set(), False
+    readers, fp32_reader, low_reader = set(), False, False
     for use_scope, node, use_slot in cg.uses.get(key, ()):
         if node < 0:
-            fp32_reader |= keep_io_types or use_scope > 0
+            if use_scope == 0 and name in low_io:
+                low_reader = True
+            else:
+                fp32_reader = True
             continue
         row = cg.reads[use_scope][node]
         v = row[use_slot] if row else None
@@ -78,7 +83,8 @@ def _term(cg: ColouringGraph, key, keep_io_types: bool, cache: dict) -> Term | N
             fp32_reader = True
         else:
             readers.add(v)
-    return Term(elements(cg, name, cache), producer, tuple(readers), fp32_reader)
+    return Term(elements(cg, name, cache), producer, tuple(readers), fp32_reader,
+                kind == "input" and s == 0 and name in low_io, low_reader)
 
 
 def vertex_elements(cg: ColouringGraph, v: int, cache: dict) -> int:
@@ -92,24 +98,27 @@ def vertex_elements(cg: ColouringGraph, v: int, cache: dict) -> int:
     return total
 
 
-def estimate(cg: ColouringGraph, low, keep_io_types: bool = True) -> int:
-    """Bytes moved under a colouring (`low`: the set of low-precision vertices): every group's reads
-    and writes plus every cast. One pass over vertices and uses: linear."""
+def estimate(cg: ColouringGraph, low, low_io: frozenset = frozenset()) -> int:
+    """Bytes moved under a colouring (`low`: the set of low-precision vertices; `low_io`: the main
+    graph's inputs and outputs in the target type): every group's reads and writes plus every cast.
+    One pass over vertices and uses: linear."""
     cache = sizes(cg)
     total = sum(vertex_elements(cg, v, cache) * (LOW_BYTES if v in low else FP32_BYTES)
                 for v in range(len(cg.vertices)))
     for key in cg.uses:
-        term = _term(cg, key, keep_io_types, cache)
+        term = _term(cg, key, low_io, cache)
         if term is not None:
             total += _cast_bytes(term, low)
     return total
 
 
 def _cast_bytes(term: Term, low) -> int:
-    source_low = term.producer is not None and term.producer in low
+    source_low = term.low_source or (term.producer is not None and term.producer in low)
     needs = {r in low for r in term.readers}
     if term.fp32_reader:
         needs.add(False)
+    if term.low_reader:
+        needs.add(True)
     return term.size * CAST_BYTES * len(needs - {source_low})
 
 
@@ -121,14 +130,15 @@ class Placement:
     regions: int
 
 
-def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) -> Placement:
-    """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour."""
+def place(cg: ColouringGraph, free: list, is_low, low_io: frozenset = frozenset()) -> Placement:
+    """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour,
+    `low_io` the main graph's inputs and outputs in the target type (the rest are float32)."""
     if not free:
         return Placement(set(), [], {}, 0)
     net = _Network(len(cg.vertices))
     cache = sizes(cg)
     free_set = set(free)
-    _build(cg, free, free_set, cache, is_low, keep_io_types, net)
+    _build(cg, free, free_set, cache, is_low, low_io, net)
     side, rest = reduce_terminal(net)
     flow = nx.DiGraph()
     flow.add_nodes_from(("s", "t"))
@@ -144,7 +154,7 @@ def place(cg: ColouringGraph, free: list, is_low, keep_io_types: bool = True) ->
 INF = float("inf")
 
 
-def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, keep_io_types: bool,
+def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, low_io: frozenset,
            net: _Network) -> None:
     """The network, in one visit of each free vertex: its edge from s (the bytes it saves in low
     precision) and the edges charging the casts of every float tensor it writes or reads, each
@@ -185,8 +195,10 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
             if len(tensor_uses) == 1:  # the common case: one reader (_readers, inlined)
                 use_scope, node, use_slot = tensor_uses[0]
                 if node < 0:
-                    if keep_io_types or use_scope > 0:
+                    if use_scope > 0 or x not in low_io:
                         to_t[v] = to_t.get(v, 0) + c  # a cast down whenever v is low
+                    else:
+                        to_s[v] += c  # a low output: a cast up whenever v is float32
                     continue
                 row = reads[use_scope][node]
                 r = row[use_slot] if row else None
@@ -200,7 +212,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
                 else:
                     to_t[v] = to_t.get(v, 0) + c
                 continue
-            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, keep_io_types)
+            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, x in low_io)
             if fixed_low:  # a cast up whenever v is float32
                 to_s[v] += c
             elif len(loose) == 1:
@@ -250,9 +262,10 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
             if key in inputs_seen:
                 continue
             inputs_seen.add(key)
-            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, keep_io_types)
+            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, x in low_io)
             c = size * CAST_BYTES
-            if p is not None and is_low(p):  # a cast down, when some reader is float32
+            if (p is not None and is_low(p)) or (kind == "input" and ds == 0 and x in low_io):
+                # a low source: a cast down, when some reader is float32
                 if fixed_fp32:
                     pass
                 elif len(loose) == 1:
@@ -273,13 +286,16 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, k
         to_s[v] += total * saving
 
 
-def _readers(tensor_uses, reads, free: set, is_low, keep_io_types: bool) -> tuple:
-    """(free readers in first-use order, some reader fixed low, some reader fixed float32)."""
+def _readers(tensor_uses, reads, free: set, is_low, low_output: bool) -> tuple:
+    """(free readers in first-use order, some reader fixed low, some reader fixed float32);
+    `low_output`: the tensor, where it is a main-graph output, is one in the target type."""
     loose = []
     fixed_low = fixed_fp32 = False
     for use_scope, node, use_slot in tensor_uses:
         if node < 0:
-            if keep_io_types or use_scope > 0:
+            if use_scope == 0 and low_output:
+                fixed_low = True
+            else:
                 fixed_fp32 = True
             continue
         row = reads[use_scope][node]
@@ -434,11 +450,11 @@ def free_vertices(lists: list, paintable: list, allow: dict, deny: dict) -> list
             and v not in deny and v not in allow]
 
 
-def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, keep_io_types: bool = True):
+def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, low_io: frozenset = frozenset()):
     """(low: allow + the free vertices the cut put low, with reasons; reasons of the free ones it
     kept float32). `m` is paint's masks (lists, paintable)."""
     free = free_vertices(m.lists, m.paintable, allow, deny)
-    done = place(cg, free, allow.__contains__, keep_io_types)
+    done = place(cg, free, allow.__contains__, low_io)
     low = dict(allow)
     kept = {}
     fixed = "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)"

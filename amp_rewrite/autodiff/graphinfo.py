@@ -98,7 +98,22 @@ class TypeInfo:
         for init in model.graph.initializer:
             info.elem[init.name] = init.data_type
             info.dims[init.name] = list(init.dims)
+        info._fill_ranks(model.graph, GraphIndex.of(model.graph))
         return info
+
+    def _fill_ranks(self, graph: onnx.GraphProto, index: "GraphIndex") -> None:
+        """Ranks (dims unknown) where shape inference gave up: a Reshape to a shape tensor of static
+        length (computed shapes, as exporters and the opset converter write them), and the ops
+        whose output rank is their input's or the inputs' broadcast rank. One pass in graph order."""
+        for node in graph.node:
+            if not node.output or not node.output[0] or node.output[0] in self.dims:
+                continue
+            if node.op_type == "Concat" and _concat_length(node, self.dims) is not None:
+                self.dims[node.output[0]] = [_concat_length(node, self.dims)]  # a shape tensor's length
+                continue
+            rank = _output_rank(node, self.dims, index)
+            if rank is not None:
+                self.dims[node.output[0]] = [None] * rank
 
     def _add_value(self, value: onnx.ValueInfoProto) -> None:
         if not value.type.HasField("tensor_type"):
@@ -119,6 +134,50 @@ class TypeInfo:
     def is_float(self, name: str) -> bool:
         """Unknown types count as float, so a missing rule is reported rather than skipped."""
         return self.elem.get(name, TensorProto.FLOAT) in FLOAT_TYPES
+
+
+SAME_RANK = frozenset({"Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Relu", "LeakyRelu", "Sigmoid", "Tanh",
+                       "HardSigmoid", "HardSwish", "Elu", "Selu", "Softplus", "Erf", "Gelu", "Clip", "Cast",
+                       "Identity", "Dropout", "Softmax", "LogSoftmax", "Transpose", "BatchNormalization",
+                       "LayerNormalization", "InstanceNormalization", "Floor", "Ceil", "Round", "Sign",
+                       "Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
+                       "Resize", "Pad", "Slice", "Tile", "Mish", "Swish"})
+BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu", "Equal", "Less",
+                       "Greater", "And", "Or"})
+
+
+def _concat_length(node: onnx.NodeProto, dims: dict) -> int | None:
+    """The length of a Concat of 1-D tensors of static lengths (how exporters build shapes)."""
+    lengths = [dims.get(n) for n in node.input if n]
+    if lengths and all(d is not None and len(d) == 1 and isinstance(d[0], int) for d in lengths):
+        return sum(d[0] for d in lengths)
+    return None
+
+
+def _output_rank(node: onnx.NodeProto, dims: dict, index: "GraphIndex") -> int | None:
+    ranks = [len(dims[n]) if dims.get(n) is not None else None for n in node.input if n]
+    if node.op_type == "Reshape" and len(node.input) > 1:
+        shape = dims.get(node.input[1])
+        return shape[0] if shape and len(shape) == 1 and isinstance(shape[0], int) else None
+    if node.op_type == "Concat":
+        return next((r for r in ranks if r is not None), None)
+    if node.op_type in ("Squeeze", "Unsqueeze") and ranks and ranks[0] is not None:
+        axes = index.constant(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        if axes is None:
+            axes = next((a.ints for a in node.attribute if a.name == "axes"), None)
+        if axes is None:
+            return None
+        return ranks[0] + (len(axes) if node.op_type == "Unsqueeze" else -len(axes))
+    if not ranks or None in ranks:
+        return None
+    if node.op_type in SAME_RANK:
+        return ranks[0]
+    if node.op_type in BROADCAST or (node.op_type == "MatMul" and min(ranks) >= 2):
+        return max(ranks)
+    keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+    if node.op_type.startswith("Reduce") and keepdims:
+        return ranks[0]
+    return None
 
 
 def _dim(d: onnx.TensorShapeProto.Dimension):

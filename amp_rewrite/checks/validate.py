@@ -103,6 +103,16 @@ def load_samples(path, model: onnx.ModelProto) -> list:
     return samples
 
 
+def as_declared(model: onnx.ModelProto, samples) -> list:
+    """`samples` with each float input converted to the element type `model` declares for it (a
+    rewrite's float16 inputs read the original's float32 samples rounded, as a caller would feed)."""
+    declared = {v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type) for v in model.graph.input
+                if v.type.tensor_type.elem_type}
+    return [{name: value.astype(declared[name]) if name in declared and value.dtype != declared[name]
+             and np.issubdtype(value.dtype, np.floating) else value for name, value in feeds.items()}
+            for feeds in samples]
+
+
 def _check_sample(what: str, index: str, value: onnx.ValueInfoProto, array: np.ndarray) -> None:
     """One sample array against its input's declared type: element type, rank and fixed dims."""
     if not value.type.HasField("tensor_type"):
@@ -272,6 +282,7 @@ def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol:
     result = ValidationResult(rtol, atol, used, len(samples))
     if provider == "cuda" and used != CUDA:
         result.notes.append("CUDA provider did not load; validated on CPU")
+    samples = as_declared(rewritten, samples)  # float16 inputs (low_precision_io, keep_io_types=False)
     sess, used_new = open_session(rewritten, provider)
     got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
     result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)

@@ -186,6 +186,21 @@ class Reference:
                              f"(expected {self.length} bytes at offset {self.offset})")
         return data
 
+    def parts(self, size: int) -> Iterator[memoryview]:
+        """The referenced bytes, `size` at a time, read into one buffer: each piece is valid until
+        the next is asked for (streaming: never the whole range, nor a new allocation per piece)."""
+        buffer = memoryview(bytearray(min(size, self.length)))
+        with open_regular(self.path, what="external data file") as handle:
+            handle.seek(self.offset)
+            left = self.length
+            while left:
+                got = handle.readinto(buffer[:min(size, left)])
+                if not got:
+                    raise ModelError(f"external data file {shown(str(self.path))} changed while being read "
+                                     f"(expected {self.length} bytes at offset {self.offset})")
+                left -= got
+                yield buffer[:got]
+
 
 def _number(info: dict, key: str, name: str, where) -> int | None:
     value = info.get(key)

@@ -194,9 +194,12 @@ class OutputPair:
     `keep`: files never removed (the run's inputs), even when the replaced model named them.
     """
 
-    def __init__(self, path, *, keep: Iterable = ()):
+    def __init__(self, path, *, keep: Iterable = (), data_name: str | None = None):
         self.path = Path(path)
-        self.data_name = f"{self.path.name}.{secrets.token_hex(4)}.data"
+        # a name the caller chose (--external-data NAME) replaces that file, after the output plan
+        # allowed it: a reader between the two renames may then see the new data with the old model
+        self.fixed_name = data_name is not None
+        self.data_name = data_name or f"{self.path.name}.{secrets.token_hex(4)}.data"
         self.data_path = self.path.parent / self.data_name
         self.keep = [Path(k) for k in keep]
         self._data_tmp: str | None = None
@@ -235,7 +238,10 @@ class OutputPair:
             old = old_data_files(self.path)
             interrupt_hook("rename")
             if self._data_tmp is not None:
-                _place(self._data_tmp, self.data_path)
+                if self.fixed_name:
+                    os.replace(self._data_tmp, self.data_path)
+                else:
+                    _place(self._data_tmp, self.data_path)
                 self._linked = True
                 remove_quietly(self._data_tmp)
                 self._data_tmp = None

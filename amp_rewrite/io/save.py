@@ -47,6 +47,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 EXTERNAL_THRESHOLD = 1024  # tensors of at least this many bytes go to the external data file
+# ONNX Runtime memory-maps a tensor of external data when its offset is a multiple of the
+# allocation granularity: "64KB for windows and 4K for other OSes" (onnxruntime,
+# include/onnxruntime/core/graph/model_saving_options.h; its own saver aligns tensors over
+# `align_threshold`, 1 MiB, so). Tensors from 1 MiB start on 64 KiB, which serves both; smaller
+# ones on 4 KiB (a page), so a thousand biases do not cost 64 MB of padding.
+MMAP_ALIGN, MMAP_ALIGN_FROM = 64 * 1024, 2**20
 _ALIGN = 4096
 
 
@@ -61,9 +67,10 @@ def _big_tensors(model: onnx.ModelProto):
                 yield tensor
 
 
-def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_model: bool = True,
+def save(model: onnx.ModelProto, path, *, external_data: bool | str = False, keep_model: bool = True,
          keep=()) -> None:
-    """Save atomically; with external data (or above 2 GB) weights go to a data file beside it.
+    """Save atomically; with external data (or above 2 GB, unasked) weights go to one data file
+    beside it, `external_data` its name when a string (a plain file name in the model's folder).
 
     External data is streamed tensor by tensor (no copy of the model, no 2 GB serialisation):
     each big initializer is written to the data file and replaced by a reference while the model
@@ -76,7 +83,8 @@ def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_mode
     path = Path(path)
     moved: list[tuple[TensorProto, int, int]] = []
     try:
-        with OutputPair(path, keep=keep) as pair:
+        named = external_data if isinstance(external_data, str) else None
+        with OutputPair(path, keep=keep, data_name=named) as pair:
             try:
                 if external_data or data_size(model) >= TWO_GB - 2**26:
                     pair.write_data(lambda handle: moved.extend(_write_data(model, handle)))
@@ -96,18 +104,22 @@ def save(model: onnx.ModelProto, path, *, external_data: bool = False, keep_mode
 
 
 def _write_data(model: onnx.ModelProto, handle) -> list:
-    """Stream the big tensors into `handle`, 4 KiB aligned: [(tensor, offset, length)]."""
+    """Stream the big tensors into `handle`, each aligned for memory mapping (MMAP_ALIGN), a piece
+    at a time (`tensordata.chunks`: a weight on disk is read, converted and written without ever
+    being held whole): [(tensor, offset, length)]."""
     moved, offset = [], 0
     for tensor in _big_tensors(model):
-        blob = tensordata.tensor_bytes(tensor)
-        pad = (-offset) % _ALIGN
+        size = ELEMENT_SIZE[tensor.data_type] * math.prod(tensor.dims)
+        pad = (-offset) % (MMAP_ALIGN if size >= MMAP_ALIGN_FROM else _ALIGN)
         if pad:
             handle.write(b"\0" * pad)
             offset += pad
-        handle.write(blob)
-        moved.append((tensor, offset, len(blob)))
-        offset += len(blob)
-        del blob
+        length = 0
+        for piece in tensordata.chunks(tensor):
+            handle.write(piece)
+            length += len(piece)
+        moved.append((tensor, offset, length))
+        offset += length
     return moved
 
 

@@ -7,12 +7,14 @@ no loss-gradient kernels: the gradient builder differentiates these like any oth
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from amp_rewrite.errors import TrainingError
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.errors import TrainingError
 
 LOSS_OUTPUT = "loss"
 LABELS_INPUT = "labels"
@@ -20,7 +22,56 @@ TARGETS_INPUT = "targets"
 BUILTIN_LOSSES = ("cross_entropy", "mse")
 
 
-def attach_loss(model: onnx.ModelProto, loss: str, emitter: Emitter) -> tuple[str, list[str]]:
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """torch.nn.functional.cross_entropy's conventions: labels equal to `ignore_index` count for
+    nothing (the mean is over the other labels), `label_smoothing` mixes the one-hot target with
+    the uniform distribution. `loss="cross_entropy"` is `CrossEntropy()`.
+
+    A batch whose labels are all ignored is refused before the step (torch returns nan, which a
+    trainer would skip or, in float32, train on): there is nothing to learn from it."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.ignore_index, (int, np.integer)) or isinstance(self.ignore_index, bool):
+            raise TrainingError(f"ignore_index must be an integer, got {self.ignore_index!r}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise TrainingError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
+
+    def __str__(self) -> str:
+        return "cross_entropy"
+
+
+def resolve_loss(loss):
+    """The loss as attach_loss takes it: "cross_entropy" is CrossEntropy(); anything else as given."""
+    return CrossEntropy() if loss == "cross_entropy" else loss
+
+
+def check_labels(labels: np.ndarray, classes: int | None, loss: CrossEntropy) -> None:
+    """Refuse, in one line, labels outside [0, classes) other than the ignore index, and a batch
+    with no counted label (before the step: the graph would count them as zero loss)."""
+    counted = labels[labels != loss.ignore_index]
+    bad = counted[(counted < 0) | (counted >= classes)] if classes else counted[counted < 0]
+    if bad.size:
+        values = np.unique(bad)
+        shown = ", ".join(str(v) for v in values[:5]) + (", ..." if values.size > 5 else "")
+        span = f"[0, {classes})" if classes else "0 and up"
+        raise TrainingError(f"labels: {bad.size} of this batch's labels are outside {span} "
+                            f"(values {shown}); the ignore index is {loss.ignore_index}")
+    if labels.size and not counted.size:
+        raise TrainingError(f"labels: every label of this batch is the ignore index {loss.ignore_index}: "
+                            "nothing to learn from (torch's cross_entropy gives nan)")
+
+
+def classes_of(model: onnx.ModelProto) -> int | None:
+    """The number of classes: the first output's last dim, if fixed."""
+    dims = model.graph.output[0].type.tensor_type.shape.dim
+    return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+
+
+def attach_loss(model: onnx.ModelProto, loss, emitter: Emitter) -> tuple[str, list[str]]:
     """Make the model's only output a float32 scalar loss; returns the loss tensor's name and the
     loss tensors that are constants for the gradient (the one-hot labels).
 
@@ -28,8 +79,9 @@ def attach_loss(model: onnx.ModelProto, loss: str, emitter: Emitter) -> tuple[st
     string names a model output that already is the scalar loss.
     """
     graph = model.graph
-    if loss == "cross_entropy":
-        loss_name, one_hot = _cross_entropy(graph, emitter)
+    loss = resolve_loss(loss)
+    if isinstance(loss, CrossEntropy):
+        loss_name, one_hot = _cross_entropy(graph, emitter, loss)
         return _attach(graph, loss_name, extra_input=_labels_input(graph)), [one_hot]
     if loss == "mse":
         return _attach(graph, _mean_squared_error(graph, emitter), extra_input=_targets_input(graph)), [TARGETS_INPUT]
@@ -53,18 +105,30 @@ def _attach(graph: onnx.GraphProto, loss_name: str, extra_input) -> str:
     return loss_name
 
 
-def _cross_entropy(graph: onnx.GraphProto, e: Emitter) -> tuple[str, str]:
-    """mean over samples of -log softmax(logits)[label], classes on the last axis."""
+def _cross_entropy(graph: onnx.GraphProto, e: Emitter, loss: CrossEntropy) -> tuple[str, str]:
+    """-sum(target * log softmax(logits)) over the counted samples / their count, classes on the
+    last axis; target = one-hot(label) * (1 - smoothing) + smoothing / classes, as torch."""
     logits = graph.output[0].name
     log_probs = e.op("LogSoftmax", [logits], "log_probs", axis=-1)
     depth = e.op("Shape", [logits], "logits_shape")
     depth = e.op("Gather", [depth, e.const(-1, np.int64, "last")], "depth")
-    on_off = e.const([0.0, 1.0], np.float32, "on_off")
-    one_hot = e.op("OneHot", [LABELS_INPUT, depth, on_off], "one_hot", axis=-1)
-    picked = e.op("Mul", [log_probs, one_hot], "picked")
+    counted = e.op("Not", [e.op("Equal", [LABELS_INPUT, e.const(loss.ignore_index, np.int64, "ignore_index")],
+                                "ignored")], "counted")
+    label = e.op("Where", [counted, LABELS_INPUT, e.const(0, np.int64, "zero_label")], "counted_label")
+    smooth = loss.label_smoothing
+    on_off = e.const([0.0, 1.0 - smooth], np.float32, "on_off")
+    target = e.op("OneHot", [label, depth, on_off], "one_hot", axis=-1)
+    if smooth:
+        uniform = e.op("Div", [e.const(smooth), e.op("Cast", [depth], "classes", to=TensorProto.FLOAT)], "uniform")
+        target = e.op("Add", [target, uniform], "smoothed_target")
+    picked = e.op("Mul", [log_probs, target], "picked")
     per_sample = e.reduce("ReduceSum", picked, [-1], keepdims=0, hint="log_likelihood")
-    mean = e.reduce("ReduceMean", per_sample, None, keepdims=0, hint="mean_log_likelihood")
-    return e.op("Neg", [mean], LOSS_OUTPUT), one_hot
+    weight = e.op("Cast", [counted], "counted_weight", to=TensorProto.FLOAT)
+    total = e.reduce("ReduceSum", e.op("Mul", [per_sample, weight], "counted_log_likelihood"), None, keepdims=0,
+                     hint="total_log_likelihood")
+    count = e.reduce("ReduceSum", weight, None, keepdims=0, hint="count")
+    mean = e.op("Div", [total, count], "mean_log_likelihood")
+    return e.op("Neg", [mean], LOSS_OUTPUT), target
 
 
 def _mean_squared_error(graph: onnx.GraphProto, e: Emitter) -> str:

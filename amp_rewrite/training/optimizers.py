@@ -160,3 +160,6 @@ def _check_fraction(name: str, value: float) -> None:
 def zero_slots(optimizer: Optimizer, weight: np.ndarray) -> dict[str, np.ndarray]:
     """Initial per-weight optimizer state: zeros shaped like the weight."""
     return {slot: np.zeros_like(weight, dtype=np.float32) for slot in optimizer.slots}
+
+
+DEFAULT_OPTIMIZER = AdamW(lr=1e-4)  # the Trainer's default: torch's AdamW at a fine-tuning rate (each trainer copies it)

@@ -30,6 +30,7 @@ LAYOUT_OPS = frozenset(_SLOTS["layout"])
 SHAPE_ONLY_OPS = frozenset(_SLOTS["shape_only"])
 NORM_SLOTS = {op: tuple(slots) for op, slots in _SLOTS["norm_slots"].items()}
 WEIGHT_SLOTS = {op: tuple(slots) for op, slots in _SLOTS["weight_slots"].items()}
+QUANTIZED_READERS = frozenset(_SLOTS["quantized_readers"])
 MASK_MAGNITUDE = 1e4
 
 
@@ -39,21 +40,26 @@ class Parameters:
 
     names: tuple[str, ...]  # in graph order
     frozen: tuple[str, ...]
+    left_out: str = ""  # one line: weights found but not trainable here, and why ("" when none)
 
 
 def find(graph: onnx.GraphProto) -> Parameters:
     """The parameters of `graph` (initializers and Constant nodes), by how they are used."""
     constants = _float_constants(graph)
-    producer = {out: node for node in graph.node for out in node.output}
-    data = _data_dependent(graph)
-    found = set()
-    for node in graph.node:
+    data: set[str] = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+    nodes = list(_walk(graph, data))  # If/Loop/Scan bodies too: their weights are lifted to the main graph
+    producer = {out: node for node in nodes for out in node.output}
+    found, quantized = set(), set()
+    for node in nodes:
         for slot in _parameter_slots(node, data):
             source = _constant_source(node.input[slot], producer, constants)
             if source is not None and _is_parameter(constants[source], node.op_type):
                 found.add(source)
+            elif source is None:
+                quantized.update(_quantized_source(node.input[slot], producer))
+    quantized.update(_integer_weights(graph, data))
     names = tuple(n for n in constants if n in found)
-    return Parameters(names, tuple(n for n in constants if n not in found))
+    return Parameters(names, tuple(n for n in constants if n not in found), _left_out(quantized))
 
 
 def select(params: Parameters, available: list[str], trainable=None, frozen=None) -> list[str]:
@@ -107,17 +113,29 @@ def _float_constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return constants
 
 
-def _data_dependent(graph: onnx.GraphProto) -> set[str]:
-    """Tensors whose values depend on a graph input's values (not just on its shape)."""
-    initializers = {t.name for t in graph.initializer}
-    data = {i.name for i in graph.input if i.name not in initializers}
-    for node in graph.node:  # topological order
-        if node.op_type not in SHAPE_ONLY_OPS and any(name in data for name in node.input):
+def _walk(graph: onnx.GraphProto, data: set[str]):
+    """Every node, a subgraph's nodes before the node that holds them, in topological order, while
+    `data` grows by the tensors whose values depend on a graph input's values (not only its shape;
+    a body's own inputs, Loop/Scan's iteration values, count as data)."""
+    for node in graph.node:
+        bodies = [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+        bodies += [g for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
+        for body in bodies:
+            data.update(i.name for i in body.input)
+            yield from _walk(body, data)
+        reads_data = any(n in data for n in node.input) or any(o.name in data for b in bodies for o in b.output)
+        if node.op_type not in SHAPE_ONLY_OPS and reads_data:
             data.update(o for o in node.output if o)
-    return data
+        yield node
 
 
 def _parameter_slots(node: onnx.NodeProto, data: set[str]) -> tuple[int, ...]:
+    """The input slots of `node` that hold a parameter when fed a constant (only slots the node
+    has and fills: optional inputs may be absent or named "")."""
+    return tuple(s for s in _candidate_slots(node, data) if s < len(node.input) and node.input[s])
+
+
+def _candidate_slots(node: onnx.NodeProto, data: set[str]) -> tuple[int, ...]:
     op, inputs = node.op_type, node.input
     if op in ("MatMul", "Gemm"):
         slots = tuple(s for s in (0, 1) if len(inputs) > 1 - s and inputs[1 - s] in data)
@@ -141,10 +159,41 @@ def _constant_source(name: str, producer: dict, constants: dict) -> str | None:
         if name in constants:
             return name
         node = producer.get(name)
-        if node is None or node.op_type not in LAYOUT_OPS or not node.input:
+        if node is None or node.op_type not in LAYOUT_OPS or not node.input or not node.input[0]:
             return None
         name = node.input[0]
     return None
+
+
+def _quantized_source(name: str, producer: dict) -> tuple[str, ...]:
+    """The integer weight behind a DequantizeLinear on the way to a parameter slot, if any."""
+    for _ in range(8):
+        node = producer.get(name)
+        if node is None or not node.input or not node.input[0]:
+            return ()
+        if node.op_type in QUANTIZED_READERS:
+            return (node.input[0],)
+        if node.op_type not in LAYOUT_OPS:
+            return ()
+        name = node.input[0]
+    return ()
+
+
+def _integer_weights(graph: onnx.GraphProto, data: set[str]) -> set[str]:
+    """Constant weights of the integer ops (ConvInteger, MatMulInteger, DynamicQuantizeLSTM, ...)."""
+    slots = {op: tuple(s) for op, s in _SLOTS["integer_weight_slots"].items()}
+    return {node.input[s] for node in graph.node for s in slots.get(node.op_type, ())
+            if s < len(node.input) and node.input[s] and node.input[s] not in data}
+
+
+def _left_out(quantized: set[str]) -> str:
+    """The one line naming weights that stay frozen because training them is not supported."""
+    if not quantized:
+        return ""
+    names = sorted(quantized)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (f"left out {len(names)} quantized weights ({', '.join(names[:3])}{more}): integer weights cannot be "
+            "trained; fine-tune the float model and quantize after")
 
 
 def _is_parameter(tensor: onnx.TensorProto, op_type: str) -> bool:

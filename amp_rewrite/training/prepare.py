@@ -1,6 +1,6 @@
 """Make an exported model trainable as it comes: inline model-local functions (dynamo exports),
-convert opsets below 13 (autodiff's floor) with onnx.version_converter, lift weights stored inside
-If branches to the main graph, and promote float
+convert opsets below 13 (autodiff's floor) to 16 with onnx.version_converter, lift weights stored
+inside If branches to the main graph, and promote float
 Constant nodes that hold parameters to initializers (PaddlePaddle stores every weight that way).
 """
 
@@ -16,6 +16,9 @@ from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import parameters
 
 MIN_OPSET = 13
+# Older models are converted to 16, not 13: the MaxPool gradient of overlapping windows (YOLO's
+# SPP pools) needs ScatterElements' reduction="add", new in opset 16.
+CONVERT_TO = 16
 log = logging.getLogger("amp_rewrite.training")
 
 
@@ -28,6 +31,8 @@ def prepare(model: onnx.ModelProto, say=log.info) -> tuple[onnx.ModelProto, para
     out = _convert_opset(out, say)
     lift_branch_weights(out)  # weights stored inside If branches become initializers the branches read
     found = parameters.find(out.graph)
+    if found.left_out:
+        say(f"amp-rewrite: {found.left_out}")
     _promote_constants(out.graph, set(found.names))
     return out, found
 
@@ -41,12 +46,12 @@ def _convert_opset(model: onnx.ModelProto, say) -> onnx.ModelProto:
     if opset >= MIN_OPSET:
         return model
     try:
-        converted = onnx.version_converter.convert_version(model, MIN_OPSET)
+        converted = onnx.version_converter.convert_version(model, CONVERT_TO)
     except Exception as error:  # the converter raises RuntimeError/IndexError/... per adapter
-        raise TrainingError(f"cannot convert opset {opset} to {MIN_OPSET} for autodiff: "
+        raise TrainingError(f"cannot convert opset {opset} to {CONVERT_TO} for autodiff: "
                             f"{_blocking_op(model, opset)}{_first_line(error)}") from None
     converted.ir_version = max(model.ir_version, min(converted.ir_version, 8))
-    say(f"amp-rewrite: converted the model from opset {opset} to {MIN_OPSET} (autodiff needs {MIN_OPSET}+)")
+    say(f"amp-rewrite: converted the model from opset {opset} to {CONVERT_TO} (autodiff needs {MIN_OPSET}+)")
     return converted
 
 
@@ -66,7 +71,7 @@ def _blocking_op(model: onnx.ModelProto, opset: int) -> str:
         single = helper.make_model(helper.make_graph([node], "probe", inputs, outputs),
                                    opset_imports=[helper.make_opsetid("", opset)], ir_version=model.ir_version)
         try:
-            onnx.version_converter.convert_version(single, MIN_OPSET)
+            onnx.version_converter.convert_version(single, CONVERT_TO)
         except Exception:  # noqa: BLE001 - this node is the one that blocks
             return f"op {node.op_type} (node {node.name!r}) blocked it: "
     return ""

@@ -20,6 +20,7 @@ import onnxruntime as ort
 
 from amp_rewrite.checks.sessions import CUDA, open_session, session_options
 from amp_rewrite.errors import TrainingError
+from amp_rewrite.training.feeds import ort_message
 from amp_rewrite.training.step_graph import LR_INPUT, SKIPPED_OUTPUT, StepGraph
 
 PROVIDERS = ("auto", "cuda", "cpu")
@@ -40,9 +41,10 @@ def open_step_session(model: onnx.ModelProto, provider: str, precision: str, dev
             raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
         return session, "cuda" if used == CUDA else "cpu"
     except TrainingError as error:
+        text = ort_message(str(error))
         if precision != "bfloat16":
-            raise
-        raise TrainingError(f"{error} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
+            raise TrainingError(text) from None
+        raise TrainingError(f"{text} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
                             "use the CUDA provider or float16)") from None
 
 

@@ -8,6 +8,7 @@ the state out only when asked (`state`, `save`, `export`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -24,10 +25,10 @@ from amp_rewrite.checks.sessions import CUDA
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
-from amp_rewrite.training import kernels, parameters, skips
+from amp_rewrite.training import feeds as feed_checks, kernels, parameters, precision as precision_line, skips
 from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
-from amp_rewrite.training.optimizers import Optimizer
+from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
 from amp_rewrite.training.runner import SessionRunner, open_step_session
 from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, apply_precision, build_step_graph
@@ -52,8 +53,9 @@ class StepResult:
 class Trainer:
     """Mixed-precision training of an ONNX model on ONNX Runtime with loss scaling.
 
-    `loss`: "cross_entropy" (first output = logits, feed `labels`), "mse" (feed `targets`), or the
-    name of a scalar model output. `loss_scale`: "dynamic", a number, or a DynamicLossScale /
+    `loss`: "cross_entropy" (first output = logits, feed `labels`; `losses.CrossEntropy(ignore_index,
+    label_smoothing)` for torch's options), "mse" (feed `targets`), or the name of a scalar model
+    output. `optimizer`: default AdamW(lr=1e-4) (torch's AdamW with a fine-tuning rate). `loss_scale`: "dynamic", a number, or a DynamicLossScale /
     FixedLossScale; "auto" (the default) is dynamic in float16/bfloat16 and none (a fixed 1) in
     float32. `on_nonfinite`: "skip" the update, or "retry" the batch at half the scale until
     finite or the scale is 1. `trainable` / `frozen`: names or full-match regexes over the float
@@ -68,7 +70,7 @@ class Trainer:
     the forward tensors kept for it.
     """
 
-    def __init__(self, model, loss: str = "cross_entropy", optimizer: Optimizer | None = None,
+    def __init__(self, model, loss="cross_entropy", optimizer: Optimizer = DEFAULT_OPTIMIZER,
                  loss_scale="auto", precision: str = "float16", provider: str = "auto",
                  on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
                  distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True,
@@ -93,6 +95,7 @@ class Trainer:
         self._float_step = step.model  # what `report` draws
         self.step_graph: StepGraph = apply_precision(step, self.precision)
         self._keep_refused_fp32(step, provider)
+        self._feed_check = feed_checks.FeedCheck.of(self.step_graph.model, self.step_graph.batch_inputs, loss, self._model)
         sizes = {w: step.initial_state[w].size for w in step.weights}
         initial = step.initial_state
         # The runner holds the one copy of the state from here on.
@@ -109,6 +112,7 @@ class Trainer:
                                     threads=threads, **distributed_options)
         del initial
         self.device = self.runner.device
+        precision_line.announce(self.step_graph.model, self.precision, self.device, say)
         self._specs = self.runner.state.specs()
         self._skips_in_row, self._warned = 0, False
         say(f"amp-rewrite: {parameters.summary(list(self.step_graph.weights), sizes, len(floats) - len(sizes))}")
@@ -154,20 +158,16 @@ class Trainer:
         return epoch_losses
 
     def _run(self, feeds: dict, retries: int) -> StepResult:
-        batch = self._batch(feeds)
-        loss, skipped = self.runner.run(batch)
+        batch = self._feed_check.check(feeds)
+        try:
+            loss, skipped = self.runner.run(batch)
+        except TrainingError:
+            raise
+        except Exception as error:  # ONNX Runtime's errors never reach the user raw
+            raise feed_checks.run_failure(error, self.precision) from None
         result = StepResult(loss, self.loss_scale, skipped, retries)
         self._watch_skips(result, batch)
         return result
-
-    def _batch(self, feeds: dict) -> dict[str, np.ndarray]:
-        types = self.runner.feed_types
-        batch = {}
-        for name in self.step_graph.batch_inputs:
-            if name not in feeds:
-                raise TrainingError(f"missing feed {name!r} (the step needs: {', '.join(self.step_graph.batch_inputs)})")
-            batch[name] = np.ascontiguousarray(feeds[name], dtype=types[name])
-        return batch
 
     def _watch_skips(self, result: StepResult, batch: dict) -> None:
         """After PATIENCE skips in a row (or a skip at the scale's floor), warn once, naming the
@@ -379,8 +379,8 @@ _LOSS_SCALING_MARKERS = ("loss_scale", "get_scale", "loss_scale_factor", "_loss_
 
 def _check_optimizer(optimizer) -> Optimizer:
     """Only amp_rewrite optimizers; one that already scales the loss would scale it twice."""
-    if optimizer is None:
-        raise TrainingError("an optimizer is required, e.g. optimizer=amp_rewrite.training.SGD(lr=0.1)")
+    if optimizer is None or optimizer is DEFAULT_OPTIMIZER:
+        return copy.deepcopy(DEFAULT_OPTIMIZER)
     if any(hasattr(optimizer, marker) for marker in _LOSS_SCALING_MARKERS) or "LossScale" in type(optimizer).__name__:
         raise TrainingError(
             f"{type(optimizer).__name__} already does loss scaling: pass the plain optimizer and set Trainer(loss_scale=...)"

@@ -4,6 +4,8 @@ low-precision groups read them, duplicated when both kinds do (no runtime Cast o
 
 from __future__ import annotations
 
+import math
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -58,6 +60,9 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
     scope = m.cg.scopes[s]
     if d.kind == "initializer":
         tensor = scope.initializers[name]  # as read_scopes read them
+        if tensordata.is_external(tensor) and (elem == FLOAT or (s, name) in m.constants.deferred):
+            _defer(m, s, name, tensor, new_name, in_place, elem)
+            return
         data = converted_bytes(m, (s, name), weights.value_holder(m.cg.borrowed, s, name, tensor), elem)
         m.result.weight_bytes_delta += size_change(data, elem, in_place)
         if in_place:  # swap the data, keep everything else (doc string, metadata)
@@ -85,4 +90,22 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
     else:
         copy = helper.make_node("Constant", [], [new_name], name=m.names.new(f"amp/{new_name}"), value=converted)
         m.after.setdefault((s, d.node), []).append(copy)
+        m.result.duplicated_constants += 1
+
+
+def _defer(m: Materialisation, s, name, tensor, new_name, in_place: bool, elem: int) -> None:
+    """A weight left on disk (lazy_weights) is not read here: it takes `elem` with the conversion
+    the scan chose, done piece by piece when it is saved (io.tensordata); a float32 copy refers
+    to the same bytes. Memory stays flat whatever the model's size."""
+    mode, clamped = m.constants.deferred.pop((s, name)) if elem != FLOAT else ("keep", 0)
+    count = math.prod(tensor.dims)
+    m.result.clamped_values += clamped
+    m.result.weight_bytes_delta += count * ELEMENT_SIZE[elem] - (4 * count if in_place else 0)
+    if in_place:
+        tensordata.defer_conversion(tensor, tensor, elem, mode)
+        if s == 0:
+            m.replaced.add(name)
+        m.result.converted_constants += 1
+    else:
+        tensordata.defer_conversion(tensor, m.cg.scopes[s].graph.initializer.add(name=new_name), elem, mode)
         m.result.duplicated_constants += 1

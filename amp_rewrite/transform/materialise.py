@@ -8,8 +8,9 @@ Rules, all decided per tensor in one pass over its uses:
   input instead: no Cast chains;
 - initializers and Constant nodes are free: converted in place when only low-precision groups
   read them, duplicated when both kinds do (no runtime Cast on weights);
-- main-graph inputs and outputs keep their names; with keep_io_types they keep float32 too: an
-  output made in low precision is renamed at its producer and a Cast writes the original name;
+- main-graph inputs and outputs keep their names; those not in `low_io` (all, with keep_io_types
+  and no low_precision_io) keep float32 too: an output made in the other type is renamed at its
+  producer and a Cast writes the original name;
 - the model's own Casts that convert nothing in the result (to = their input's type, or back from
   an exact widening) are removed, their readers reading what they read (noop_casts.py).
 """
@@ -56,10 +57,10 @@ def _run(m: Materialisation, fold_casts: bool = True) -> Materialised:
 
 
 def materialise(model: onnx.ModelProto, cg: ColouringGraph, plan: Plan, constants: Scan, *,
-                keep_io_types: bool = True, clamp: bool = False, fold_casts: bool = True) -> Materialised:
+                low_io: frozenset = frozenset(), clamp: bool = False, fold_casts: bool = True) -> Materialised:
     """Apply `plan` to `model` (the proto `cg` was built from) in place; `constants` is the scan.
     `fold_casts`: the model's own Casts that convert nothing in the result are removed (noop_casts)."""
-    result = _run(Materialisation.start(model, cg, plan, constants, keep_io_types, clamp), fold_casts)
+    result = _run(Materialisation.start(model, cg, plan, constants, low_io, clamp), fold_casts)
     if (result.casts or result.duplicated_constants) and not any(o.domain in DEFAULT_DOMAINS for o in model.opset_import):
         # e.g. a model of ai.onnx.ml ops only: our Cast/Constant nodes need the default domain
         model.opset_import.append(helper.make_opsetid("", CAST_OPSET))

@@ -273,7 +273,7 @@ class _Folder:
 def fold_noop_casts(m: Materialisation) -> None:
     """Mark the model's Casts that convert nothing as removed (`m.removed`, skipped by splice.py)
     and point their readers at what they read; drop their value_info entries."""
-    if not m.low_vertices and m.keep_io:  # nothing is rewritten (no allow op): the model stays as it is
+    if not m.low_vertices and not m.low_io:  # nothing is rewritten (no allow op): the model stays as it is
         return
     folder = _Folder(m)
     folder.run()

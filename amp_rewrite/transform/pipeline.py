@@ -44,6 +44,7 @@ class Work:
     lists: object  # analysis.oplists.OpLists
     started: float
     model: onnx.ModelProto = None  # the proto being rewritten in place
+    low_io: frozenset = frozenset()  # main-graph inputs and outputs that take the target type
     borrowed: dict = field(default_factory=dict)
     nested: bool = True
     weights_before: int | None = None
@@ -69,6 +70,12 @@ def take_working_copy(w: Work) -> None:
         w.model, w.borrowed = working_copy(w.loaded.model)
     w.bytes_before = byte_size(w.loaded.model, w.loaded.data_bytes)
     w.nested, w.weights_before = w.loaded.nested, w.loaded.float_bytes
+
+
+def choose_low_io(w: Work) -> None:
+    """Which graph inputs and outputs take the target type (`low_precision_io`, `keep_io_types`):
+    a pattern that matches none fails here, before any work."""
+    w.low_io = w.options.low_io_names(w.model.graph)
 
 
 def inline_local_functions(w: Work) -> None:
@@ -114,7 +121,7 @@ def scan_constants(w: Work) -> None:
 
 
 def colour(w: Work) -> None:
-    w.plan = follow_originals(w.model, w.cg, paint.colour(w.cg, keep_io_types=w.options.keep_io_types,
+    w.plan = follow_originals(w.model, w.cg, paint.colour(w.cg, low_io=w.low_io,
                                                           placement=w.options.placement))
 
 
@@ -127,7 +134,7 @@ def estimate_flops(w: Work) -> None:
 
 def materialise(w: Work) -> None:
     w.materialised = materialise_mod.materialise(w.model, w.cg, w.plan, w.constants,
-                                                 keep_io_types=w.options.keep_io_types, clamp=w.options.clamp,
+                                                 low_io=w.low_io, clamp=w.options.clamp,
                                                  fold_casts=w.options.fold_noop_casts)
 
 
@@ -148,7 +155,8 @@ def report(w: Work) -> None:
                            bytes_after=byte_size(w.model, w.loaded.data_bytes + delta),
                            seconds=time.perf_counter() - w.started, weights_before=w.weights_before,
                            weights_after=w.weights_before + delta, node_flops=w.flops,
-                           moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model)))
+                           moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model),
+                                                   w.low_io))
     if w.options.dims and not sizes_dims(w.model):
         rep.notes.append(f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
                          f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates")
@@ -157,7 +165,7 @@ def report(w: Work) -> None:
         rep.sections["recompute"] = recompute
     if w.scaling is not None and w.scaling.regions:
         scaling_mod.add_to_report(rep, w.scaling)
-    changed = bool(w.materialised.casts or w.materialised.removed_casts or not w.options.keep_io_types or paint.LOW in w.plan.colour.values()
+    changed = bool(w.materialised.casts or w.materialised.removed_casts or w.low_io or paint.LOW in w.plan.colour.values()
                    or (w.scaling is not None and bool(w.scaling.regions)))
     w.result = RewriteResult(w.model, rep, changed)
 
@@ -172,6 +180,7 @@ def annotate(w: Work) -> None:
 
 STAGES = (
     take_working_copy,  # io.working_copy
+    choose_low_io,  # options (low_precision_io, keep_io_types)
     inline_local_functions,  # onnx.inliner
     read_scopes,  # analysis.graph
     infer_types,  # analysis.elemtypes (+ onnx shape inference)
@@ -223,14 +232,14 @@ def run(model, options: RewriteOptions) -> RewriteResult:
     return w.result
 
 
-def bytes_moved(cg, plan, options: RewriteOptions, dims_used: bool = True) -> dict:
+def bytes_moved(cg, plan, options: RewriteOptions, dims_used: bool = True, low_io: frozenset = frozenset()) -> dict:
     """Estimated bytes moved (analysis.placement.estimate) all in float32 and as coloured, for the
     report, with the symbolic dims the sizes used (`dims`: empty when none were)."""
     from amp_rewrite.analysis import placement
 
     low = {v for v, c in plan.colour.items() if c == paint.LOW}
-    return {"placement": options.placement, "bytes_moved_float32": placement.estimate(cg, set(), options.keep_io_types),
-            "bytes_moved": placement.estimate(cg, low, options.keep_io_types),
+    return {"placement": options.placement, "bytes_moved_float32": placement.estimate(cg, set(), low_io),
+            "bytes_moved": placement.estimate(cg, low, low_io),
             "dims": dict(options.dims) if dims_used else {}}
 
 

@@ -1,5 +1,6 @@
 """Retyping: Casts (and other attribute-typed outputs) painted low get the target in their `to`
-attribute; main-graph I/O (without keep_io_types) and value_info follow their tensors' new types.
+attribute; main-graph I/O in `low_io` (all of it without keep_io_types) and value_info follow
+their tensors' new types.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ def retarget_attribute_typed_outputs(m: Materialisation) -> None:
 
 def retype_io_and_value_info(m: Materialisation) -> None:
     main = m.cg.scopes[0].graph
-    if not m.keep_io:
-        for value in (*main.input, *main.output):
-            if value.type.tensor_type.elem_type == FLOAT:
-                value.type.tensor_type.elem_type = m.low
+    lowered = [v for v in main.input if v.name in m.low_io] + [main.output[i] for i in sorted(m.low_outputs)]
+    for value in lowered:
+        if value.type.tensor_type.elem_type == FLOAT:
+            value.type.tensor_type.elem_type = m.low
     for s, scope in enumerate(m.cg.scopes):
         for value in scope.graph.value_info:
             found = m.cg.resolve(s, value.name)

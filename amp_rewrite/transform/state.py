@@ -37,10 +37,10 @@ class Materialisation:
     model: onnx.ModelProto
     cg: ColouringGraph
     constants: Scan  # the constant scan: converted bytes to take, once each
-    keep_io: bool
+    low_io: frozenset  # names of the main graph's inputs and outputs that hold the target type
+    low_outputs: frozenset  # their positions among the main graph's outputs (output names change)
     clamp: bool
     low: int  # the target element type
-    io_elem: int  # what main-graph inputs and outputs hold
     low_vertices: set  # vertices painted low precision (read per use)
     reads: list
     writes: list
@@ -56,9 +56,9 @@ class Materialisation:
     replaced: set = field(default_factory=set)  # borrowed main-graph initializers given converted bytes in place
 
     @classmethod
-    def start(cls, model, cg: ColouringGraph, plan: Plan, constants: Scan, keep_io_types: bool, clamp: bool):
-        low = ELEM[cg.target]
-        return cls(model, cg, constants, keep_io_types, clamp, low, FLOAT if keep_io_types else low,
+    def start(cls, model, cg: ColouringGraph, plan: Plan, constants: Scan, low_io: frozenset, clamp: bool):
+        low_outputs = frozenset(i for i, value in enumerate(cg.scopes[0].graph.output) if value.name in low_io)
+        return cls(model, cg, constants, low_io, low_outputs, clamp, ELEM[cg.target],
                    {v for v, colour in plan.colour.items() if colour == LOW}, cg.reads, cg.writes,
                    {(0, value.name) for value in cg.scopes[0].graph.output}, UniqueNames(_names_in_use(cg)))
 
@@ -79,7 +79,7 @@ def source_elem(m: Materialisation, s: int, name: str, d) -> int | None:
     if kind == "initializer":
         return None
     if kind == "input":
-        return m.io_elem if s == 0 else FLOAT
+        return m.low if s == 0 and name in m.low_io else FLOAT
     row = m.writes[s][n]
     vertex = row[slot] if row else None
     if vertex is not None:  # a vertex: not a Constant, which is a source (and the common case)
@@ -93,7 +93,7 @@ def needed_types(m: Materialisation, uses) -> list[int]:
     out = []
     for s, n, slot in uses:
         if n < 0:  # a graph output
-            out.append(m.io_elem if s == 0 else FLOAT)
+            out.append(low if s == 0 and slot in m.low_outputs else FLOAT)
         else:
             row = reads[s][n]  # cg.input_vertex, inlined
             out.append(low if row and row[slot] in low_vertices else FLOAT)

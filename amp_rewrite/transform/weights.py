@@ -11,22 +11,20 @@ takes each converted tensor once (`Scan.take`); what it never takes is dropped w
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
 
 from amp_rewrite.analysis.graph import ColouringGraph
 from amp_rewrite.io import tensordata
+from amp_rewrite.io.tensordata import cast_values
 from amp_rewrite.onnx_facts import (
     DEFAULT_DOMAINS,
     FLOAT,
     LOW_ELEM,
     constant_tensor,
-    np_dtype,
 )
 
 LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo(np.float32).max)}
@@ -37,7 +35,6 @@ LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo
 # Softmax row stays finite. Any other out-of-range value still keeps its readers float32.
 SENTINEL = float(np.finfo(np.float32).max)
 CHUNK_BYTES = 1 << 20  # float32 values read, checked and converted at once
-ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats the cost of a session call
 CAST_OPSET = 13  # the first default-domain opset whose Cast takes bfloat16
 
 
@@ -47,6 +44,7 @@ class Scan:
 
     out_of_range: dict = field(default_factory=dict)  # -> largest finite |value| the target cannot hold
     converted: dict = field(default_factory=dict)  # -> (bytes in the target type, values clamped)
+    deferred: dict = field(default_factory=dict)  # weights left on disk -> (tensordata conversion mode, values clamped)
     sentinels: dict = field(default_factory=dict)  # -> how many +-SENTINEL values became the target's largest
 
     def take(self, key) -> tuple | None:
@@ -91,40 +89,6 @@ def largest_finite(array: np.ndarray) -> float:
     return float(np.abs(finite).max()) if finite.size else 0.0
 
 
-@functools.cache
-def _ort_float16_cast():
-    """float32 array -> float16 array by a one-node ONNX Runtime session, or None if none can be made.
-
-    Its Cast kernel converts with the CPU's F16C instructions, faster than numpy's astype
-    (docs/benchmarks.md) and
-    bit for bit the same (round to nearest even; only NaN payloads may differ), which matters with
-    hundreds of megabytes of weights. bfloat16 stays with numpy: ONNX Runtime's Python API cannot
-    hand a bfloat16 array back."""
-    try:
-        import onnxruntime as ort
-
-        graph = helper.make_graph([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)], "cast",
-                                  [helper.make_tensor_value_info("x", FLOAT, [None])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None])])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", CAST_OPSET)], ir_version=7)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1  # chunks are small: threads cost more than they give
-        options.log_severity_level = 3
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception:  # noqa: BLE001 - any failure: numpy does the same job
-        return None
-    return lambda array: session.run(None, {"x": array})[0]
-
-
-def cast_values(array: np.ndarray, elem: int) -> np.ndarray:
-    """Flat float32 `array` as `elem`, rounding to nearest even."""
-    if elem == TensorProto.FLOAT16 and array.size >= ORT_CAST_MIN_VALUES:
-        cast = _ort_float16_cast()
-        if cast is not None:
-            return cast(array)
-    return array.astype(np_dtype(elem))
-
-
 def convert(array: np.ndarray, elem: int, limit: float, clamp: bool) -> tuple[np.ndarray, int]:
     """Flat float32 `array` as `elem`, and how many finite values beyond `limit` `clamp` clipped."""
     clamped = 0
@@ -148,6 +112,9 @@ def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to
     limit = LIMITS[target]
     chunk, size = [], 0
     for key, tensor in float_constants(scopes, borrowed, constant_nodes):
+        if tensordata.is_external(tensor):  # left on disk (lazy_weights): checked in pieces, converted when saved
+            _scan_on_disk(key, tensor, limit, clamp, convert_to is not None, result)
+            continue
         data = tensordata.tensor_bytes(tensor)  # little-endian float32
         chunk.append((key, data))
         size += len(data)
@@ -157,6 +124,30 @@ def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to
     if chunk:
         _scan_chunk(chunk, limit, clamp, convert_to, result)
     return result
+
+
+def _scan_on_disk(key, tensor, limit: float, clamp: bool, converting: bool, result: Scan) -> None:
+    """A weight left on disk, read `tensordata.CHUNK_BYTES` at a time: the same range check as
+    `_scan_chunk`, and, instead of converting it ahead, the conversion its save will do
+    (`Scan.deferred`): memory stays one piece, whatever the weight's size."""
+    largest, sentinels, clamped, only_sentinels = 0.0, 0, 0, True
+    for data in tensordata.chunks(tensor):
+        part = np.frombuffer(data, "<f4")
+        big = largest_finite(part)
+        if big <= limit:
+            continue
+        beyond = np.abs(part[np.isfinite(part)])
+        beyond = beyond[beyond > limit]
+        largest, clamped, sentinels = max(largest, big), clamped + int(beyond.size), sentinels + int(beyond.size)
+        only_sentinels = only_sentinels and bool(np.all(beyond == SENTINEL))
+    if largest > limit and not clamp:
+        if not only_sentinels:
+            result.out_of_range[key] = largest
+            return
+        result.sentinels[key] = sentinels
+    if converting:
+        mode = "clip" if clamp else ("saturate" if key in result.sentinels else "cast")
+        result.deferred[key] = (mode, clamped if clamp else 0)
 
 
 def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, result: Scan) -> None:

@@ -20,6 +20,7 @@ from amp_rewrite.analysis import graph, paint
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import load_op_lists
 from amp_rewrite.analysis.paint import FP32, LOW, Step
+from amp_rewrite.options import RewriteOptions
 from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
 
 F16 = TensorProto.FLOAT16
@@ -39,7 +40,7 @@ def colours(model, target="float16", keep_io_types=True):
     scopes = graph.read_scopes(model.graph)
     types, shapes = tensor_types(model, scopes=scopes)
     cg = graph.build(model, load_op_lists(target), types=types, shapes=shapes, scopes=scopes)
-    plan = paint.colour(cg, keep_io_types=keep_io_types)
+    plan = paint.colour(cg, low_io=RewriteOptions(keep_io_types=keep_io_types).low_io_names(model.graph))
     found = {}
     for v, vertex in enumerate(cg.vertices):
         name = cg.node(vertex.scope, vertex.node).name

@@ -139,6 +139,25 @@ def test_resnet_block_matches_torch():
     print(f"\nResNet block worst relative gradient error vs torch: {worst:.2e}")
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_conv_transpose_upsampler_matches_torch(group):
+    """A DBNet-style head: ConvTranspose stride 2 with output padding (grouped too), then a loss."""
+    rng = np.random.default_rng(2)
+    w = {"wt": f32(rng, 4, 6 // group, 3, 3), "bt": f32(rng, 6, scale=0.1), "wf": f32(rng, 3, 6, 1, 1)}
+    nodes = [n("ConvTranspose", ["x", "wt", "bt"], ["up"], strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1],
+               group=group),
+             n("Relu", ["up"], ["r"]), n("Conv", ["r", "wf"], ["y"]), n("Mul", ["y", "y"], ["sq"]),
+             n("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 3, 5])]
+    feeds = {"x": f32(rng, 2, 4, 3, 5, scale=1.0)}
+
+    def reference(p, x):
+        up = F.conv_transpose2d(x["x"], p["wt"], p["bt"], stride=2, padding=1, output_padding=1, groups=group)
+        return (F.conv2d(F.relu(up), p["wf"]) ** 2).mean()
+
+    compare(make(nodes, inputs, w), feeds, w, reference, set(w))
+
+
 def test_transformer_block_matches_torch():
     rng = np.random.default_rng(2)
     d, heads, t, vocab = 8, 2, 4, 10

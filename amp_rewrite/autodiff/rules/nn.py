@@ -17,11 +17,18 @@ from ._common import normalize_axis, unbroadcast
 from .shape import SCATTER_ADD_SINCE, _scatter_flat
 
 
+def _softmax_axis(ctx, y) -> list[int]:
+    """The reduced axis; a negative one needs no rank (ReduceSum takes it as it is), so a model
+    whose shapes inference cannot follow (converted from opset 11) still differentiates."""
+    axis = ctx.attr("axis", -1)
+    return [axis if axis < 0 and ctx.dims(y) is None else normalize_axis(axis, ctx.rank(y))]
+
+
 @register_gradient("Softmax")
 def softmax_grad(ctx):
     """y * (dY - sum(dY*y, axis))."""
     e, y = ctx.emit, ctx.y()
-    axis = [normalize_axis(ctx.attr("axis", -1), ctx.rank(y))]
+    axis = _softmax_axis(ctx, y)
     inner = e.reduce_sum(e.op("Mul", [ctx.dy(), y]), axis)
     return [e.op("Mul", [y, e.op("Sub", [ctx.dy(), inner])])]
 
@@ -30,7 +37,7 @@ def softmax_grad(ctx):
 def log_softmax_grad(ctx):
     """dY - exp(y) * sum(dY, axis)."""
     e, y = ctx.emit, ctx.y()
-    axis = [normalize_axis(ctx.attr("axis", -1), ctx.rank(y))]
+    axis = _softmax_axis(ctx, y)
     return [e.op("Sub", [ctx.dy(), e.op("Mul", [e.op("Exp", [y]), e.reduce_sum(ctx.dy(), axis)])])]
 
 
@@ -117,6 +124,36 @@ def conv_grad(ctx):
         grads[1] = _conv_weight_grad(ctx, dy, x, kernel, strides, dilations, pads, group, w_dims)
     if ctx.needs(2):
         grads[2] = ctx.emit.reduce_sum(dy, [0, *range(2, len(kernel) + 2)], keepdims=False)
+    return grads
+
+
+@register_gradient("ConvTranspose")
+def conv_transpose_grad(ctx):
+    """ConvTranspose(x, W) is the adjoint of Conv(., W) with the same geometry, so dX = Conv(dY, W)
+    and dW is Conv's weight gradient with the roles of x and dY exchanged; dB sums dY. Explicit
+    pads only (auto_pad and output_shape place the output by rules this does not replay)."""
+    x, w, dy = ctx.x(0), ctx.x(1), ctx.dy()
+    w_dims = ctx.dims(w)
+    if w_dims is None:
+        raise ctx.error("the weight's shape must be known")
+    kernel = list(ctx.attr("kernel_shape") or w_dims[2:])
+    if not all(isinstance(k, int) for k in kernel):
+        raise ctx.error("the kernel size must be static")
+    if ctx.attr("auto_pad", "NOTSET") not in ("NOTSET", "") or ctx.attr("output_shape"):
+        raise ctx.error("only explicit pads are supported (not auto_pad or output_shape)")
+    spatial = len(kernel)
+    strides = list(ctx.attr("strides") or [1] * spatial)
+    dilations = list(ctx.attr("dilations") or [1] * spatial)
+    pads = list(ctx.attr("pads") or [0] * 2 * spatial)
+    group = ctx.attr("group", 1)
+    grads = [None, None, None]
+    if ctx.needs(0):
+        grads[0] = ctx.emit.op("Conv", [dy, w], strides=strides, dilations=dilations, pads=pads, group=group,
+                               kernel_shape=kernel)
+    if ctx.needs(1):
+        grads[1] = _conv_weight_grad(ctx, x, dy, kernel, strides, dilations, pads, group, w_dims)
+    if ctx.needs(2):
+        grads[2] = ctx.emit.reduce_sum(dy, [0, *range(2, spatial + 2)], keepdims=False)
     return grads
 
 
