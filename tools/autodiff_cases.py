@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 N = "N"  # a dynamic batch dim
 
@@ -354,3 +354,22 @@ def if_case(tag, taken):
 
 
 CASES += [if_case("then", True), if_case("else-reads-one-capture", False)]
+
+
+def if_reading_constant_nodes_case():
+    """The branch reads Constant nodes of the enclosing graph (a scale and a Reshape shape), as
+    silero-vad's branches do: their value tensors have no name of their own."""
+    def nodes(elem):
+        then = helper.make_graph(
+            [n("Mul", ["a", "b"], ["t0"]), n("Mul", ["t0", "scale"], ["t1"]), n("Reshape", ["t1", "shape"], ["t2"]),
+             n("Tanh", ["t2"], ["t"])], "then", [], [helper.make_tensor_value_info("t", elem, None)])
+        other = helper.make_graph([n("Mul", ["a", "scale"], ["e"])], "else", [],
+                                  [helper.make_tensor_value_info("e", elem, None)])
+        return [helper.make_node("Constant", [], ["scale"], value=helper.make_tensor("", elem, [1], [0.5])),
+                helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(i64(-1, 3), "")),
+                n("If", ["cond"], then_branch=then, else_branch=other)]
+
+    return OpCase("If-reads-constant-nodes", "If", nodes, {"a": [N, 3], "b": [3]}, consts={"cond": np.array(True)})
+
+
+CASES += [if_reading_constant_nodes_case()]

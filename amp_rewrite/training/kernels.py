@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis import kernels as analysis_kernels
-from amp_rewrite.onnx_facts import default_opset
+from amp_rewrite.onnx_facts import all_graphs, default_opset
 
 LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 # a run failure that says the kernel lacks the type (anything else: the probe's inputs were unfit)
@@ -27,11 +27,12 @@ REFUSALS = ("not supported", "NOT_IMPLEMENTED", "Could not find an implementatio
 
 
 def refused_nodes(model: onnx.ModelProto, device: str) -> dict[str, str]:
-    """{node name: reason} for each main-graph node with a low-precision tensor the provider refuses."""
+    """{node name: reason} for each node (If/Loop/Scan bodies too: ORT runs them only when the
+    step runs) with a low-precision tensor the provider refuses."""
     types, shapes = tensor_types(model, shape_inference=True)
     opset = default_opset(model) or 13
     refused = {}
-    for node in model.graph.node:
+    for node in (node for graph in all_graphs(model.graph) for node in graph.node):
         ins = tuple(types.get(n, 0) if n else 0 for n in node.input)
         outs = tuple(types.get(n, 0) if n else 0 for n in node.output)
         low = {t for t in (*ins, *outs) if t in LOW}

@@ -6,7 +6,7 @@ their tensors' new types.
 from __future__ import annotations
 
 from amp_rewrite.onnx_facts import FLOAT
-from amp_rewrite.transform.state import Materialisation
+from amp_rewrite.transform.state import Materialisation, source_elem
 
 
 def retarget_attribute_typed_outputs(m: Materialisation) -> None:
@@ -27,5 +27,14 @@ def retype_io_and_value_info(m: Materialisation) -> None:
     for s, scope in enumerate(m.cg.scopes):
         for value in scope.graph.value_info:
             found = m.cg.resolve(s, value.name)
-            if found is not None and (found.scope, value.name) in m.low_names:
+            if found is not None and _ends_low(m, found, value.name):
                 value.type.tensor_type.elem_type = m.low
+
+
+def _ends_low(m: Materialisation, found, name: str) -> bool:
+    """Whether a tensor's final type is the target: `low_names` holds the read tensors; a tensor
+    nobody reads (an LSTM's or GRU's unused Y_h) has its producer's type all the same."""
+    if (found.scope, name) in m.low_names:
+        return True
+    return ((found.scope, name) not in m.cg.uses and m.cg.types.get(name) == FLOAT
+            and source_elem(m, found.scope, name, found.definition) == m.low)

@@ -23,15 +23,7 @@ REFUSED = {
     "ddddocr-ocr": ("float32", "feed 'targets': got float32[8, 1, 8210], needs float32[1, seqlen] (rank 2)"),
     "ddddocr-ocr-quantized": ("float32", "feed 'targets': got float32[8, 1, 8210], needs float32[1, seqlen]"),
     "silero-vad-openvino": ("float32", "cannot load model: model: main graph: node name 'F0::anon' is used twice"),
-    # float16 nodes inside If bodies are not probed against the CPU provider's kernels (kernels.py)
-    "silero-vad-ifless": ("float16", "ONNX Runtime has no kernel for a node of the float16 step graph"),
-    # the float16 rewrite leaves GRU's unread Y_h declared float32 while GRU runs in float16
-    "gru-tagger": ("float16", "ONNX Runtime refused the step graph: Type Error: Type (tensor(float)) of output arg "
-                              "(/gru/GRU_output_1)"),
 }
-# A traceback today, in the If gradient (issue 26 item 2): xfail, so the day it trains this says so.
-BROKEN = {name: "If gradient: ValidationError \"Field 'name' of 'init' is required\" in the grad If node"
-          for name in ("silero-vad", "silero-vad-op15", "silero-vad-half")}
 MAX_SKIPPED_FP16 = 3
 
 
@@ -64,8 +56,7 @@ def _cases():
             refused = REFUSED.get(name, ("",))[0]
             if refused == "float32" or refused == precision:
                 continue
-            marks = [pytest.mark.xfail(reason=BROKEN[name], strict=True)] if name in BROKEN else []
-            yield pytest.param(name, precision, id=f"{name}-{precision}", marks=marks)
+            yield pytest.param(name, precision, id=f"{name}-{precision}")
 
 
 @pytest.mark.parametrize("name, precision", list(_cases()))

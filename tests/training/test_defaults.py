@@ -97,6 +97,25 @@ def test_float16_gather_gradient_stays_float32_on_cpu_with_a_reason():
     assert not any(r.skipped for r in results) and results[-1].loss < 0.7 * results[0].loss
 
 
+def test_float16_gather_gradient_inside_an_if_body_stays_float32_on_cpu():
+    """ONNX Runtime runs If bodies only when the step runs: the refused float16 ScatterND of a Gather
+    inside a branch (silero-vad-ifless) is found in the body and kept float32, so the step runs."""
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    then = helper.make_graph([node("Gather", ["table", "ids"], ["emb"])], "then", [], [tensor("emb", [2, T, H])])
+    other = helper.make_graph([node("Gather", ["table", "ids"], ["e0"]), node("Neg", ["e0"], ["e"])], "else", [],
+                              [tensor("e", [2, T, H])])
+    nodes = [node("If", ["cond"], ["x"], then_branch=then, else_branch=other, name="pick"),
+             node("MatMul", ["x", "head"], ["logits"])]
+    inits = [init("table", rng.normal(0, 1, (V, H)).astype(np.float32)), init("cond", np.array(True)),
+             init("head", rng.normal(0, 0.3, (H, C)).astype(np.float32))]
+    model = make_model(nodes, [tensor("ids", [2, T], TensorProto.INT64)], [tensor("logits", [2, T, C])], inits)
+    trainer = Trainer(model, optimizer=AdamW(1e-2), precision="float16", provider="cpu", verbose=False)
+    results = [trainer.step(b) for b in batches(5)]
+    assert not any(r.skipped for r in results) and results[-1].loss < results[0].loss
+
+
 def test_opset_11_is_converted_and_an_unconvertible_op_is_named(capsys):
     trainer = Trainer(mlp_opset11(), optimizer=SGD(0.5), precision="float32", provider="cpu")
     assert "converted the model from opset 11 to 16" in capsys.readouterr().err

@@ -396,3 +396,18 @@ def test_dims_above_the_shape_inference_limit_are_a_note(monkeypatch):
 def test_a_dim_the_inputs_lack_is_a_usage_error():
     with pytest.raises(UsageError, match="'bacth': not a symbolic dim .* are batch, seq"):
         amp_rewrite.rewrite(_symbolic_mlp(), dims={"bacth": 8})
+
+
+def test_an_unread_output_of_a_float16_node_is_declared_float16():
+    """A GRU's Y_h that nothing reads (a TorchScript export declares it in value_info) has the GRU's
+    type: declared float32 beside a float16 GRU, ONNX Runtime refuses to load the model."""
+    rng = np.random.default_rng(0)
+    hidden, size = 4, 3
+    nodes = [node("GRU", ["x", "W", "R"], ["Y", "Y_h"], name="gru", hidden_size=hidden), node("Relu", ["Y"], ["out"])]
+    inits = [init("W", weights(rng, 1, 3 * hidden, size)), init("R", weights(rng, 1, 3 * hidden, hidden))]
+    model = make_model(nodes, [tensor("x", [5, 2, size])], [tensor("out", [5, 1, 2, hidden])], inits)
+    model.graph.value_info.append(tensor("Y_h", [1, 2, hidden]))
+    out = amp_rewrite.rewrite(model).model
+    assert nodes_by_name(out)["gru"].input[0] != "x"  # the GRU runs in float16
+    assert {v.name: v.type.tensor_type.elem_type for v in out.graph.value_info}["Y_h"] == F16
+    check_both(model, out)

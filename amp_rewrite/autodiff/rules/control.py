@@ -38,6 +38,14 @@ def if_grad(ctx):
     return [None] * first + [by_name.get(name) for name in ctx.inputs[first:]]
 
 
+def _named(tensor: onnx.TensorProto, name: str) -> onnx.TensorProto:
+    """A copy of `tensor` called `name`: a Constant node's value tensor has no name of its own."""
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor)
+    copy.name = name
+    return copy
+
+
 def _branch_backward(ctx, branch: onnx.GraphProto, wanted: list[str]) -> onnx.GraphProto:
     """The branch's forward plus its backward (builder run on the branch as a graph of its own),
     outputting d/d captured for every name in `wanted`, in order."""
@@ -46,7 +54,7 @@ def _branch_backward(ctx, branch: onnx.GraphProto, wanted: list[str]) -> onnx.Gr
     e = ctx.emit
     seeds = {out.name: ctx.dy(k) for k, out in enumerate(branch.output) if ctx.dy(k)}
     outer = list(dict.fromkeys([*captures(branch), *wanted]))
-    small = {n: ctx.index.constants[n] for n in outer
+    small = {n: _named(ctx.index.constants[n], n) for n in outer
              if n in ctx.index.constants and n not in wanted and np.prod(ctx.index.constants[n].dims) <= SMALL_CONSTANT}
     typed = lambda n: helper.make_tensor_value_info(n, ctx.dtype(n), ctx.dims(n))  # noqa: E731
     graph = helper.make_graph(
