@@ -115,6 +115,43 @@ def test_resize_matches_torch(kind):
     check(model, {"x": x}, ["w", "x"], reference)
 
 
+# -- MaxPool ties -------------------------------------------------------------------------------------
+MAX_POOL = {  # id: (kernel, strides, pads, input shape, windows tile the input)
+    "tiled-2x2": ([2, 2], [2, 2], [0, 0, 0, 0], (2, 3, 8, 6), True),
+    "tiled-3x2": ([3, 2], [3, 2], [0, 0, 0, 0], (2, 2, 6, 8), True),
+    "tiled-1d": ([3], [3], [0, 0], (2, 3, 9), True),
+    "overlapping-padded": ([3, 3], [2, 2], [1, 1, 1, 1], (2, 2, 7, 6), False),
+    "untiled-odd-size": ([2, 2], [2, 2], [0, 0, 0, 0], (2, 2, 7, 5), False),
+}
+
+
+@pytest.mark.parametrize("kind", MAX_POOL)
+def test_max_pool_ties_go_to_the_first_maximum_like_torch(kind):
+    """Inputs full of ties (ReLU zeros, values on a 0.5 grid, exact in float16): dY goes to each
+    window's first maximum in scan order, as torch routes it. Tiling windows use the mask form (no
+    Indices output, no scatter); the others keep Indices + ScatterElements."""
+    kernel, strides, pads, shape, tiled = MAX_POOL[kind]
+    x = np.maximum(np.round(np.random.default_rng(3).standard_normal(shape) * 2) / 2, 0).astype(np.float32)
+    x[0, 0, : kernel[0]] = 1.5  # whole windows of equal non-zero values
+    channels = shape[1]  # a diagonal 1x1 Conv in front (exact on the grid) so float16 has work
+    w = np.diag(np.arange(1, channels + 1) / 2).reshape(channels, channels, *[1] * len(kernel)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=kernel, strides=strides, pads=pads)]
+    out = [*shape[:2], *((s + 2 * p - k) // st + 1 for s, p, k, st in zip(shape[2:], pads, kernel, strides))]
+    inputs = [helper.make_tensor_value_info("x", FLOAT, ["N", *shape[1:]])]
+    model, r = loss_model(nodes, inputs, {"w": w}, out)
+    conv, pool = (F.conv1d, F.max_pool1d) if len(kernel) == 1 else (F.conv2d, F.max_pool2d)
+
+    def reference(p):
+        return (pool(conv(p["x"], p["w"]), kernel, strides, padding=pads[: len(kernel)]) * r).sum()
+
+    check(model, {"x": x}, ["x", "w"], reference)
+    grad = build_gradient_graph(model, "loss", ["x"])
+    ops = {n.op_type for n in grad.graph.node}
+    pool_outputs = [len([o for o in n.output if o]) for n in grad.graph.node if n.op_type == "MaxPool"]
+    assert ("ScatterElements" in ops) is not tiled and (pool_outputs[0] == 2) is not tiled, (ops, pool_outputs)
+
+
 # -- LSTM / GRU ----------------------------------------------------------------------------------------
 T, B, I, H = 4, 3, 2, 3
 TORCH_ORDER = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2]}  # torch's gate blocks (ifgo, rzn) from ONNX's (iofc, zrh)

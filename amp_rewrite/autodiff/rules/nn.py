@@ -2,7 +2,8 @@
 
 Where ONNX Runtime's builders call training kernels (ConvGrad, MaxPoolGrad, SoftmaxGrad,
 LayerNormalizationGrad...), these rules spell the same math in standard ops: ConvTranspose and a
-transposed Conv for convolutions, the MaxPool Indices output plus a scatter for max pooling.
+transposed Conv for convolutions; for max pooling a first-maximum mask where the windows tile the
+input, else the MaxPool Indices output plus a scatter.
 """
 
 from __future__ import annotations
@@ -164,13 +165,47 @@ def _no_ceil_mode(ctx):
         raise ctx.error("ceil_mode=1 is not supported")
 
 
+RESIZE_SCALES_SINCE = 13  # Resize's roi input optional: Resize(x, "", scales)
+
+
+def _tiled_windows(ctx, x, kernel):
+    """True when the windows tile x exactly: stride == kernel, no dilation or padding, and static
+    spatial sizes that the kernel divides."""
+    sizes = (ctx.dims(x) or [None])[2:]
+    return (ctx.opset >= RESIZE_SCALES_SINCE and list(ctx.attr("strides") or []) == list(kernel)
+            and not any(d != 1 for d in ctx.attr("dilations") or [])
+            and not any(ctx.attr("pads") or []) and ctx.attr("auto_pad", "NOTSET") in ("NOTSET", "", "VALID")
+            and len(sizes) == len(kernel) and all(isinstance(s, int) and s % k == 0 for s, k in zip(sizes, kernel)))
+
+
+def _tiled_max_pool_grad(ctx, x, kernel):
+    """dY to the first maximum of each window in scan order, as MaxPool's Indices and torch pick it,
+    without Indices or a scatter (both slow on ONNX Runtime CPU): upsample Y (Resize nearest,
+    asymmetric: a plain copy), mark x == Y, rank the marks by window position (first = highest),
+    keep the best mark of each window (MaxPool of the ranks, upsampled, Equal), times upsampled dY."""
+    e, elem = ctx.emit, ctx.dtype(x)
+    scales = e.const([1.0, 1.0, *map(float, kernel)], TensorProto.FLOAT)
+    up = lambda t: e.op("Resize", [t, "", scales], mode="nearest", coordinate_transformation_mode="asymmetric",  # noqa: E731
+                        nearest_mode="floor")
+    window = np.arange(np.prod(kernel), 0, -1).reshape(kernel)  # first position ranks highest
+    tiles = [s // k for s, k in zip(ctx.dims(x)[2:], kernel)]
+    rank = e.const(np.tile(window, tiles)[None, None], elem)
+    marks = e.op("Mul", [e.cast(e.op("Equal", [x, up(ctx.y())]), elem), rank])
+    best = e.op("MaxPool", [marks], kernel_shape=list(kernel), strides=list(kernel))
+    first = e.cast(e.op("Equal", [marks, up(best)]), elem)
+    return e.op("Mul", [first, up(ctx.dy())])
+
+
 @register_gradient("MaxPool")
 def max_pool_grad(ctx):
-    """Scatter dY to the argmax positions given by MaxPool's own Indices output."""
+    """Windows that tile the input: a mask of each window's first maximum (_tiled_max_pool_grad).
+    Others: scatter dY to the argmax positions given by MaxPool's own Indices output."""
     _no_ceil_mode(ctx)
     if ctx.attr("storage_order", 0):
         raise ctx.error("storage_order=1 is not supported")
     kernel, strides = ctx.attr("kernel_shape"), ctx.attr("strides") or [1] * len(ctx.attr("kernel_shape"))
+    if _tiled_windows(ctx, ctx.x(0), kernel):
+        return [_tiled_max_pool_grad(ctx, ctx.x(0), kernel)]
     overlapping = any(s < k for s, k in zip(strides, kernel))
     if overlapping and ctx.opset < SCATTER_ADD_SINCE:
         raise ctx.error(f"overlapping windows need scatter-add (opset {SCATTER_ADD_SINCE}+)")
