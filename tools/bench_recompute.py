@@ -33,6 +33,8 @@ import time
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from procmem import status
+
 IR_VERSION = 8
 CONFIGS = ("off", "per-layer", "auto")
 PER_LAYER = [r"layer\d+/.*"]
@@ -124,14 +126,6 @@ def transformer(layers: int, d: int, heads: int, seq: int, batch: int, seed: int
     return model, feeds
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak-RSS mark (VmHWM) starts again from the current RSS
@@ -168,12 +162,12 @@ def child(args) -> None:
     if args.child_floor:  # batch 1: weights, gradients, optimizer state and temporaries, ~no activations
         for _ in range(args.steps + 1):  # ORT plans memory from the second run on: steady state
             session.run(None, {**state, **{k: v[:1] for k, v in feeds.items()}})
-        print(json.dumps({"peak": _status("VmHWM")}))
+        print(json.dumps({"peak": status("VmHWM")}))
         return
     if not args.child_time:  # the peak of the full-batch steps
         for _ in range(args.steps + 1):
             session.run(None, {**state, **feeds})
-        print(json.dumps({"peak": _status("VmHWM"), "segments": segments,
+        print(json.dumps({"peak": status("VmHWM"), "segments": segments,
                           "checkpointed": len(plan.checkpointed) if plan else 0}))
         return
     times = []

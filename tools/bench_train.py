@@ -27,6 +27,8 @@ import time
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from procmem import status
+
 IR_VERSION = 8
 BATCH = {"mlp": 256, "cnn": 128, "bert": 16}
 BERT = dict(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
@@ -132,14 +134,6 @@ def export_bert(path: str) -> None:
 
 # --- one contender in its own process ------------------------------------------------------------
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
     import torch
 
@@ -148,7 +142,7 @@ def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
     F = torch.nn.functional
     if kind == "bert":
         import transformers  # noqa: F401  (imported before the floor, as the module needs it)
-    floor = _status("VmRSS")
+    floor = status("VmRSS")
     if kind == "bert":
         module = bert_module()
         if recompute:
@@ -201,7 +195,7 @@ def _trainer_step(kind, threads, precision, batch, recompute, model_dir):
 
     from amp_rewrite.training import AdamW, Trainer
 
-    floor = _status("VmRSS")
+    floor = status("VmRSS")
     if kind == "bert":
         model, feeds = os.path.join(model_dir, "bert.onnx"), bert_feeds(batch)
     else:
@@ -226,7 +220,7 @@ def _ort_training_step(kind, threads, batch, recompute, model_dir):
     from onnxruntime.training import api, artifacts
 
     ort.set_default_logger_severity(3)
-    floor = _status("VmRSS")
+    floor = status("VmRSS")
     model, _, shape = mlp(width=1024) if kind == "mlp" else small_cnn()
     feeds = make_feeds(shape, batch)
     folder = tempfile.mkdtemp(prefix="ortt-")
@@ -281,7 +275,7 @@ def child(args) -> None:
             print(f"{1e3 * (time.perf_counter() - start):.3f}", flush=True)
             count += 1
         elif line.strip() == "mem":
-            print(f"{(_status('VmHWM') - floor) / 2**20:.1f}", flush=True)
+            print(f"{(status('VmHWM') - floor) / 2**20:.1f}", flush=True)
         else:
             return
 
