@@ -180,4 +180,9 @@ def zero_slots(optimizer: Optimizer, weight: np.ndarray) -> dict[str, np.ndarray
     return {slot: np.zeros_like(weight, dtype=np.float32) for slot in optimizer.slots}
 
 
-DEFAULT_OPTIMIZER = AdamW(lr=1e-4)  # the Trainer's default: torch's AdamW at a fine-tuning rate (each trainer copies it)
+# The Trainer's default (each trainer copies it): torch's AdamW at a fine-tuning rate, warmed up over
+# 100 steps. Without the warmup its first steps overshoot a fine-tune of most trained networks of the
+# corpus (tests/corpus.py; docs/benchmarks.md, "Training corpus"); 100 is what they need, and short
+# beside a fine-tune's thousands of steps.
+DEFAULT_WARMUP_STEPS = 100
+DEFAULT_OPTIMIZER = AdamW(lr=1e-4, warmup_steps=DEFAULT_WARMUP_STEPS)
