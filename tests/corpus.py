@@ -49,6 +49,7 @@ class Entry:
     export: object = None  # for exports: a function returning a ModelProto
     heavy: str = ""  # why the test suite leaves it to tools/train_corpus.py (a fixed large input)
     page: bool = False  # feed a rendered page of text lines (a text detector sees nothing in noise)
+    spread: float = 1.0  # float inputs are uniform in [0, spread): the range the model was trained on
 
 
 def _pypi(name, package, member, covers, dims=None, ints=None, heavy="", page=False):
@@ -219,13 +220,14 @@ def export_gru_torchscript():
 
 
 def export_sklearn_mlp():
-    """scikit-learn's MLPRegressor trained on its diabetes data, converted by skl2onnx."""
+    """scikit-learn's MLPRegressor trained on its diabetes data (standardised target), converted by skl2onnx."""
     _need("sklearn")
     skl2onnx = _need("skl2onnx")
     from sklearn.datasets import load_diabetes
     from sklearn.neural_network import MLPRegressor
 
     x, y = load_diabetes(return_X_y=True)
+    y = (y - y.mean()) / y.std()  # a standardised target, as scikit-learn advises for MLPs (raw: 25 to 346)
     regressor = MLPRegressor(hidden_layer_sizes=(16,), max_iter=300, random_state=0).fit(x, y)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -242,7 +244,8 @@ EXPORTED = [
     Entry("convnet-dynamo", "dynamo", covers="Conv without bias, depthwise conv, Resize (nearest)",
           export=export_convnet_dynamo),
     Entry("gru-tagger", "torchscript", covers="bidirectional 2-layer GRU, opset 12", export=export_gru_torchscript),
-    Entry("sklearn-mlp", "skl2onnx", covers="a non-torch exporter (MLPRegressor)", export=export_sklearn_mlp),
+    Entry("sklearn-mlp", "skl2onnx", covers="a non-torch exporter (MLPRegressor; diabetes features are within 0.2)",
+          export=export_sklearn_mlp, spread=0.1),
 ]
 
 CORPUS = {e.name: e for e in PACKAGED + EXPORTED}
@@ -291,7 +294,7 @@ def _wheel(requirement: str) -> Path:
 
 
 def batch(model: onnx.ModelProto, entry: Entry, seed: int = 0) -> dict[str, np.ndarray]:
-    """One feed per graph input: float inputs uniform in [0, 1) (images, audio), integer inputs the
+    """One feed per graph input: float inputs uniform in [0, entry.spread) (images, audio), integer inputs the
     entry's value (or token ids), dynamic dims from the entry or 2."""
     rng = np.random.default_rng(seed)
     initializers = {t.name for t in model.graph.initializer}
@@ -305,7 +308,7 @@ def batch(model: onnx.ModelProto, entry: Entry, seed: int = 0) -> dict[str, np.n
         if entry.page and len(shape) == 4:
             feeds[value.name] = _page(shape, rng).astype(dtype)
         elif tensor.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
-            feeds[value.name] = rng.random(shape, np.float32).astype(dtype)
+            feeds[value.name] = (rng.random(shape, np.float32) * entry.spread).astype(dtype)
         elif entry.ints.get(value.name, "ids") == "ids":
             feeds[value.name] = rng.integers(0, 30, shape).astype(dtype)
         else:

