@@ -21,10 +21,16 @@ FOLDER = re.compile(r"(?:\w+/)+")
 def package_files(root: Path = ROOT) -> set[str]:
     """Every module of the package but `__init__`, its data files, and the shipped op lists."""
     package = root / "amp_rewrite"
-    files = {p.relative_to(package).as_posix() for p in package.rglob("*")
-             if p.suffix in (".py", ".js") and p.name != "__init__.py" and "__pycache__" not in p.parts}
-    lists = {p.relative_to(root).as_posix() for p in (root / "op_lists").glob("*")
-             if p.suffix in (".yaml", ".json")}
+    files = {
+        p.relative_to(package).as_posix()
+        for p in package.rglob("*")
+        if p.suffix in (".py", ".js") and p.name != "__init__.py" and "__pycache__" not in p.parts
+    }
+    lists = {
+        p.relative_to(root).as_posix()
+        for p in (root / "op_lists").glob("*")
+        if p.suffix in (".yaml", ".json")
+    }
     return files | lists
 
 
@@ -61,13 +67,20 @@ def test_the_map_is_one_page():
 def test_a_module_left_out_of_the_map_is_found(tmp_path):
     """The check itself: a made-up package whose map forgets one module, names one only by its
     base name under another folder, and names the rest by path or under their folder."""
-    for path in ("amp_rewrite/cli.py", "amp_rewrite/io/loader.py", "amp_rewrite/io/npz.py",
-                 "amp_rewrite/training/kernels.py", "amp_rewrite/analysis/kernels.py",
-                 "amp_rewrite/io/__init__.py", "op_lists/float16.yaml"):
+    for path in (
+        "amp_rewrite/cli.py",
+        "amp_rewrite/io/loader.py",
+        "amp_rewrite/io/npz.py",
+        "amp_rewrite/training/kernels.py",
+        "amp_rewrite/analysis/kernels.py",
+        "amp_rewrite/io/__init__.py",
+        "op_lists/float16.yaml",
+    ):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("")
     (tmp_path / "ARCHITECTURE.md").write_text(
         "- `cli.py` the front end, `op_lists/float16.yaml`\n"
         "- **`io/`** `loader.py` · `npz.py`\n"
-        "- `analysis/kernels.py`, and in training `kernels.py`\n")
+        "- `analysis/kernels.py`, and in training `kernels.py`\n"
+    )
     assert missing(tmp_path) == ["training/kernels.py"]
