@@ -78,7 +78,7 @@ PACKAGED = [
           {"input1": (1, 1, 64, 64)}, heavy="13.5 M parameters: about 100 s on 2 cores"),
     _pypi("ddddocr-det", "ddddocr==1.6.1", "ddddocr/common_det.onnx",
           "YOLOX detector, Resize, overlapping MaxPool, opset 11, fixed 416x416 input",
-          heavy="a fixed 416x416 input and 5 M parameters: about 100 s on 2 cores"),
+          heavy="a fixed 416x416 input and 5 M parameters: about 100 s on 2 cores", page=True),
     _pypi("ddddocr-ocr-quantized", "ddddocr==1.6.1", "ddddocr/common_old.onnx",
           "dynamically quantized recogniser (ConvInteger, DynamicQuantizeLSTM)", {"input1": (1, 1, 64, 64)}),
     _pypi("nudenet", "nudenet==3.4.2", "nudenet/320n.onnx",

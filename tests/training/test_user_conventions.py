@@ -183,7 +183,10 @@ def test_batch_norm_running_statistics_are_never_parameters():
     """Inference-mode BatchNormalization: scale and bias train, the running mean and variance are
     statistics (torch's buffers, not parameters) and stay constants."""
     rng = np.random.default_rng(0)
-    w = lambda *s: rng.standard_normal(s).astype(np.float32)
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
     nodes = [node("Conv", ["x", "k"], ["c"], name="conv"),
              node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["y"], name="bn")]
     model = make_model(nodes, [tensor("x", ["N", 1, 4, 4])], [tensor("y", ["N", 2, 2, 2])],
