@@ -75,6 +75,7 @@ class RewriteOptions:
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
         check_names(fields)
         placed = {name: fields.pop(name) for name in DEPLOYMENT_FIELDS if name in fields}
+        placed = {name: value for name, value in placed.items() if value is not None}  # None: not given
         if placed:
             base = fields.get("deployment") or Deployment()
             fields["deployment"] = dataclasses.replace(base, **placed)
