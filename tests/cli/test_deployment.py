@@ -45,12 +45,14 @@ def _mlp() -> onnx.ModelProto:
 
 def test_every_option_has_one_flag_or_is_api_only_and_defaults_come_from_options():
     fields = {f.name for f in dataclasses.fields(RewriteOptions)} | {f.name for f in dataclasses.fields(Deployment)}
-    assert set(cli.OPTION_FLAGS) | set(cli.API_ONLY) == fields and not set(cli.OPTION_FLAGS) & set(cli.API_ONLY)
+    flags = cli.option_flags()
+    assert set(flags) | set(cli.API_ONLY) == fields and not set(flags) & set(cli.API_ONLY)
     parser = cli.build_parser()
     actions = {a.dest: a for a in parser._actions}
-    assert set(cli.OPTION_FLAGS.values()) <= set(actions)
+    assert set(flags.values()) <= set(actions)  # every option not API-only has its flag
+    assert not set(cli.API_ONLY) & set(actions)  # and an API-only option none
     args = parser.parse_args(["m.onnx"])
-    assert all(getattr(args, dest) is None for dest in cli.OPTION_FLAGS.values())  # no second default
+    assert all(getattr(args, dest) is None for dest in flags.values())  # no second default
     assert cli.rewrite_options(args) == RewriteOptions()
     assert tuple(actions["target"].choices) == TARGETS and tuple(actions["provider"].choices) == PROVIDERS
     assert tuple(actions["placement"].choices) == PLACEMENTS
