@@ -72,7 +72,7 @@ class RewriteOptions:
         return self.deployment.dims
 
     @classmethod
-    def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
+    def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> RewriteOptions:
         check_names(fields)
         placed = {name: fields.pop(name) for name in DEPLOYMENT_FIELDS if name in fields}
         placed = {name: value for name, value in placed.items() if value is not None}  # None: not given
@@ -89,7 +89,7 @@ class RewriteOptions:
         options.check_values()
         return options
 
-    def replace(self, **changes) -> "RewriteOptions":
+    def replace(self, **changes) -> RewriteOptions:
         return RewriteOptions.of(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
 
     def check_values(self) -> None:
