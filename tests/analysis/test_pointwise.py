@@ -19,7 +19,7 @@ from helpers import (
 )
 
 from amp_rewrite import ir, rewrite
-from amp_rewrite.analysis import graph, pointwise
+from amp_rewrite.analysis import pointwise
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.cli import main
 from amp_rewrite.onnx_facts import opsets
