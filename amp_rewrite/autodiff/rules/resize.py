@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from ..registry import register_gradient
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
@@ -148,7 +147,6 @@ def _apply_transpose(ctx, g: str, matrix: str, axis: int, rank: int) -> str:
     return e.op("Transpose", [moved], perm=back)
 
 
-@register_gradient("Resize", differentiable=(0,))
 def resize_grad(ctx):
     """dX = dY times each resized axis' interpolation matrix transposed (nearest and linear; the matrices are
     built at run time with ORT's float32 coordinate formulas, so dynamic sizes work)."""
