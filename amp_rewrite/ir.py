@@ -58,7 +58,9 @@ class Scope:
     parent: int | None
     owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
     defs: dict = field(default_factory=dict)  # tensor name -> Def
-    io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (cheaper than lists from upb), read once
+    io: list = field(
+        default_factory=list
+    )  # per node: (inputs, outputs) as tuples (cheaper than lists from upb), read once
     names: list = field(default_factory=list)  # per node: its name, read once
     op_types: list = field(default_factory=list)  # per node: its op type, read once
     domains: list = field(default_factory=list)  # per node: its domain, read once
@@ -96,8 +98,10 @@ def _record_defs(scope: Scope) -> None:
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
         defs[value.name] = INPUT
     # one visit a node; a slice of a upb container is read in one call, tuple() iterates it (0.06 s at 100k nodes)
-    rows = [(tuple(node.input[:]), tuple(node.output[:]), node.name, node.op_type, node.domain)
-            for node in scope.graph.node]
+    rows = [
+        (tuple(node.input[:]), tuple(node.output[:]), node.name, node.op_type, node.domain)
+        for node in scope.graph.node
+    ]
     scope.io = [row[:2] for row in rows]
     scope.names = [row[2] for row in rows]
     scope.op_types = [row[3] for row in rows]
@@ -214,10 +218,14 @@ def topological_order(inputs: Sequence[Sequence[str]], producer: dict, what: str
 
 def sort_graphs(model: onnx.ModelProto) -> None:
     """Topologically sort every graph that is not sorted, keeping the original order otherwise."""
-    for scope in reversed(collect_scopes(model.graph)):  # children first: re-adding a parent's nodes copies them
+    for scope in reversed(
+        collect_scopes(model.graph)
+    ):  # children first: re-adding a parent's nodes copies them
         g = scope.graph
         inputs = [node.input for node in g.node]
-        order = topological_order(inputs, producers(node.output for node in g.node), f"graph {g.name or '(main)'}")
+        order = topological_order(
+            inputs, producers(node.output for node in g.node), f"graph {g.name or '(main)'}"
+        )
         if order == list(range(len(order))):
             continue
         nodes = [g.node[i] for i in order]

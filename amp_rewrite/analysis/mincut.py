@@ -100,7 +100,9 @@ def reduce_terminal(net: Network) -> tuple[dict, dict]:
     return side, rest
 
 
-def _merge(v, toward: dict, toward_back: dict, terminal: dict, away: dict, away_back: dict, work: list) -> None:
+def _merge(
+    v, toward: dict, toward_back: dict, terminal: dict, away: dict, away_back: dict, work: list
+) -> None:
     """Merge fixed vertex `v` into its terminal: its edges `toward` the other side now leave the
     terminal (their capacities join `terminal`), its edges `away` from it are inside and vanish;
     `*_back` are the same edges seen from their other end. Every neighbour is looked at again."""
@@ -136,7 +138,9 @@ def min_cut(net: Network) -> tuple[dict, nx.DiGraph]:
     side, rest = reduce_terminal(net)
     flow = nx.DiGraph()
     flow.add_nodes_from(("s", "t"))
-    flow.add_edges_from((a, b, {"capacity": c}) if c != INF else (a, b) for (a, b), c in rest.items() if c > 0)
+    flow.add_edges_from(
+        (a, b, {"capacity": c}) if c != INF else (a, b) for (a, b), c in rest.items() if c > 0
+    )
     if flow.number_of_edges():  # an edge without capacity is infinite for networkx
         _, (source_side, _) = nx.minimum_cut(flow, "s", "t", flow_func=boykov_kolmogorov)
         side.update((n, n in source_side) for n in flow if n not in ("s", "t"))

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 
 from amp_rewrite.analysis.graph import FLOAT, ColouringGraph, group_names
-from amp_rewrite.analysis.mincut import INF, Network, add_edge, min_cut, regions as cut_regions
+from amp_rewrite.analysis.mincut import INF, Network, add_edge, min_cut
+from amp_rewrite.analysis.mincut import regions as cut_regions
 from amp_rewrite.plan import Reason, Step
 
 LOW_BYTES, FP32_BYTES = 2, 4

@@ -18,13 +18,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from amp_rewrite.errors import GradientError
 from amp_rewrite.autodiff.branches import lift_branch_weights
+from amp_rewrite.autodiff.context import GradContext
 from amp_rewrite.autodiff.contrib import decompose_contrib_ops
 from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.autodiff.graphinfo import GraphIndex, TypeInfo, model_opset
-from amp_rewrite.autodiff.context import GradContext
 from amp_rewrite.autodiff.registry import lookup
+from amp_rewrite.errors import GradientError
 
 MIN_OPSET = 13
 UNCONNECTED = ("none", "zeros")

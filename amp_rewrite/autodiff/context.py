@@ -13,14 +13,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from amp_rewrite.errors import GradientError
 from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.autodiff.graphinfo import GraphIndex, TypeInfo
+from amp_rewrite.errors import GradientError
 
 
 @dataclass(frozen=True)
 class GradientRule:
-    fn: Callable[["GradContext"], Sequence[str | None]]
+    fn: Callable[[GradContext], Sequence[str | None]]
     differentiable: tuple[int, ...] | None  # input slots that can carry a gradient; None: all
 
     def carries(self, slot: int) -> bool:
@@ -30,8 +30,17 @@ class GradientRule:
 class GradContext:
     """What a rule may see and do for one forward node."""
 
-    def __init__(self, node, output_grads, needs, emit: Emitter, info: TypeInfo, index: GraphIndex, inputs=None,
-                 differentiate=None):
+    def __init__(
+        self,
+        node,
+        output_grads,
+        needs,
+        emit: Emitter,
+        info: TypeInfo,
+        index: GraphIndex,
+        inputs=None,
+        differentiate=None,
+    ):
         self.node = node
         self.inputs = list(node.input) if inputs is None else inputs  # then outer-scope captures (If)
         self.output_grads = output_grads

@@ -17,9 +17,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.errors import GradientError
 from amp_rewrite.onnx_facts import FLOAT_TYPES, names_in
-from amp_rewrite.autodiff.emitter import Emitter
 
 MS = "com.microsoft"
 INT64 = TensorProto.INT64

@@ -14,7 +14,6 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from amp_rewrite import ir
-
 from amp_rewrite.errors import GradientError
 from amp_rewrite.onnx_facts import FLOAT_TYPES, default_opset
 

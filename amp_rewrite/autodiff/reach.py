@@ -11,7 +11,6 @@ from __future__ import annotations
 import onnx
 
 from amp_rewrite import ir
-
 from amp_rewrite.autodiff.graphinfo import TypeInfo
 from amp_rewrite.autodiff.registry import lookup
 

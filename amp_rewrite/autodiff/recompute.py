@@ -30,9 +30,8 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite import ir
-
-from amp_rewrite.errors import GradientError
 from amp_rewrite.autodiff import segments as select
+from amp_rewrite.errors import GradientError
 from amp_rewrite.onnx_facts import FLOAT_TYPES
 
 PLAN_KEY = "amp_rewrite.recompute"

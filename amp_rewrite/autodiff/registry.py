@@ -12,8 +12,18 @@ from collections.abc import Sequence
 import onnx
 
 from amp_rewrite.autodiff.context import GradientRule
-from amp_rewrite.autodiff.rules import (control, elementwise, linalg, losses, nn, norm, recurrent, reduce, resize,
-                                        shape)
+from amp_rewrite.autodiff.rules import (
+    control,
+    elementwise,
+    linalg,
+    losses,
+    nn,
+    norm,
+    recurrent,
+    reduce,
+    resize,
+    shape,
+)
 
 ALL = None  # every floating-point input can carry a gradient
 
@@ -125,7 +135,9 @@ TABLE = {
     "If": (control.if_grad, ALL),
 }
 
-REGISTRY: dict[tuple[str, str], GradientRule] = {("", op): GradientRule(fn, slots) for op, (fn, slots) in TABLE.items()}
+REGISTRY: dict[tuple[str, str], GradientRule] = {
+    ("", op): GradientRule(fn, slots) for op, (fn, slots) in TABLE.items()
+}
 
 
 def register_gradient(op_type: str, domain: str = "", differentiable: Sequence[int] | None = None):
@@ -136,7 +148,9 @@ def register_gradient(op_type: str, domain: str = "", differentiable: Sequence[i
     """
 
     def decorate(fn):
-        REGISTRY[(domain, op_type)] = GradientRule(fn, None if differentiable is None else tuple(differentiable))
+        REGISTRY[(domain, op_type)] = GradientRule(
+            fn, None if differentiable is None else tuple(differentiable)
+        )
         return fn
 
     return decorate

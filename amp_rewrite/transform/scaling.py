@@ -27,8 +27,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import networkx as nx
+import numpy as np
 import onnx
 from onnx import numpy_helper
 

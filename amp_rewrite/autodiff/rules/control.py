@@ -16,7 +16,6 @@ from onnx import helper
 
 from amp_rewrite import ir
 
-
 SMALL_CONSTANT = 1024  # captured constants up to this size are visible to the branch's rules (axes, scales)
 
 

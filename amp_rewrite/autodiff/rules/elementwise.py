@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-
 from amp_rewrite.autodiff.context import GradContext
 from amp_rewrite.autodiff.rules._common import unbroadcast
 

@@ -68,7 +68,9 @@ def batch_norm_grad(ctx):
         inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, eps])])])
         xhat = e.op("Mul", [centered, inv_std])
     else:
-        inv_std = _channel_vector(ctx, e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ctx.x(4), eps])])]), rank)
+        inv_std = _channel_vector(
+            ctx, e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ctx.x(4), eps])])]), rank
+        )
         xhat = e.op("Mul", [e.op("Sub", [x, _channel_vector(ctx, ctx.x(3), rank)]), inv_std])
     grads = [None, None, None]
     if ctx.needs(0):
@@ -92,7 +94,9 @@ def instance_norm_grad(ctx):
     mean = e.reduce_mean(x, axes)
     centered = e.op("Sub", [x, mean])
     var = e.reduce_mean(e.op("Mul", [centered, centered]), axes)
-    inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])])
+    inv_std = e.op(
+        "Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])]
+    )
     xhat = e.op("Mul", [centered, inv_std])
     grads = [None, None, None]
     if ctx.needs(0):
@@ -114,7 +118,9 @@ def group_norm_grad(ctx):
     mean = e.reduce_mean(xg, [2])
     centered = e.op("Sub", [xg, mean])
     var = e.reduce_mean(e.op("Mul", [centered, centered]), [2])
-    inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])])
+    inv_std = e.op(
+        "Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])]
+    )
     xhat = e.op("Mul", [centered, inv_std])
     dyg = e.op("Reshape", [dy, grouped])
     per_channel = ctx.opset >= 21

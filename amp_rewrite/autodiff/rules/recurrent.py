@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-
 INT64 = TensorProto.INT64
 LSTM_ACTIVATIONS = ["Sigmoid", "Tanh", "Tanh"]
 GRU_ACTIVATIONS = ["Sigmoid", "Tanh"]

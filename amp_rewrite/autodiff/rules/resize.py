@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
 NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
