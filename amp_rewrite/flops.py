@@ -19,7 +19,9 @@ def weight_bytes(graphs) -> int:
     total = 0
     for graph in graphs:
         tensors = list(graph.initializer)
-        tensors += [a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+        tensors += [
+            a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"
+        ]
         for t in tensors:
             if t.data_type in FLOAT_TYPES:
                 total += ELEMENT_SIZE[t.data_type] * math.prod(t.dims)

@@ -5,7 +5,7 @@ A scope is one graph: the main graph (index 0) or a subgraph held by a node of i
 `read_scopes` reads every scope once (definitions, and per node its inputs, outputs, name, op type
 and domain); `record_uses` lists the readers of every tensor across scopes (a tensor captured from
 an outer scope is read by the inner node). For one plain graph, `producers` and `readers` index
-rows of names (`node.output` / `node.input`, or `Scope.io`). Lookups are dicts; all is linear.
+rows of names (`node.output` / `node.input`, or `Scope.io`), `producer_nodes` maps to NodeProtos. Lookups are dicts; all is linear.
 Nothing here imports the rest of the package but `errors`.
 """
 
@@ -58,7 +58,9 @@ class Scope:
     parent: int | None
     owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
     defs: dict = field(default_factory=dict)  # tensor name -> Def
-    io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (cheaper than lists from upb), read once
+    io: list = field(
+        default_factory=list
+    )  # per node: (inputs, outputs) as tuples (cheaper than lists from upb), read once
     names: list = field(default_factory=list)  # per node: its name, read once
     op_types: list = field(default_factory=list)  # per node: its op type, read once
     domains: list = field(default_factory=list)  # per node: its domain, read once
@@ -96,8 +98,10 @@ def _record_defs(scope: Scope) -> None:
     for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
         defs[value.name] = INPUT
     # one visit a node; a slice of a upb container is read in one call, tuple() iterates it (0.06 s at 100k nodes)
-    rows = [(tuple(node.input[:]), tuple(node.output[:]), node.name, node.op_type, node.domain)
-            for node in scope.graph.node]
+    rows = [
+        (tuple(node.input[:]), tuple(node.output[:]), node.name, node.op_type, node.domain)
+        for node in scope.graph.node
+    ]
     scope.io = [row[:2] for row in rows]
     scope.names = [row[2] for row in rows]
     scope.op_types = [row[3] for row in rows]
@@ -162,6 +166,11 @@ def producers(outputs: Iterable[Sequence[str]]) -> dict[str, int]:
     return {name: i for i, row in enumerate(outputs) for name in row if name}
 
 
+def producer_nodes(nodes: Iterable[onnx.NodeProto]) -> dict[str, onnx.NodeProto]:
+    """Tensor name -> the node that writes it, for walks that follow nodes rather than indices."""
+    return {name: node for node in nodes for name in node.output if name}
+
+
 def readers(inputs: Iterable[Sequence[str]]) -> dict[str, list[int]]:
     """Tensor name -> the indices of the rows (nodes) that read it, in order, once per slot."""
     found: dict = {}
@@ -174,6 +183,21 @@ def readers(inputs: Iterable[Sequence[str]]) -> dict[str, list[int]]:
                 else:
                     rows.append(i)
     return found
+
+
+def captures(graph: onnx.GraphProto) -> list[str]:
+    """Names a graph (and the graphs nested in it) reads but does not define: what it takes from
+    outer scopes, in reading order (a node's inputs, then its bodies' captures; outputs last)."""
+    defined = {value.name for value in graph.input} | {tensor.name for tensor in graph.initializer}
+    defined.update(producers(node.output for node in graph.node))
+    read: dict[str, None] = {}
+    for node in graph.node:
+        read.update((name, None) for name in node.input if name and name not in defined)
+        for attr in node.attribute:
+            for body in [attr.g] if attr.HasField("g") else attr.graphs:
+                read.update((name, None) for name in captures(body) if name not in defined)
+    read.update((value.name, None) for value in graph.output if value.name not in defined)
+    return list(read)
 
 
 def topological_order(inputs: Sequence[Sequence[str]], producer: dict, what: str = "graph") -> list[int]:
@@ -194,10 +218,14 @@ def topological_order(inputs: Sequence[Sequence[str]], producer: dict, what: str
 
 def sort_graphs(model: onnx.ModelProto) -> None:
     """Topologically sort every graph that is not sorted, keeping the original order otherwise."""
-    for scope in reversed(collect_scopes(model.graph)):  # children first: re-adding a parent's nodes copies them
+    for scope in reversed(
+        collect_scopes(model.graph)
+    ):  # children first: re-adding a parent's nodes copies them
         g = scope.graph
         inputs = [node.input for node in g.node]
-        order = topological_order(inputs, producers(node.output for node in g.node), f"graph {g.name or '(main)'}")
+        order = topological_order(
+            inputs, producers(node.output for node in g.node), f"graph {g.name or '(main)'}"
+        )
         if order == list(range(len(order))):
             continue
         nodes = [g.node[i] for i in order]

@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from amp_rewrite import ir
 from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite.io import tensordata
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, constant_tensor
@@ -91,11 +92,7 @@ class _ScopeView:
 
     def readers(self, name: str) -> list:
         if self._readers is None:
-            self._readers = {}
-            for n, (inputs, _) in enumerate(self.scope.io):
-                for x in inputs:
-                    if x:
-                        self._readers.setdefault(x, []).append(n)
+            self._readers = ir.readers(inputs for inputs, _ in self.scope.io)
             self._outputs = {o.name for o in self.scope.graph.output}
         return self._readers.get(name, [])
 

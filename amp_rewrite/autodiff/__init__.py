@@ -9,9 +9,9 @@ any ONNX Runtime build (no training kernels), and keeps the model's IR version a
 
 from __future__ import annotations
 
-from . import rules  # noqa: F401  (registers the rules)
-from .builder import build_gradient_graph
-from .registry import REGISTRY, GradContext, register_gradient
+from amp_rewrite.autodiff.builder import build_gradient_graph
+from amp_rewrite.autodiff.context import GradContext
+from amp_rewrite.autodiff.registry import REGISTRY, register_gradient
 
 
 def covered_ops() -> list[tuple[str, str]]:

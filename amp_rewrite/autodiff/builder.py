@@ -18,12 +18,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..errors import GradientError
-from .branches import lift_branch_weights
-from .contrib import decompose_contrib_ops
-from .emitter import Emitter
-from .graphinfo import GraphIndex, TypeInfo, model_opset
-from .registry import GradContext, lookup
+from amp_rewrite.autodiff.branches import lift_branch_weights
+from amp_rewrite.autodiff.context import GradContext
+from amp_rewrite.autodiff.contrib import decompose_contrib_ops
+from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.autodiff.graphinfo import GraphIndex, TypeInfo, model_opset
+from amp_rewrite.autodiff.registry import lookup
+from amp_rewrite.errors import GradientError
 
 MIN_OPSET = 13
 UNCONNECTED = ("none", "zeros")
@@ -63,7 +64,7 @@ def build_gradient_graph(
     builder = _Builder(out, loss, wrt, set(stop_gradients), grad_output, unconnected, aggregation)
     builder.run()
     if recompute is not None:
-        from .recompute import apply
+        from amp_rewrite.autodiff.recompute import apply
 
         apply(builder, recompute)
     return out
@@ -219,7 +220,7 @@ class _Builder:
         grads: list[str | None] = []
         if any(output_grads):
             self.emit.scope = f"grad/{node.name or node.op_type + str(n)}"
-            ctx = GradContext(node, output_grads, needs, self.emit, self.info, self.index, inputs)
+            ctx = GradContext(node, output_grads, needs, self.emit, self.info, self.index, inputs, _differentiate_body)
             start = len(self.emit.new_nodes)
             grads = list(self.rules[n].fn(ctx) or ())
             self.emitted_by[n] = (start, len(self.emit.new_nodes))
@@ -292,3 +293,8 @@ class _Builder:
             elem = self.info.elem.get(name, onnx.TensorProto.FLOAT)
             self.graph.output.append(helper.make_tensor_value_info(self._grad_name(name), elem, self.info.dims.get(name)))
         self.graph.node.extend(self.emit.new_nodes)
+
+
+def _differentiate_body(model, wanted, seeds, taken, grad_names) -> None:
+    """`GradContext.differentiate`: the builder run on an If branch made a model of its own."""
+    _Builder(model, None, wanted, set(), None, "zeros", "sum", seeds=seeds, taken=taken, grad_names=grad_names).run()

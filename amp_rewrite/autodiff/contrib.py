@@ -17,9 +17,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..errors import GradientError
-from ..onnx_facts import FLOAT_TYPES, names_in
-from .emitter import Emitter
+from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.errors import GradientError
+from amp_rewrite.onnx_facts import FLOAT_TYPES, names_in
 
 MS = "com.microsoft"
 INT64 = TensorProto.INT64
@@ -278,7 +278,7 @@ def decompose_contrib_ops(model: onnx.ModelProto) -> int:
     found = [i for i, node in enumerate(graph.node) if (_domain(node), node.op_type) in DECOMPOSED]
     if not found:
         return 0
-    from .graphinfo import TypeInfo, model_opset
+    from amp_rewrite.autodiff.graphinfo import TypeInfo, model_opset
 
     info = TypeInfo.of(model)
     emit = Emitter([], graph.initializer, model_opset(model), names_in(graph), scope="decomposed")

@@ -13,8 +13,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ..errors import GradientError
-from ..onnx_facts import FLOAT_TYPES, default_opset
+from amp_rewrite import ir
+from amp_rewrite.errors import GradientError
+from amp_rewrite.onnx_facts import FLOAT_TYPES, default_opset
 
 Dims = list  # one entry per axis: int (static), str (symbolic) or None (unknown)
 
@@ -30,7 +31,7 @@ class GraphIndex:
 
     @classmethod
     def of(cls, graph: onnx.GraphProto) -> "GraphIndex":
-        index = cls()
+        index = cls(producer=ir.producers(node.output for node in graph.node))
         for init in graph.initializer:
             index.constants[init.name] = init
         for n, node in enumerate(graph.node):
@@ -38,9 +39,6 @@ class GraphIndex:
             for slot, name in enumerate(index.inputs[n]):
                 if name:
                     index.consumers[name].append((n, slot))
-            for name in node.output:
-                if name:
-                    index.producer[name] = n
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
                 for attr in node.attribute:
                     if attr.name == "value":
@@ -61,21 +59,8 @@ def node_inputs(node: onnx.NodeProto) -> list[str]:
         return list(node.input)
     captured: dict[str, None] = {}
     for body in bodies:
-        captured.update(dict.fromkeys(captures(body)))
+        captured.update(dict.fromkeys(ir.captures(body)))
     return [*node.input, *(name for name in captured if name not in node.input)]
-
-
-def captures(graph: onnx.GraphProto) -> list[str]:
-    """Names a graph (and the graphs nested in it) reads but does not define, in reading order."""
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    read: dict[str, None] = {}
-    for node in graph.node:
-        for name in node_inputs(node):
-            if name and name not in defined:
-                read[name] = None
-        defined.update(node.output)
-    read.update((o.name, None) for o in graph.output if o.name not in defined)
-    return list(read)
 
 
 @dataclass

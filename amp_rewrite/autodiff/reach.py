@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import onnx
 
-from .graphinfo import TypeInfo
-from .registry import lookup
+from amp_rewrite import ir
+from amp_rewrite.autodiff.graphinfo import TypeInfo
+from amp_rewrite.autodiff.registry import lookup
 
 
 def cut_nodes(model: onnx.ModelProto, loss: str, sources, stops=()) -> list[str]:
     """'ArgMax (node 'am'): no gradient rule' for each node on a loss-to-source path that the
     gradient cannot cross, in graph order."""
     graph = model.graph
-    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    producer = ir.producers(node.output for node in graph.node)
     ancestors, stack = set(), [loss]
     while stack:  # everything the loss depends on at all
         name = stack.pop()

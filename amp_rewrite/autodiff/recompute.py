@@ -29,9 +29,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ..errors import GradientError
-from . import segments as select
-from ..onnx_facts import FLOAT_TYPES
+from amp_rewrite import ir
+from amp_rewrite.autodiff import segments as select
+from amp_rewrite.errors import GradientError
+from amp_rewrite.onnx_facts import FLOAT_TYPES
 
 PLAN_KEY = "amp_rewrite.recompute"
 COPY_SUFFIX = "/recompute"
@@ -77,21 +78,13 @@ class Forward:
 
     def __init__(self, graph: onnx.GraphProto, n: int):
         self.nodes = list(graph.node[:n])
-        self.producer: dict[str, int] = {}
-        self.readers: dict[str, list[int]] = defaultdict(list)
+        self.producer = ir.producers(node.output for node in self.nodes)
+        self.readers = ir.readers(node.input for node in self.nodes)
         initializers = {i.name for i in graph.initializer}
         self.data = {i.name for i in graph.input if i.name not in initializers}  # activations
-        for i, node in enumerate(self.nodes):
-            depends = False
-            for t in node.input:
-                if t:
-                    self.readers[t].append(i)
-                    depends = depends or t in self.data
-            for t in node.output:
-                if t:
-                    self.producer[t] = i
-                    if depends:
-                        self.data.add(t)
+        for node in self.nodes:
+            if any(t in self.data for t in node.input if t):
+                self.data.update(t for t in node.output if t)
         self.graph_outputs = {o.name for o in graph.output if o.name in self.producer}
 
 
@@ -107,7 +100,7 @@ def apply(builder, spec) -> RecomputePlan:
     backward = list(graph.node[builder.forward_count:])
     saved = {t for node in backward for t in node.input}
     groups = _groups(spec, fw, builder, loss_node, saved)
-    position = {t: j for j, node in enumerate(backward) for t in node.output if t}
+    position = ir.producers(node.output for node in backward)
     work = [_Work(key, nodes, fw, builder, loss_node, position) for key, nodes in groups]
     internal_of = {t: k for k, w in enumerate(work) for t in w.internal}
     for j, node in enumerate(backward):

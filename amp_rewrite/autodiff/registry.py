@@ -1,34 +1,143 @@
-"""The gradient rule registry: one small function per (domain, op type).
+"""The gradient rules: one table from (domain, op type) to its rule, built here in one place (as
+the op lists are), from the rule functions of the families under rules/.
 
-A rule receives a `GradContext` (the forward node, its output gradients, which inputs need a
-gradient, type/shape facts and an emitter) and returns one gradient name, or None, per input.
-`None` means "zero": the builder propagates it without emitting anything.
+A rule receives a `GradContext` (context.py) and returns one gradient name, or None ("zero"), per
+input. `register_gradient` adds a user's rule for an op the table lacks (or replaces one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import numpy as np
 import onnx
-from onnx import helper
 
-from ..errors import GradientError
-from .emitter import Emitter
-from .graphinfo import GraphIndex, TypeInfo
+from amp_rewrite.autodiff.context import GradientRule
+from amp_rewrite.autodiff.rules import (
+    control,
+    elementwise,
+    linalg,
+    losses,
+    nn,
+    norm,
+    recurrent,
+    reduce,
+    resize,
+    shape,
+)
 
+ALL = None  # every floating-point input can carry a gradient
 
-@dataclass(frozen=True)
-class GradientRule:
-    fn: Callable[["GradContext"], Sequence[str | None]]
-    differentiable: tuple[int, ...] | None  # input slots that can carry a gradient; None: all
+# op type (default domain) -> (rule, the input slots that can carry a gradient: indices, shapes and
+# axes never do)
+TABLE = {
+    # elementwise
+    "Add": (elementwise.add_grad, ALL),
+    "Sub": (elementwise.sub_grad, ALL),
+    "Mul": (elementwise.mul_grad, ALL),
+    "Div": (elementwise.div_grad, ALL),
+    "Pow": (elementwise.pow_grad, ALL),
+    "Log": (elementwise.log_grad, ALL),
+    "Sin": (elementwise.sin_grad, ALL),
+    "Sinh": (elementwise.sinh_grad, ALL),
+    "Cosh": (elementwise.cosh_grad, ALL),
+    "Abs": (elementwise.abs_grad, ALL),
+    "Softplus": (elementwise.softplus_grad, ALL),
+    "Exp": (elementwise.exp_grad, ALL),
+    "Sqrt": (elementwise.sqrt_grad, ALL),
+    "Reciprocal": (elementwise.reciprocal_grad, ALL),
+    "Tanh": (elementwise.tanh_grad, ALL),
+    "Sigmoid": (elementwise.sigmoid_grad, ALL),
+    "Erf": (elementwise.erf_grad, ALL),
+    "Cos": (elementwise.cos_grad, ALL),
+    "Tan": (elementwise.tan_grad, ALL),
+    "Atan": (elementwise.atan_grad, ALL),
+    "Softsign": (elementwise.softsign_grad, ALL),
+    "Mish": (elementwise.mish_grad, ALL),
+    "Relu": (elementwise.relu_grad, ALL),
+    "LeakyRelu": (elementwise.leaky_relu_grad, ALL),
+    "Elu": (elementwise.elu_grad, ALL),
+    "Selu": (elementwise.selu_grad, ALL),
+    "Celu": (elementwise.celu_grad, ALL),
+    "ThresholdedRelu": (elementwise.thresholded_relu_grad, ALL),
+    "HardSigmoid": (elementwise.hard_sigmoid_grad, ALL),
+    "HardSwish": (elementwise.hard_swish_grad, ALL),
+    "PRelu": (elementwise.prelu_grad, ALL),
+    "Gelu": (elementwise.gelu_grad, ALL),
+    "Neg": (elementwise.neg_grad, ALL),
+    "Identity": (elementwise.identity_grad, ALL),
+    "Cast": (elementwise.cast_grad, ALL),
+    "Floor": (elementwise.zero_grad, ALL),
+    "Ceil": (elementwise.zero_grad, ALL),
+    "Round": (elementwise.zero_grad, ALL),
+    "Sign": (elementwise.zero_grad, ALL),
+    "Clip": (elementwise.clip_grad, (0,)),
+    "Min": (elementwise.select_grads, ALL),
+    "Max": (elementwise.select_grads, ALL),
+    "Sum": (elementwise.sum_grad, ALL),
+    "Mean": (elementwise.mean_grad, ALL),
+    "Where": (elementwise.where_grad, (1, 2)),
+    # linalg
+    "MatMul": (linalg.matmul_grad, ALL),
+    "Gemm": (linalg.gemm_grad, ALL),
+    "Einsum": (linalg.einsum_grad, ALL),
+    # reduce
+    "ReduceSum": (reduce.reduce_sum_grad, (0,)),
+    "ReduceMean": (reduce.reduce_mean_grad, (0,)),
+    "ReduceSumSquare": (reduce.reduce_sum_square_grad, (0,)),
+    "ReduceL1": (reduce.reduce_l1_grad, (0,)),
+    "ReduceL2": (reduce.reduce_l2_grad, (0,)),
+    "ReduceLogSumExp": (reduce.reduce_log_sum_exp_grad, (0,)),
+    "ReduceLogSum": (reduce.reduce_log_sum_grad, (0,)),
+    "ReduceProd": (reduce.reduce_prod_grad, (0,)),
+    "ReduceMax": (reduce.select_reduce_grad, (0,)),
+    "ReduceMin": (reduce.select_reduce_grad, (0,)),
+    "CumSum": (reduce.cumsum_grad, (0,)),
+    # shape
+    "Reshape": (shape.back_to_input_shape, (0,)),
+    "Flatten": (shape.back_to_input_shape, (0,)),
+    "Squeeze": (shape.back_to_input_shape, (0,)),
+    "Unsqueeze": (shape.back_to_input_shape, (0,)),
+    "Transpose": (shape.transpose_grad, ALL),
+    "Expand": (shape.expand_grad, (0,)),
+    "Tile": (shape.tile_grad, (0,)),
+    "Concat": (shape.concat_grad, ALL),
+    "Split": (shape.split_grad, (0,)),
+    "Slice": (shape.slice_grad, (0,)),
+    "Gather": (shape.gather_grad, (0,)),
+    "GatherElements": (shape.gather_elements_grad, (0,)),
+    "GatherND": (shape.gather_nd_grad, (0,)),
+    "Pad": (shape.pad_grad, (0,)),
+    # nn
+    "Softmax": (nn.softmax_grad, ALL),
+    "LogSoftmax": (nn.log_softmax_grad, ALL),
+    "Conv": (nn.conv_grad, ALL),
+    "ConvTranspose": (nn.conv_transpose_grad, ALL),
+    "MaxPool": (nn.max_pool_grad, ALL),
+    "AveragePool": (nn.average_pool_grad, ALL),
+    "GlobalAveragePool": (nn.global_average_pool_grad, ALL),
+    "GlobalMaxPool": (nn.global_max_pool_grad, ALL),
+    # norm
+    "LayerNormalization": (norm.layer_norm_grad, ALL),
+    "BatchNormalization": (norm.batch_norm_grad, (0, 1, 2)),
+    "InstanceNormalization": (norm.instance_norm_grad, (0, 1, 2)),
+    "GroupNormalization": (norm.group_norm_grad, ALL),
+    # nn
+    "Dropout": (nn.dropout_grad, (0,)),
+    # losses
+    "NegativeLogLikelihoodLoss": (losses.nll_loss_grad, (0,)),
+    "SoftmaxCrossEntropyLoss": (losses.softmax_cross_entropy_grad, (0,)),
+    # resize
+    "Resize": (resize.resize_grad, (0,)),
+    # recurrent
+    "LSTM": (recurrent.lstm_grad, (0, 1, 2, 3, 5, 6)),
+    "GRU": (recurrent.gru_grad, (0, 1, 2, 3, 5)),
+    # control
+    "If": (control.if_grad, ALL),
+}
 
-    def carries(self, slot: int) -> bool:
-        return self.differentiable is None or slot in self.differentiable
-
-
-REGISTRY: dict[tuple[str, str], GradientRule] = {}
+REGISTRY: dict[tuple[str, str], GradientRule] = {
+    ("", op): GradientRule(fn, slots) for op, (fn, slots) in TABLE.items()
+}
 
 
 def register_gradient(op_type: str, domain: str = "", differentiable: Sequence[int] | None = None):
@@ -39,7 +148,9 @@ def register_gradient(op_type: str, domain: str = "", differentiable: Sequence[i
     """
 
     def decorate(fn):
-        REGISTRY[(domain, op_type)] = GradientRule(fn, None if differentiable is None else tuple(differentiable))
+        REGISTRY[(domain, op_type)] = GradientRule(
+            fn, None if differentiable is None else tuple(differentiable)
+        )
         return fn
 
     return decorate
@@ -48,80 +159,3 @@ def register_gradient(op_type: str, domain: str = "", differentiable: Sequence[i
 def lookup(node: onnx.NodeProto) -> GradientRule | None:
     domain = "" if node.domain == "ai.onnx" else node.domain
     return REGISTRY.get((domain, node.op_type))
-
-
-class GradContext:
-    """What a rule may see and do for one forward node."""
-
-    def __init__(self, node, output_grads, needs, emit: Emitter, info: TypeInfo, index: GraphIndex, inputs=None):
-        self.node = node
-        self.inputs = list(node.input) if inputs is None else inputs  # then outer-scope captures (If)
-        self.output_grads = output_grads
-        self._needs = needs
-        self.emit = emit
-        self.info = info
-        self.index = index
-        self.opset = emit.opset
-        self._attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-    # -- the node ------------------------------------------------------------------------------
-    def x(self, i: int) -> str:
-        """Name of input i, or '' when it is absent (past the node's inputs: its bodies' captures)."""
-        return self.inputs[i] if i < len(self.inputs) else ""
-
-    def y(self, i: int = 0) -> str:
-        return self.node.output[i] if i < len(self.node.output) else ""
-
-    def dy(self, i: int = 0) -> str | None:
-        """Gradient of output i, or None when it is zero (nothing downstream reaches the loss)."""
-        return self.output_grads[i] if i < len(self.output_grads) else None
-
-    def dy_or_zeros(self, i: int) -> str:
-        return self.dy(i) or self.emit.zeros_like(self.y(i), self.dtype(self.y(i)))
-
-    def needs(self, i: int) -> bool:
-        return i < len(self._needs) and self._needs[i]
-
-    def attr(self, name: str, default=None):
-        value = self._attrs.get(name, default)
-        return value.decode() if isinstance(value, bytes) else value
-
-    def ensure_output(self, i: int, base: str) -> str:
-        """Give the forward node its optional output i (MaxPool Indices, LayerNorm Mean...)."""
-        while len(self.node.output) <= i:
-            self.node.output.append("")
-        if not self.node.output[i]:
-            self.node.output[i] = self.emit.fresh(f"{self.node.name or self.node.op_type}/{base}")
-        return self.node.output[i]
-
-    # -- facts ---------------------------------------------------------------------------------
-    def dtype(self, name: str) -> int:
-        return self.info.elem.get(name, onnx.TensorProto.FLOAT)
-
-    def dims(self, name: str) -> list | None:
-        return self.info.dims.get(name)
-
-    def rank(self, name: str) -> int:
-        dims = self.dims(name)
-        if dims is None:
-            raise GradientError(
-                f"the gradient of {self.node.op_type} node '{self.node.name}' needs the rank of "
-                f"'{name}', which shape inference could not find; declare shapes on the graph inputs"
-            )
-        return len(dims)
-
-    def constant(self, name: str) -> np.ndarray | None:
-        return self.index.constant(name) if name else None
-
-    def constant_ints(self, name: str, what: str) -> list[int]:
-        value = self.constant(name)
-        if value is None:
-            raise self.error(f"its {what} input '{name}' must be a constant")
-        return [int(v) for v in np.asarray(value).reshape(-1)]
-
-    def const(self, value, like: str) -> str:
-        """A constant with the element type of tensor `like`."""
-        return self.emit.const(value, self.dtype(like))
-
-    def error(self, why: str) -> GradientError:
-        return GradientError(f"cannot differentiate {self.node.op_type} node '{self.node.name}': {why}")

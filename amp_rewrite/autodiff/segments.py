@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ..errors import GradientError
+from amp_rewrite.errors import GradientError
 from amp_rewrite.flops import estimate_flops
 
 ELEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.FLOAT16: 2,

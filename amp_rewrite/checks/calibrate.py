@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from amp_rewrite import ir
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
@@ -218,11 +219,9 @@ def calibrate(model, samples=None, *, deployment: Deployment = DEFAULT, safety: 
         samples = val.synthesise(model, dims=deployment.dims)
     types, _ = tensor_types(model)
     producers = _measured_tensors(model, types)
-    consumers: dict = {}
-    for node in model.graph.node:
-        for name in node.input:
-            if name in producers:
-                consumers.setdefault(name, []).append((_node_key(node), node.op_type))
+    nodes = model.graph.node
+    consumers = {name: [(_node_key(nodes[i]), nodes[i].op_type) for i in rows]
+                 for name, rows in ir.readers(node.input for node in nodes).items() if name in producers}
     exposed = val.expose(model, list(producers))
     sess, used = open_session(exposed, deployment.device)
     names = [o.name for o in sess.get_outputs() if o.name in producers]

@@ -16,11 +16,19 @@ import networkx as nx
 import onnx
 from onnx import TensorProto
 
+from amp_rewrite import ir
 from amp_rewrite.errors import ModelError
 from amp_rewrite.io import tensordata
 from amp_rewrite.io.skeleton import CHECK_IN_FULL_LIMIT, checker_skeleton
-from amp_rewrite.ir import sort_graphs
-from amp_rewrite.onnx_facts import ELEMENT_SIZE, FLOAT_TYPES, KNOWN_TYPES, TYPED_FIELD, all_graphs, all_tensors, walk
+from amp_rewrite.onnx_facts import (
+    ELEMENT_SIZE,
+    FLOAT_TYPES,
+    KNOWN_TYPES,
+    TYPED_FIELD,
+    all_graphs,
+    all_tensors,
+    walk,
+)
 
 # What ONNX Runtime accepts, by its version: (max IR version, max ai.onnx opset). Measured for the
 # installed release; an unknown release uses the newest entry not above it, capped by the opsets
@@ -107,20 +115,6 @@ def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, w
     return total, floats
 
 
-def _free_names(graph: onnx.GraphProto) -> set[str]:
-    """Names a (sub)graph reads that it does not define: what it takes from outer scopes."""
-    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    defined.update(name for node in graph.node for name in node.output if name)
-    free = set()
-    for node in graph.node:
-        free.update(name for name in node.input if name and name not in defined)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                free.update(_free_names(sub) - defined)
-    free.update(v.name for v in graph.output if v.name not in defined)
-    return free
-
-
 def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str = "main graph") -> None:
     """Names defined once, every input defined somewhere visible, no cycles: one line each."""
     main_io = (*graph.input, *graph.output) if not outer else ()  # bodies may leave types to inference
@@ -161,7 +155,7 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str =
         for attr in node.attribute:
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 _check_structure(sub, visible, path, f"subgraph {attr.name!r} of node {node.name or node.op_type!r}")
-                reads.extend(_free_names(sub))
+                reads.extend(ir.captures(sub))
         for name in reads:
             if name not in visible:
                 _fail(path, f"{label}: node {node.name or node.op_type!r} reads {name!r}, which nothing defines")
@@ -274,7 +268,7 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
                 # sorts them; check the rest on a sorted copy
                 copy = onnx.ModelProto()
                 copy.CopyFrom(target)
-                sort_graphs(copy)
+                ir.sort_graphs(copy)
                 target = copy
                 continue
             _fail(where, f"invalid ONNX model: {message}")

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from amp_rewrite import ir
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.errors import TrainingError
 
@@ -48,7 +49,7 @@ def find(graph: onnx.GraphProto) -> Parameters:
     constants = _float_constants(graph)
     data: set[str] = {i.name for i in graph.input} - {t.name for t in graph.initializer}
     nodes = list(_walk(graph, data))  # If/Loop/Scan bodies too: their weights are lifted to the main graph
-    producer = {out: node for node in nodes for out in node.output}
+    producer = ir.producer_nodes(nodes)
     found, quantized = set(), set()
     for node in nodes:
         for slot in _parameter_slots(node, data):

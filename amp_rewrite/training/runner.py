@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 import onnxruntime as ort
 
+from amp_rewrite import ir
 from amp_rewrite.deployment import Deployment
 from amp_rewrite.errors import TrainingError, UsageError
 from amp_rewrite.onnx_facts import reads
@@ -141,7 +142,7 @@ def check_in_place(model: onnx.ModelProto, next_state: dict[str, str]) -> None:
 
 
 def _check_graph(graph: onnx.GraphProto, next_state: dict[str, str]) -> None:
-    producers = {out: node for node in graph.node for out in node.output if out}
+    producers = ir.producer_nodes(graph.node)
     readers: dict[str, list] = {}
     live = _ancestors(producers, [o.name for o in graph.output], stop=set())  # a dead reader reads nothing used
     for node in live.values():

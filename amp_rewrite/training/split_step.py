@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from amp_rewrite import ir
 from amp_rewrite.onnx_facts import reads
 from amp_rewrite.training.loss_scale import SCALE_STATE
 from amp_rewrite.training.step_graph import INVERSE_SCALE, SKIPPED_OUTPUT, UNSCALED_PREFIX, StepGraph
@@ -41,7 +42,7 @@ def split_step_graph(step: StepGraph, loss_share: float = 1.0) -> SplitStep:
     over N ranks, so that the sum of the ranks' gradients is the gradient of the global mean."""
     graph = step.model.graph
     grads = {w: UNSCALED_PREFIX + w for w in step.weights}
-    producers = _producers(graph)
+    producers = ir.producers(n.output for n in graph.node)
     missing = [g for g in [*grads.values(), SKIPPED_OUTPUT] if g not in producers]
     if missing:
         raise RuntimeError(f"step graph has no tensor {missing[0]!r} to split at")  # our own bug, not the user's
@@ -64,10 +65,6 @@ def split_step_graph(step: StepGraph, loss_share: float = 1.0) -> SplitStep:
     for part in (gradient, apply):
         onnx.checker.check_model(part)
     return SplitStep(gradient, apply, grads)
-
-
-def _producers(graph: onnx.GraphProto) -> dict[str, int]:
-    return {out: i for i, n in enumerate(graph.node) for out in n.output if out}
 
 
 

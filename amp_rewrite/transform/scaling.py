@@ -27,11 +27,12 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import networkx as nx
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from amp_rewrite import ir
 from amp_rewrite.analysis.oplists import DEFAULT_DOMAINS, shipped_table
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.onnx_facts import FLOAT, all_graphs, names_in
@@ -174,10 +175,7 @@ class _Rewriter:
         self.factors: dict = {}  # exponent -> initializer name
         self.copies: dict = {}  # (constant, k) -> its scaled copy
         self.exempt: set = set()
-        self.readers: dict = {}  # main-graph tensor -> reading node indices
-        for i, node in enumerate(self.graph.node):
-            for name in node.input:
-                self.readers.setdefault(name, []).append(i)
+        self.readers = ir.readers(node.input for node in self.graph.node)  # main-graph tensor -> reading nodes
         self.outside = {o.name for o in self.graph.output}  # read outside the main graph's nodes
         for g in all_graphs(self.graph)[1:]:
             for node in g.node:

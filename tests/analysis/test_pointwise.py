@@ -6,6 +6,13 @@ import json
 
 import numpy as np
 import onnx
+
+from amp_rewrite import ir, rewrite
+from amp_rewrite.analysis import pointwise
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.cli import main
+from amp_rewrite.onnx_facts import opsets
+from amp_rewrite.options import RewriteOptions
 from helpers import (
     assert_close,
     check_both,
@@ -17,13 +24,6 @@ from helpers import (
     run_reference,
     tensor,
 )
-
-from amp_rewrite import ir, rewrite
-from amp_rewrite.analysis import graph, pointwise
-from amp_rewrite.analysis.elemtypes import tensor_types
-from amp_rewrite.cli import main
-from amp_rewrite.onnx_facts import opsets
-from amp_rewrite.options import RewriteOptions
 
 
 def _between_matmuls(chain_nodes, x="h", y="g", extra_inits=(), seed=0):

@@ -24,12 +24,14 @@ def _model(nodes, inputs=("x",), outputs=("z",)):
 def test_uses_cross_scopes_and_name_graph_outputs():
     then = helper.make_graph([helper.make_node("Neg", ["y"], ["t"])], "then", [], [_value("t")])
     other = helper.make_graph([helper.make_node("Abs", ["x"], ["e"])], "else", [], [_value("e")])
-    model = _model([
-        helper.make_node("Relu", ["x"], ["y"]),
-        helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0),
-        helper.make_node("Cast", ["s"], ["c"], to=TensorProto.BOOL),
-        helper.make_node("If", ["c"], ["z"], then_branch=then, else_branch=other),
-    ])
+    model = _model(
+        [
+            helper.make_node("Relu", ["x"], ["y"]),
+            helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0),
+            helper.make_node("Cast", ["s"], ["c"], to=TensorProto.BOOL),
+            helper.make_node("If", ["c"], ["z"], then_branch=then, else_branch=other),
+        ]
+    )
     scopes = ir.read_scopes(model.graph)
     assert [s.parent for s in scopes] == [None, 0, 0] and scopes[1].owner == (0, 3)
     uses, unsorted = ir.record_uses(scopes)
@@ -51,16 +53,20 @@ def test_producers_and_readers_of_rows():
 
 
 def test_sort_keeps_file_order_where_it_can_and_the_numbers():
-    model = _model([
-        helper.make_node("Add", ["b", "a"], ["z"], name="last"),
-        helper.make_node("Neg", ["x"], ["a"], name="first"),
-        helper.make_node("Abs", ["x"], ["b"], name="second"),
-    ])
+    model = _model(
+        [
+            helper.make_node("Add", ["b", "a"], ["z"], name="last"),
+            helper.make_node("Neg", ["x"], ["a"], name="first"),
+            helper.make_node("Abs", ["x"], ["b"], name="second"),
+        ]
+    )
     x = np.array([1.5, -2.0], np.float32)
     ir.sort_graphs(model)
     assert [n.name for n in model.graph.node] == ["first", "second", "last"]
     onnx.checker.check_model(model)
-    (z,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    (z,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
     np.testing.assert_array_equal(z, np.abs(x) - x)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import GradContext
+from amp_rewrite.autodiff.context import GradContext
 
 
 def normalize_axis(axis: int, rank: int) -> int:
@@ -70,7 +70,7 @@ def reduce_axes(ctx: GradContext) -> list[int] | None:
 
 
 def _axes_input_since(op_type: str) -> int:
-    from ..emitter import AXES_INPUT_SINCE
+    from amp_rewrite.autodiff.emitter import AXES_INPUT_SINCE
 
     return AXES_INPUT_SINCE.get(op_type, 1)
 

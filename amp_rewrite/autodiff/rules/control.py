@@ -14,8 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..graphinfo import captures
-from ..registry import register_gradient
+from amp_rewrite import ir
 
 SMALL_CONSTANT = 1024  # captured constants up to this size are visible to the branch's rules (axes, scales)
 
@@ -24,7 +23,6 @@ def _branch(ctx, name: str) -> onnx.GraphProto:
     return next(a.g for a in ctx.node.attribute if a.name == name)
 
 
-@register_gradient("If")
 def if_grad(ctx):
     """A second If on the same condition: each branch recomputes its forward and returns the gradients
     of everything the branches read from outside (zeros for what the other branch reads)."""
@@ -49,11 +47,9 @@ def _named(tensor: onnx.TensorProto, name: str) -> onnx.TensorProto:
 def _branch_backward(ctx, branch: onnx.GraphProto, wanted: list[str]) -> onnx.GraphProto:
     """The branch's forward plus its backward (builder run on the branch as a graph of its own),
     outputting d/d captured for every name in `wanted`, in order."""
-    from ..builder import _Builder
-
     e = ctx.emit
     seeds = {out.name: ctx.dy(k) for k, out in enumerate(branch.output) if ctx.dy(k)}
-    outer = list(dict.fromkeys([*captures(branch), *wanted]))
+    outer = list(dict.fromkeys([*ir.captures(branch), *wanted]))
     small = {n: _named(ctx.index.constants[n], n) for n in outer
              if n in ctx.index.constants and n not in wanted and np.prod(ctx.index.constants[n].dims) <= SMALL_CONSTANT}
     typed = lambda n: helper.make_tensor_value_info(n, ctx.dtype(n), ctx.dims(n))  # noqa: E731
@@ -64,8 +60,7 @@ def _branch_backward(ctx, branch: onnx.GraphProto, wanted: list[str]) -> onnx.Gr
     model = helper.make_model(graph, ir_version=8, opset_imports=[
         helper.make_opsetid("", ctx.opset), *(helper.make_opsetid(d, 1) for d in sorted(domains))])
     names = {w: e.fresh(f"{e.scope}/{w}_grad_in_branch") for w in wanted}
-    builder = _Builder(model, None, wanted, set(), None, "zeros", "sum", seeds=seeds, taken=e.names, grad_names=names)
-    builder.run()
+    ctx.differentiate(model, wanted, seeds, names)
     body = model.graph
     kept = [t for t in body.initializer if t.name not in small]
     return helper.make_graph(list(body.node), e.fresh(f"{e.scope}/branch_backward"), [],

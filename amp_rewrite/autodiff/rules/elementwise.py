@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-
-from ..registry import GradContext, register_gradient
-from ._common import unbroadcast
+from amp_rewrite.autodiff.context import GradContext
+from amp_rewrite.autodiff.rules._common import unbroadcast
 
 
 def _binary(ctx: GradContext, grad_a, grad_b):
@@ -18,26 +17,22 @@ def _binary(ctx: GradContext, grad_a, grad_b):
     ]
 
 
-@register_gradient("Add")
 def add_grad(ctx):
     """d(a+b) = dY for both, summed over broadcast axes."""
     return _binary(ctx, ctx.dy, ctx.dy)
 
 
-@register_gradient("Sub")
 def sub_grad(ctx):
     """d(a-b): dY and -dY."""
     return _binary(ctx, ctx.dy, lambda: ctx.emit.op("Neg", [ctx.dy()]))
 
 
-@register_gradient("Mul")
 def mul_grad(ctx):
     """d(a*b): dY*b and dY*a."""
     e = ctx.emit
     return _binary(ctx, lambda: e.op("Mul", [ctx.dy(), ctx.x(1)]), lambda: e.op("Mul", [ctx.dy(), ctx.x(0)]))
 
 
-@register_gradient("Div")
 def div_grad(ctx):
     """d(a/b): dY/b and -dY*y/b."""
     e = ctx.emit
@@ -48,7 +43,6 @@ def div_grad(ctx):
     )
 
 
-@register_gradient("Pow")
 def pow_grad(ctx):
     """d(a^b): dY*b*a^(b-1) and dY*y*log(a) (the latter only where a > 0)."""
     e = ctx.emit
@@ -62,88 +56,98 @@ def pow_grad(ctx):
     return _binary(ctx, grad_a, lambda: e.op("Mul", [e.op("Mul", [ctx.dy(), y]), e.op("Log", [a])]))
 
 
-def _unary(op_type: str, doc: str):
-    """Register a one-input op whose gradient is dY * local(ctx)."""
+def _unary(local):
+    """The rule of a one-input op whose gradient is dY * local(ctx, emit, x, y)."""
 
-    def decorate(local):
-        def rule(ctx):
-            return [ctx.emit.op("Mul", [ctx.dy(), local(ctx, ctx.emit, ctx.x(0), ctx.y())])]
+    def rule(ctx):
+        return [ctx.emit.op("Mul", [ctx.dy(), local(ctx, ctx.emit, ctx.x(0), ctx.y())])]
 
-        rule.__doc__ = doc
-        rule.__name__ = f"{op_type.lower()}_grad"
-        register_gradient(op_type)(rule)
-        return local
-
-    return decorate
+    rule.__doc__, rule.__name__ = local.__doc__, local.__name__
+    return rule
 
 
-# One-input ops whose local derivative is another op of x: op -> (that op, formula).
-_DERIVATIVE_OF_X = {
-    "Log": ("Reciprocal", "dY/x."),
-    "Sin": ("Cos", "dY*cos(x)."),
-    "Sinh": ("Cosh", "dY*cosh(x)."),
-    "Cosh": ("Sinh", "dY*sinh(x)."),
-    "Abs": ("Sign", "dY*sign(x)."),
-    "Softplus": ("Sigmoid", "dY*sigmoid(x)."),
-}
+def _derivative_of_x(op_type: str, name: str, doc: str):
+    """The rule of a one-input op whose local derivative is another op (`op_type`) of x."""
 
-for _op, (_local, _doc) in _DERIVATIVE_OF_X.items():
-    _unary(_op, _doc)(lambda ctx, e, x, y, local=_local: e.op(local, [x]))
+    def local(ctx, e, x, y):
+        return e.op(op_type, [x])
+
+    local.__doc__, local.__name__ = doc, name
+    return _unary(local)
 
 
-@_unary("Exp", "dY*y.")
-def _exp(ctx, e, x, y):
+log_grad = _derivative_of_x("Reciprocal", "log_grad", "dY/x.")
+sin_grad = _derivative_of_x("Cos", "sin_grad", "dY*cos(x).")
+sinh_grad = _derivative_of_x("Cosh", "sinh_grad", "dY*cosh(x).")
+cosh_grad = _derivative_of_x("Sinh", "cosh_grad", "dY*sinh(x).")
+abs_grad = _derivative_of_x("Sign", "abs_grad", "dY*sign(x).")
+softplus_grad = _derivative_of_x("Sigmoid", "softplus_grad", "dY*sigmoid(x).")
+
+
+@_unary
+def exp_grad(ctx, e, x, y):
+    """dY*y."""
     return y
 
 
-@_unary("Sqrt", "dY*0.5/y.")
-def _sqrt(ctx, e, x, y):
+@_unary
+def sqrt_grad(ctx, e, x, y):
+    """dY*0.5/y."""
     return e.op("Div", [ctx.const(0.5, x), y])
 
 
-@_unary("Reciprocal", "-dY*y^2.")
-def _reciprocal(ctx, e, x, y):
+@_unary
+def reciprocal_grad(ctx, e, x, y):
+    """-dY*y^2."""
     return e.op("Neg", [e.op("Mul", [y, y])])
 
 
-@_unary("Tanh", "dY*(1-y^2).")
-def _tanh(ctx, e, x, y):
+@_unary
+def tanh_grad(ctx, e, x, y):
+    """dY*(1-y^2)."""
     return e.op("Sub", [ctx.const(1, x), e.op("Mul", [y, y])])
 
 
-@_unary("Sigmoid", "dY*y*(1-y).")
-def _sigmoid(ctx, e, x, y):
+@_unary
+def sigmoid_grad(ctx, e, x, y):
+    """dY*y*(1-y)."""
     return e.op("Mul", [y, e.op("Sub", [ctx.const(1, x), y])])
 
 
-@_unary("Erf", "dY*2/sqrt(pi)*exp(-x^2).")
-def _erf(ctx, e, x, y):
+@_unary
+def erf_grad(ctx, e, x, y):
+    """dY*2/sqrt(pi)*exp(-x^2)."""
     return e.op("Mul", [ctx.const(2 / math.sqrt(math.pi), x), e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])])])
 
 
-@_unary("Cos", "-dY*sin(x).")
-def _cos(ctx, e, x, y):
+@_unary
+def cos_grad(ctx, e, x, y):
+    """-dY*sin(x)."""
     return e.op("Neg", [e.op("Sin", [x])])
 
 
-@_unary("Tan", "dY*(1+y^2).")
-def _tan(ctx, e, x, y):
+@_unary
+def tan_grad(ctx, e, x, y):
+    """dY*(1+y^2)."""
     return e.op("Add", [ctx.const(1, x), e.op("Mul", [y, y])])
 
 
-@_unary("Atan", "dY/(1+x^2).")
-def _atan(ctx, e, x, y):
+@_unary
+def atan_grad(ctx, e, x, y):
+    """dY/(1+x^2)."""
     return e.op("Reciprocal", [e.op("Add", [ctx.const(1, x), e.op("Mul", [x, x])])])
 
 
-@_unary("Softsign", "dY/(1+|x|)^2.")
-def _softsign(ctx, e, x, y):
+@_unary
+def softsign_grad(ctx, e, x, y):
+    """dY/(1+|x|)^2."""
     d = e.op("Add", [ctx.const(1, x), e.op("Abs", [x])])
     return e.op("Reciprocal", [e.op("Mul", [d, d])])
 
 
-@_unary("Mish", "dY*(tanh(sp) + x*sigmoid(x)*(1-tanh(sp)^2)), sp = softplus(x).")
-def _mish(ctx, e, x, y):
+@_unary
+def mish_grad(ctx, e, x, y):
+    """dY*(tanh(sp) + x*sigmoid(x)*(1-tanh(sp)^2)), sp = softplus(x)."""
     t = e.op("Tanh", [e.op("Softplus", [x])])
     one_minus_t2 = e.op("Sub", [ctx.const(1, x), e.op("Mul", [t, t])])
     return e.op("Add", [t, e.op("Mul", [e.op("Mul", [x, e.op("Sigmoid", [x])]), one_minus_t2])])
@@ -153,13 +157,11 @@ def _where_positive(ctx, x, if_pos: str, if_not: str) -> str:
     return ctx.emit.op("Where", [ctx.emit.op("Greater", [x, ctx.const(0, x)]), if_pos, if_not])
 
 
-@register_gradient("Relu")
 def relu_grad(ctx):
     """dY where x > 0, else 0."""
     return [_where_positive(ctx, ctx.x(0), ctx.dy(), ctx.const(0, ctx.x(0)))]
 
 
-@register_gradient("LeakyRelu")
 def leaky_relu_grad(ctx):
     """dY where x > 0, else alpha*dY."""
     x = ctx.x(0)
@@ -167,7 +169,6 @@ def leaky_relu_grad(ctx):
     return [_where_positive(ctx, x, ctx.dy(), ctx.emit.op("Mul", [ctx.dy(), alpha]))]
 
 
-@register_gradient("Elu")
 def elu_grad(ctx):
     """dY where x > 0, else dY*(y+alpha)."""
     x, e = ctx.x(0), ctx.emit
@@ -175,7 +176,6 @@ def elu_grad(ctx):
     return [_where_positive(ctx, x, ctx.dy(), e.op("Mul", [ctx.dy(), slope]))]
 
 
-@register_gradient("Selu")
 def selu_grad(ctx):
     """dY*gamma where x > 0, else dY*(y+alpha*gamma)."""
     x, e = ctx.x(0), ctx.emit
@@ -185,7 +185,6 @@ def selu_grad(ctx):
     return [_where_positive(ctx, x, pos, neg)]
 
 
-@register_gradient("Celu")
 def celu_grad(ctx):
     """dY where x > 0, else dY*exp(x/alpha)."""
     x, e = ctx.x(0), ctx.emit
@@ -193,7 +192,6 @@ def celu_grad(ctx):
     return [_where_positive(ctx, x, ctx.dy(), neg)]
 
 
-@register_gradient("ThresholdedRelu")
 def thresholded_relu_grad(ctx):
     """dY where x > alpha, else 0."""
     x, e = ctx.x(0), ctx.emit
@@ -201,7 +199,6 @@ def thresholded_relu_grad(ctx):
     return [e.op("Where", [above, ctx.dy(), ctx.const(0, x)])]
 
 
-@register_gradient("HardSigmoid")
 def hard_sigmoid_grad(ctx):
     """dY*alpha inside the linear band 0 < alpha*x+beta < 1, else 0."""
     x, e = ctx.x(0), ctx.emit
@@ -211,7 +208,6 @@ def hard_sigmoid_grad(ctx):
     return [e.op("Where", [band, e.op("Mul", [ctx.dy(), ctx.const(alpha, x)]), ctx.const(0, x)])]
 
 
-@register_gradient("HardSwish")
 def hard_swish_grad(ctx):
     """dY*(x/3 + 0.5) for -3 < x < 3, dY for x >= 3, else 0."""
     x, e = ctx.x(0), ctx.emit
@@ -221,7 +217,6 @@ def hard_swish_grad(ctx):
     return [e.op("Mul", [ctx.dy(), e.op("Where", [inside, inner, above])])]
 
 
-@register_gradient("PRelu")
 def prelu_grad(ctx):
     """x: dY where x > 0 else slope*dY; slope: dY*x where x <= 0, un-broadcast to the slope's shape."""
     x, slope, e = ctx.x(0), ctx.x(1), ctx.emit
@@ -238,7 +233,6 @@ def prelu_grad(ctx):
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 
-@register_gradient("Gelu")
 def gelu_grad(ctx):
     """Exact: Phi(x) + x*phi(x). Tanh form: 0.5(1+t) + 0.5x(1-t^2)*sqrt(2/pi)(1+3*0.044715x^2)."""
     x, e = ctx.x(0), ctx.emit
@@ -257,30 +251,27 @@ def gelu_grad(ctx):
     return [e.op("Mul", [ctx.dy(), e.op("Add", [left, right])])]
 
 
-@register_gradient("Neg")
 def neg_grad(ctx):
     """-dY."""
     return [ctx.emit.op("Neg", [ctx.dy()])]
 
 
-@register_gradient("Identity")
 def identity_grad(ctx):
     """dY."""
     return [ctx.dy()]
 
 
-@register_gradient("Cast")
 def cast_grad(ctx):
     """dY cast back to the input's type (only float-to-float casts carry a gradient)."""
     x = ctx.x(0)
     return [ctx.dy() if ctx.dtype(x) == ctx.dtype(ctx.y()) else ctx.emit.cast(ctx.dy(), ctx.dtype(x))]
 
 
-for _op in ("Floor", "Ceil", "Round", "Sign"):
-    register_gradient(_op)(lambda ctx: [None])  # piecewise constant: the gradient is zero
+def zero_grad(ctx):
+    """Zero (piecewise constant: Floor, Ceil, Round, Sign)."""
+    return [None]
 
 
-@register_gradient("Clip", differentiable=(0,))
 def clip_grad(ctx):
     """dY where min <= x <= max, else 0 (bounds are constants, not trained)."""
     x, e = ctx.x(0), ctx.emit
@@ -292,7 +283,7 @@ def clip_grad(ctx):
     return [ctx.dy() if inside is None else e.op("Where", [inside, ctx.dy(), ctx.const(0, x)])]
 
 
-def _select_grads(ctx: GradContext):
+def select_grads(ctx: GradContext):
     """Min/Max: each input gets dY where it equals the result, split evenly between ties."""
     e, y = ctx.emit, ctx.y()
     hits = [e.op("Cast", [e.op("Equal", [x, y])], to=ctx.dtype(y)) for x in ctx.node.input]
@@ -304,24 +295,17 @@ def _select_grads(ctx: GradContext):
     ]
 
 
-register_gradient("Min")(_select_grads)
-register_gradient("Max")(_select_grads)
-
-
-@register_gradient("Sum")
 def sum_grad(ctx):
     """dY to every input, un-broadcast."""
     return [unbroadcast(ctx, ctx.dy(), x, ctx.dims(ctx.y())) if ctx.needs(i) else None for i, x in enumerate(ctx.node.input)]
 
 
-@register_gradient("Mean")
 def mean_grad(ctx):
     """dY/n to every input, un-broadcast."""
     share = ctx.emit.op("Div", [ctx.dy(), ctx.const(len(ctx.node.input), ctx.y())])
     return [unbroadcast(ctx, share, x, ctx.dims(ctx.y())) if ctx.needs(i) else None for i, x in enumerate(ctx.node.input)]
 
 
-@register_gradient("Where", differentiable=(1, 2))
 def where_grad(ctx):
     """dY where the condition holds to X, elsewhere to Y, each un-broadcast."""
     e, cond, y = ctx.emit, ctx.x(0), ctx.y()

@@ -6,11 +6,9 @@ import re
 
 from onnx import TensorProto
 
-from ..registry import register_gradient
-from ._common import unbroadcast, unbroadcast_at_runtime
+from amp_rewrite.autodiff.rules._common import unbroadcast, unbroadcast_at_runtime
 
 
-@register_gradient("MatMul")
 def matmul_grad(ctx):
     """dA = dY @ B^T and dB = A^T @ dY, with 1-D operands promoted and batch axes un-broadcast."""
     e = ctx.emit
@@ -57,7 +55,6 @@ def _matmul_by_matrix_grad(ctx, a, b, dy, b_dims):
     return grads
 
 
-@register_gradient("Gemm")
 def gemm_grad(ctx):
     """Y = alpha*op(A)@op(B) + beta*C: each operand's gradient is one Gemm with the right transposes."""
     e = ctx.emit
@@ -100,7 +97,6 @@ def _parse_einsum(equation: str) -> tuple[list[list[str]], list[str]]:
     return inputs, rhs_terms
 
 
-@register_gradient("Einsum")
 def einsum_grad(ctx):
     """d input_i = einsum(dY, other inputs -> term_i); letters summed only in term_i are broadcast back."""
     e = ctx.emit

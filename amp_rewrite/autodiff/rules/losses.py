@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from ..registry import register_gradient
-
 
 def _per_sample_factor(ctx, target, weight):
     """(one_hot(target), g) with loss = sum_i -g_i * input[i, target_i] locally, i.e. g_i = w_i * dY_i / norm.
@@ -41,14 +39,12 @@ def _per_sample_factor(ctx, target, weight):
     return one_hot, e.unsqueeze(g, [1])
 
 
-@register_gradient("NegativeLogLikelihoodLoss", differentiable=(0,))
 def nll_loss_grad(ctx):
     """-one_hot(target) * w_i * dY (divided by sum(w) for mean)."""
     one_hot, g = _per_sample_factor(ctx, ctx.x(1), ctx.x(2))
     return [ctx.emit.op("Neg", [ctx.emit.op("Mul", [one_hot, g])])]
 
 
-@register_gradient("SoftmaxCrossEntropyLoss", differentiable=(0,))
 def softmax_cross_entropy_grad(ctx):
     """(softmax - one_hot) * w_i * dY, from the node's log_prob output (added when missing);
     plus the LogSoftmax gradient when log_prob itself is used downstream."""

@@ -1,4 +1,4 @@
-"""Neural-network ops: softmax, convolution, pooling, normalisation and dropout.
+"""Neural-network ops: softmax, convolution, pooling and dropout (normalisation: norm.py).
 
 Where ONNX Runtime's builders call training kernels (ConvGrad, MaxPoolGrad, SoftmaxGrad,
 LayerNormalizationGrad...), these rules spell the same math in standard ops: ConvTranspose and a
@@ -13,9 +13,8 @@ import math
 import numpy as np
 from onnx import TensorProto
 
-from ..registry import register_gradient
-from ._common import normalize_axis, unbroadcast
-from .shape import SCATTER_ADD_SINCE, _scatter_flat
+from amp_rewrite.autodiff.rules._common import normalize_axis
+from amp_rewrite.autodiff.rules.shape import SCATTER_ADD_SINCE, _scatter_flat
 
 
 def _softmax_axis(ctx, y) -> list[int]:
@@ -25,7 +24,6 @@ def _softmax_axis(ctx, y) -> list[int]:
     return [axis if axis < 0 and ctx.dims(y) is None else normalize_axis(axis, ctx.rank(y))]
 
 
-@register_gradient("Softmax")
 def softmax_grad(ctx):
     """y * (dY - sum(dY*y, axis))."""
     e, y = ctx.emit, ctx.y()
@@ -34,7 +32,6 @@ def softmax_grad(ctx):
     return [e.op("Mul", [y, e.op("Sub", [ctx.dy(), inner])])]
 
 
-@register_gradient("LogSoftmax")
 def log_softmax_grad(ctx):
     """dY - exp(y) * sum(dY, axis)."""
     e, y = ctx.emit, ctx.y()
@@ -117,7 +114,6 @@ def _weight_and_kernel(ctx, w):
     return w_dims, kernel
 
 
-@register_gradient("Conv")
 def conv_grad(ctx):
     """dX by ConvTranspose, dW by a transposed Conv of x with dY, dB by summing dY."""
     x, w, dy = ctx.x(0), ctx.x(1), ctx.dy()
@@ -134,7 +130,6 @@ def conv_grad(ctx):
     return grads
 
 
-@register_gradient("ConvTranspose")
 def conv_transpose_grad(ctx):
     """ConvTranspose(x, W) is the adjoint of Conv(., W) with the same geometry, so dX = Conv(dY, W)
     and dW is Conv's weight gradient with the roles of x and dY exchanged; dB sums dY. Explicit
@@ -196,7 +191,6 @@ def _tiled_max_pool_grad(ctx, x, kernel):
     return e.op("Mul", [first, up(ctx.dy())])
 
 
-@register_gradient("MaxPool")
 def max_pool_grad(ctx):
     """Windows that tile the input: a mask of each window's first maximum (_tiled_max_pool_grad).
     Others: scatter dY to the argmax positions given by MaxPool's own Indices output."""
@@ -214,7 +208,6 @@ def max_pool_grad(ctx):
     return [_scatter_flat(ctx, ctx.x(0), indices, ctx.dy(), reduction="add" if overlapping else None)]
 
 
-@register_gradient("AveragePool")
 def average_pool_grad(ctx):
     """Spread dY/count evenly over each window: a depthwise ConvTranspose with a ones kernel."""
     _no_ceil_mode(ctx)
@@ -235,7 +228,6 @@ def average_pool_grad(ctx):
     return [_conv_input_grad(ctx, g, ones, x, kernel, strides, dilations, pads, channels)]
 
 
-@register_gradient("GlobalAveragePool")
 def global_average_pool_grad(ctx):
     """dY / (H*W...) broadcast over the spatial axes."""
     e, x = ctx.emit, ctx.x(0)
@@ -243,7 +235,6 @@ def global_average_pool_grad(ctx):
     return [e.op("Expand", [e.op("Div", [ctx.dy(), count]), e.shape(x)])]
 
 
-@register_gradient("GlobalMaxPool")
 def global_max_pool_grad(ctx):
     """dY to the spatial maxima, split evenly between ties."""
     e, x = ctx.emit, ctx.x(0)
@@ -252,141 +243,6 @@ def global_max_pool_grad(ctx):
     return [e.op("Mul", [ctx.dy(), e.op("Div", [hit, count])])]
 
 
-# -- normalisation --------------------------------------------------------------------------------
-def _normalized_input_grad(ctx, dxhat, xhat, inv_std, axes):
-    """dX of (x - mean(x)) * inv_std given d xhat: inv_std * (dxhat - mean(dxhat) - xhat*mean(dxhat*xhat))."""
-    e = ctx.emit
-    centered = e.op("Sub", [dxhat, e.reduce_mean(dxhat, axes)])
-    along = e.op("Mul", [xhat, e.reduce_mean(e.op("Mul", [dxhat, xhat]), axes)])
-    return e.op("Mul", [inv_std, e.op("Sub", [centered, along])])
-
-
-@register_gradient("LayerNormalization")
-def layer_norm_grad(ctx):
-    """Uses the node's Mean and InvStdDev outputs (added when missing) instead of recomputing them."""
-    e, x, scale = ctx.emit, ctx.x(0), ctx.x(1)
-    rank = ctx.rank(x)
-    axes = list(range(normalize_axis(ctx.attr("axis", -1), rank), rank))
-    mean, inv_std = ctx.ensure_output(1, "mean"), ctx.ensure_output(2, "inv_std_dev")
-    stash = ctx.attr("stash_type", TensorProto.FLOAT)
-    for stat in (mean, inv_std):
-        ctx.info.elem[stat] = stash
-    if stash != ctx.dtype(x):
-        mean, inv_std = e.cast(mean, ctx.dtype(x)), e.cast(inv_std, ctx.dtype(x))
-    xhat = e.op("Mul", [e.op("Sub", [x, mean]), inv_std])
-    dy = ctx.dy()
-    grads = [None, None, None]
-    if ctx.needs(0):
-        grads[0] = _normalized_input_grad(ctx, e.op("Mul", [dy, scale]), xhat, inv_std, axes)
-    if ctx.needs(1):
-        grads[1] = unbroadcast(ctx, e.op("Mul", [dy, xhat]), scale, ctx.dims(x))
-    if ctx.needs(2):
-        grads[2] = unbroadcast(ctx, dy, ctx.x(2), ctx.dims(x))
-    return grads
-
-
-def _channel_vector(ctx, v, rank):
-    """A [C] vector as [C, 1, ...], broadcastable against [N, C, spatial...]."""
-    return ctx.emit.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
-
-
-def _is_training_batch_norm(ctx):
-    if ctx.opset >= 14:
-        return bool(ctx.attr("training_mode", 0))
-    return len([o for o in ctx.node.output if o]) > 1
-
-
-@register_gradient("BatchNormalization", differentiable=(0, 1, 2))
-def batch_norm_grad(ctx):
-    """Inference form: a per-channel affine map. Training form: batch statistics, as LayerNorm over N and spatial axes.
-
-    The running mean and variance are statistics, not trained: they never get a gradient.
-    """
-    e, x, scale, dy = ctx.emit, ctx.x(0), ctx.x(1), ctx.dy()
-    rank = ctx.rank(x)
-    axes = [0, *range(2, rank)]
-    eps = ctx.const(ctx.attr("epsilon", 1e-5), x)
-    if _is_training_batch_norm(ctx):
-        mean = e.reduce_mean(x, axes)
-        centered = e.op("Sub", [x, mean])
-        var = e.reduce_mean(e.op("Mul", [centered, centered]), axes)
-        inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, eps])])])
-        xhat = e.op("Mul", [centered, inv_std])
-    else:
-        inv_std = _channel_vector(ctx, e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ctx.x(4), eps])])]), rank)
-        xhat = e.op("Mul", [e.op("Sub", [x, _channel_vector(ctx, ctx.x(3), rank)]), inv_std])
-    grads = [None, None, None]
-    if ctx.needs(0):
-        dxhat = e.op("Mul", [dy, _channel_vector(ctx, scale, rank)])
-        if _is_training_batch_norm(ctx):
-            grads[0] = _normalized_input_grad(ctx, dxhat, xhat, inv_std, axes)
-        else:
-            grads[0] = e.op("Mul", [dxhat, inv_std])
-    if ctx.needs(1):
-        grads[1] = e.reduce_sum(e.op("Mul", [dy, xhat]), axes, keepdims=False)
-    if ctx.needs(2):
-        grads[2] = e.reduce_sum(dy, axes, keepdims=False)
-    return grads
-
-
-@register_gradient("InstanceNormalization", differentiable=(0, 1, 2))
-def instance_norm_grad(ctx):
-    """Normalisation over the spatial axes of each (sample, channel), then a per-channel affine map."""
-    e, x, scale, dy = ctx.emit, ctx.x(0), ctx.x(1), ctx.dy()
-    rank = ctx.rank(x)
-    axes = list(range(2, rank))
-    mean = e.reduce_mean(x, axes)
-    centered = e.op("Sub", [x, mean])
-    var = e.reduce_mean(e.op("Mul", [centered, centered]), axes)
-    inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])])
-    xhat = e.op("Mul", [centered, inv_std])
-    grads = [None, None, None]
-    if ctx.needs(0):
-        dxhat = e.op("Mul", [dy, _channel_vector(ctx, scale, rank)])
-        grads[0] = _normalized_input_grad(ctx, dxhat, xhat, inv_std, axes)
-    if ctx.needs(1):
-        grads[1] = e.reduce_sum(e.op("Mul", [dy, xhat]), [0, *axes], keepdims=False)
-    if ctx.needs(2):
-        grads[2] = e.reduce_sum(dy, [0, *axes], keepdims=False)
-    return grads
-
-
-@register_gradient("GroupNormalization")
-def group_norm_grad(ctx):
-    """Normalise x viewed as [N, G, -1]; scale and bias are per group at opset 18, per channel from 21."""
-    e, x, scale, dy = ctx.emit, ctx.x(0), ctx.x(1), ctx.dy()
-    rank, groups = ctx.rank(x), ctx.attr("num_groups")
-    grouped = e.ints([0, groups, -1])
-    xg = e.op("Reshape", [x, grouped])
-    mean = e.reduce_mean(xg, [2])
-    centered = e.op("Sub", [xg, mean])
-    var = e.reduce_mean(e.op("Mul", [centered, centered]), [2])
-    inv_std = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, ctx.const(ctx.attr("epsilon", 1e-5), x)])])])
-    xhat = e.op("Mul", [centered, inv_std])
-    dyg = e.op("Reshape", [dy, grouped])
-    per_channel = ctx.opset >= 21
-    grads = [None, None, None]
-    if ctx.needs(0):
-        if per_channel:
-            dxhat = e.op("Reshape", [e.op("Mul", [dy, _channel_vector(ctx, scale, rank)]), grouped])
-        else:
-            dxhat = e.op("Mul", [dyg, e.unsqueeze(scale, [1])])
-        grads[0] = e.reshape_like(_normalized_input_grad(ctx, dxhat, xhat, inv_std, [2]), x)
-    if per_channel:
-        axes = [0, *range(2, rank)]
-        if ctx.needs(1):
-            grads[1] = e.reduce_sum(e.op("Mul", [dy, e.reshape_like(xhat, x)]), axes, keepdims=False)
-        if ctx.needs(2):
-            grads[2] = e.reduce_sum(dy, axes, keepdims=False)
-    else:
-        if ctx.needs(1):
-            grads[1] = e.reduce_sum(e.op("Mul", [dyg, xhat]), [0, 2], keepdims=False)
-        if ctx.needs(2):
-            grads[2] = e.reduce_sum(dyg, [0, 2], keepdims=False)
-    return grads
-
-
-@register_gradient("Dropout", differentiable=(0,))
 def dropout_grad(ctx):
     """dY * mask / (1 - ratio) in training mode (the node's mask output is added when missing), else dY."""
     training = ctx.x(2)

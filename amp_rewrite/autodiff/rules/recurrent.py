@@ -14,8 +14,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from ..registry import register_gradient
-
 INT64 = TensorProto.INT64
 LSTM_ACTIVATIONS = ["Sigmoid", "Tanh", "Tanh"]
 GRU_ACTIVATIONS = ["Sigmoid", "Tanh"]
@@ -137,7 +135,6 @@ def _sigmoid_slope(e, a: str, elem: int) -> str:
     return e.op("Mul", [a, _one_minus(e, a, elem)])
 
 
-@register_gradient("LSTM", differentiable=(0, 1, 2, 3, 5, 6))
 def lstm_grad(ctx):
     """Recompute the gates from Y (batched), c_t with a forward Scan, then one reverse-time Scan whose
     body is dz_t -> dh_{t-1} = dz_t @ R; weight gradients are MatMuls over all steps."""
@@ -248,7 +245,6 @@ def _finish(ctx, grads, count):
     return result
 
 
-@register_gradient("GRU", differentiable=(0, 1, 2, 3, 5))
 def gru_grad(ctx):
     """Recompute z, r and the candidate from Y (batched), then one reverse-time Scan carrying dh_t;
     linear_before_reset 0 and 1. Weight gradients are MatMuls over all steps."""

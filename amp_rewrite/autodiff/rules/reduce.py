@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from ..registry import register_gradient
-from ._common import expand_reduced, reduce_axes, reduced_with_keepdims
+from amp_rewrite.autodiff.rules._common import expand_reduced, reduce_axes, reduced_with_keepdims
 
 
 def _expanded(ctx):
     return expand_reduced(ctx, ctx.dy(), ctx.x(0))
 
 
-@register_gradient("ReduceSum", differentiable=(0,))
 def reduce_sum_grad(ctx):
     """dY broadcast over the reduced axes."""
     return [_expanded(ctx)]
 
 
-@register_gradient("ReduceMean", differentiable=(0,))
 def reduce_mean_grad(ctx):
     """dY broadcast over the reduced axes, divided by the count (Size(x)/Size(y), dynamic-safe)."""
     e, x = ctx.emit, ctx.x(0)
@@ -28,53 +25,47 @@ def _times_expanded(local):
     def rule(ctx):
         return [ctx.emit.op("Mul", [_expanded(ctx), local(ctx, ctx.emit, ctx.x(0), reduced_with_keepdims(ctx, ctx.y(), ctx.x(0)))])]
 
-    rule.__doc__ = local.__doc__
+    rule.__doc__, rule.__name__ = local.__doc__, local.__name__
     return rule
 
 
-@register_gradient("ReduceSumSquare", differentiable=(0,))
 @_times_expanded
-def _sum_square(ctx, e, x, y):
+def reduce_sum_square_grad(ctx, e, x, y):
     """dY*2x."""
     return e.op("Mul", [x, ctx.const(2, x)])
 
 
-@register_gradient("ReduceL1", differentiable=(0,))
 @_times_expanded
-def _l1(ctx, e, x, y):
+def reduce_l1_grad(ctx, e, x, y):
     """dY*sign(x)."""
     return e.op("Sign", [x])
 
 
-@register_gradient("ReduceL2", differentiable=(0,))
 @_times_expanded
-def _l2(ctx, e, x, y):
+def reduce_l2_grad(ctx, e, x, y):
     """dY*x/y."""
     return e.op("Div", [x, y])
 
 
-@register_gradient("ReduceLogSumExp", differentiable=(0,))
 @_times_expanded
-def _log_sum_exp(ctx, e, x, y):
+def reduce_log_sum_exp_grad(ctx, e, x, y):
     """dY*exp(x-y)."""
     return e.op("Exp", [e.op("Sub", [x, y])])
 
 
-@register_gradient("ReduceLogSum", differentiable=(0,))
 @_times_expanded
-def _log_sum(ctx, e, x, y):
+def reduce_log_sum_grad(ctx, e, x, y):
     """dY*exp(-y) (= dY/sum)."""
     return e.op("Exp", [e.op("Neg", [y])])
 
 
-@register_gradient("ReduceProd", differentiable=(0,))
 @_times_expanded
-def _prod(ctx, e, x, y):
+def reduce_prod_grad(ctx, e, x, y):
     """dY*y/x (inputs must be non-zero)."""
     return e.op("Div", [y, x])
 
 
-def _select_reduce_grad(ctx):
+def select_reduce_grad(ctx):
     """dY to the elements equal to the extreme, split evenly between ties."""
     e, x = ctx.emit, ctx.x(0)
     hit = e.cast(e.op("Equal", [x, reduced_with_keepdims(ctx, ctx.y(), x)]), ctx.dtype(x))
@@ -83,11 +74,6 @@ def _select_reduce_grad(ctx):
     return [e.op("Mul", [_expanded(ctx), e.op("Div", [hit, count])])]
 
 
-register_gradient("ReduceMax", differentiable=(0,))(_select_reduce_grad)
-register_gradient("ReduceMin", differentiable=(0,))(_select_reduce_grad)
-
-
-@register_gradient("CumSum", differentiable=(0,))
 def cumsum_grad(ctx):
     """A cumulative sum in the other direction, with the same exclusive flag."""
     reverse = 1 - ctx.attr("reverse", 0)

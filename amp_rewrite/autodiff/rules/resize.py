@@ -13,8 +13,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from ..registry import register_gradient
-
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
 NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
@@ -179,7 +177,6 @@ def _apply_transpose(ctx, g: str, matrix: str, axis: int, rank: int) -> str:
     return e.op("Transpose", [moved], perm=back)
 
 
-@register_gradient("Resize", differentiable=(0,))
 def resize_grad(ctx):
     """dX = dY times each resized axis' interpolation matrix transposed (nearest, linear, cubic; the matrices are
     built at run time with ORT's float32 coordinate formulas, so dynamic sizes work)."""

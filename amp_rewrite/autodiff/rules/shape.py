@@ -8,21 +8,16 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from ..registry import register_gradient
-from ._common import normalize_axis, unbroadcast
+from amp_rewrite.autodiff.rules._common import normalize_axis, unbroadcast
 
 SCATTER_ADD_SINCE = 16
 
 
-def _back_to_input_shape(ctx):
+def back_to_input_shape(ctx):
+    """dY reshaped to the input's shape (Reshape, Flatten, Squeeze, Unsqueeze)."""
     return [ctx.emit.reshape_like(ctx.dy(), ctx.x(0))]
 
 
-for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
-    register_gradient(_op, differentiable=(0,))(_back_to_input_shape)
-
-
-@register_gradient("Transpose")
 def transpose_grad(ctx):
     """Transpose by the inverse permutation (the default permutation reverses the axes)."""
     perm = ctx.attr("perm") or list(reversed(range(ctx.rank(ctx.x(0)))))
@@ -32,13 +27,11 @@ def transpose_grad(ctx):
     return [ctx.emit.op("Transpose", [ctx.dy()], perm=inverse)]
 
 
-@register_gradient("Expand", differentiable=(0,))
 def expand_grad(ctx):
     """Sum over the broadcast axes."""
     return [unbroadcast(ctx, ctx.dy(), ctx.x(0), ctx.dims(ctx.y()))]
 
 
-@register_gradient("Tile", differentiable=(0,))
 def tile_grad(ctx):
     """View dY as [r0, x0, r1, x1, ...] and sum the repeat axes."""
     e, x = ctx.emit, ctx.x(0)
@@ -48,7 +41,6 @@ def tile_grad(ctx):
     return [e.reduce_sum(blocks, [2 * k for k in range(rank)], keepdims=False)]
 
 
-@register_gradient("Concat")
 def concat_grad(ctx):
     """Split dY along the axis into pieces sized like the inputs (sizes read at run time)."""
     e = ctx.emit
@@ -60,7 +52,6 @@ def concat_grad(ctx):
     return [part if ctx.needs(i) else None for i, part in enumerate(parts)]
 
 
-@register_gradient("Split", differentiable=(0,))
 def split_grad(ctx):
     """Concatenate the output gradients (zeros for outputs that reach no loss)."""
     axis = ctx.attr("axis", 0)
@@ -91,7 +82,6 @@ def _zero(elem):
     return helper.make_tensor("value", elem, [1], [0])
 
 
-@register_gradient("Slice", differentiable=(0,))
 def slice_grad(ctx):
     """Slice the flat positions of x like the forward did, then scatter dY there (dynamic-safe)."""
     x = ctx.x(0)
@@ -117,7 +107,6 @@ def _positive_indices(ctx, indices, dim):
     return e.op("Where", [negative, e.op("Add", [indices, dim]), indices])
 
 
-@register_gradient("Gather", differentiable=(0,))
 def gather_grad(ctx):
     """Scatter-add dY into zeros with the gathered axis moved to the front: ScatterND(reduction='add')
     from opset 16, a one-hot MatMul before (memory grows with indices x axis size)."""
@@ -149,7 +138,6 @@ def gather_grad(ctx):
     return [scattered]
 
 
-@register_gradient("GatherElements", differentiable=(0,))
 def gather_elements_grad(ctx):
     """ScatterElements-add dY into zeros at the gathered positions."""
     _needs_scatter_add(ctx)
@@ -160,7 +148,6 @@ def gather_elements_grad(ctx):
     return [e.op("ScatterElements", [zeros, indices, ctx.dy()], axis=axis, reduction="add")]
 
 
-@register_gradient("GatherND", differentiable=(0,))
 def gather_nd_grad(ctx):
     """ScatterND-add dY into zeros (batch_dims=0)."""
     _needs_scatter_add(ctx)
@@ -170,7 +157,6 @@ def gather_nd_grad(ctx):
     return [ctx.emit.op("ScatterND", [zeros, ctx.x(1), ctx.dy()], reduction="add")]
 
 
-@register_gradient("Pad", differentiable=(0,))
 def pad_grad(ctx):
     """Constant padding: slice the padded border off dY (pads must be constant and non-negative)."""
     if ctx.attr("mode", "constant") != "constant":
