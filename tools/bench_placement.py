@@ -63,7 +63,7 @@ from amp_rewrite.checks import calibrate as cal  # noqa: E402
 from amp_rewrite.checks import validate as val  # noqa: E402
 from amp_rewrite.checks.sessions import open_session  # noqa: E402
 from amp_rewrite.io.skeleton import inference_skeleton  # noqa: E402
-from amp_rewrite.onnx_facts import sort_graphs  # noqa: E402
+from amp_rewrite.ir import sort_graphs  # noqa: E402
 
 ELEM_BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.DOUBLE: 8,
               TensorProto.INT64: 8, TensorProto.INT32: 4, TensorProto.BOOL: 1, TensorProto.INT8: 1,

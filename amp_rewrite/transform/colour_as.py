@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import Plan, Reason, Step
+from amp_rewrite.plan import Plan, Reason, Step
 
 
 def follow(cg: ColouringGraph, plan: Plan, colour_as) -> Plan:
