@@ -18,10 +18,8 @@ import sys
 import numpy as np
 import onnx
 from onnx import numpy_helper
-import onnxruntime as ort
 
 from amp_rewrite.api import rewrite
-from amp_rewrite.checks.sessions import CUDA
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
@@ -30,7 +28,7 @@ from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
-from amp_rewrite.training.runner import PROVIDERS, SessionRunner
+from amp_rewrite.training.runner import SessionRunner, deployment_for
 from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, apply_precision, build_step_graph
 
 PRECISIONS = ("float16", "bfloat16", "float32")
@@ -377,10 +375,9 @@ def _check_optimizer(optimizer) -> Optimizer:
 
 
 def _device_for(provider: str) -> str:
-    """'cuda' or 'cpu', where the step will run: known before the rewrite, which colours for it."""
-    if provider not in PROVIDERS:
-        raise TrainingError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
-    return "cpu" if provider == "cpu" or CUDA not in ort.get_available_providers() else "cuda"
+    """'cuda' or 'cpu', where the step will run (the Deployment resolves `provider`, CUDA probed once
+    per process): known before the rewrite, which colours for it."""
+    return deployment_for(provider).device
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
