@@ -24,6 +24,7 @@ from .contrib import decompose_contrib_ops
 from .emitter import Emitter
 from .graphinfo import GraphIndex, TypeInfo, model_opset
 from .registry import GradContext, lookup
+from amp_rewrite.autodiff.scatter_sums import fold as fold_scatter_sums
 
 MIN_OPSET = 13
 UNCONNECTED = ("none", "zeros")
@@ -66,6 +67,7 @@ def build_gradient_graph(
         from .recompute import apply
 
         apply(builder, recompute)
+    fold_scatter_sums(out.graph)
     return out
 
 
