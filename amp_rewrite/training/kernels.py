@@ -17,8 +17,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis import kernels as analysis_kernels
+from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.onnx_facts import all_graphs, default_opset
 
 LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}

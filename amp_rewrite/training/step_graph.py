@@ -16,11 +16,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from amp_rewrite.errors import TrainingError
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.errors import TrainingError
 from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.report.regions import declare as declare_regions
-from amp_rewrite.training.loss_scale import SCALE_STATE, GOOD_STEPS_STATE, emit_scale_update, initial_scale_state
+from amp_rewrite.training.loss_scale import (
+    GOOD_STEPS_STATE,
+    SCALE_STATE,
+    emit_scale_update,
+    initial_scale_state,
+)
 from amp_rewrite.training.losses import attach_loss
 from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm, zero_slots
 

@@ -23,7 +23,9 @@ from amp_rewrite.api import rewrite
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
-from amp_rewrite.training import feeds as feed_checks, parameters, precision as precision_line, skips
+from amp_rewrite.training import feeds as feed_checks
+from amp_rewrite.training import parameters, skips
+from amp_rewrite.training import precision as precision_line
 from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
