@@ -26,7 +26,7 @@ from amp_rewrite.options import ALIASES, PLACEMENTS, RewriteOptions, option_name
 
 SUFFIX = {"float16": "fp16", "bfloat16": "bf16"}
 DEFAULT = RewriteOptions()  # every option's default is written once, in options.py
-API_ONLY = ("deployment", "check", "force_fp32", "calibration", "fold_noop_casts")  # options without a flag
+API_ONLY = ("deployment", "check", "force_fp32", "colour_as", "calibration", "fold_noop_casts")  # options without a flag
 FLAG_DESTS = {"keep_fp32_nodes": "keep_fp32_node", "dims": "dim"}  # where a flag's name is not its field's
 
 

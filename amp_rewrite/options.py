@@ -51,6 +51,7 @@ class RewriteOptions:
     clamp: bool = False  # clamp out-of-range constants instead of keeping their readers float32
     check: bool = True  # onnx.checker on the result
     force_fp32: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> reason: deny roots
+    colour_as: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> node whose colour it takes
     calibration: object = None  # a checks.calibrate.CalibrationResult: measured deny roots
     annotate: bool = False  # each node's precision and reason written into the result (Netron shows them)
     placement: str = "cost"  # free infer/clear ops: one minimum cut of bytes moved, or "tf" (TF's between-allow rule)
@@ -85,6 +86,7 @@ class RewriteOptions:
         fields["deny"] = fields.get("deny", ()) + _as_tuple(op_block_list)
         fields["keep_fp32_nodes"] = fields.get("keep_fp32_nodes", ()) + _as_tuple(node_block_list)
         fields["force_fp32"] = MappingProxyType(dict(fields.get("force_fp32") or {}))
+        fields["colour_as"] = MappingProxyType(dict(fields.get("colour_as") or {}))
         options = cls(**fields)
         options.check_values()
         return options

@@ -28,7 +28,7 @@ class Step(Enum):
     BLOCKED = "blocked"  # may never be low precision (no list, schema, user pin, range): `detail`
     NOT_PAINTED = "not painted"  # no pass reached it: `detail` says which rule left it float32
     COST_PLACEMENT = "cost placement"  # free infer/clear op coloured by the minimum cut: `detail` says which
-    RECOMPUTED_COPY = "recomputed copy: coloured as its forward original"  # transform/recompute_colours.py
+    COLOURED_AS = "coloured as the node it must match"  # RewriteOptions.colour_as (transform/colour_as.py)
     # not a colour: a node entry's step when the model's own Cast was removed as converting nothing
     # (transform/noop_casts.py); its groups keep the reasons of their colours
     REMOVED_NO_OP = "removed: no-op Cast"

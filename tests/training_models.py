@@ -53,7 +53,10 @@ def softmax_regression_gradient(model, loss, wrt=None, *, grad_output=None, **_)
     batch = "grad/batch"
     g.node.extend([
         helper.make_node("Softmax", ["logits"], ["grad/probs"], name="grad/softmax", axis=-1),
-        helper.make_node("Sub", ["grad/probs", "loss/one_hot"], ["grad/residual"], name="grad/residual"),
+        helper.make_node("Shape", ["logits"], ["grad/logits_shape"], name="grad/logits_shape"),
+        helper.make_node("Gather", ["grad/logits_shape", "grad/last"], ["grad/classes"], name="grad/classes"),
+        helper.make_node("OneHot", ["labels", "grad/classes", "grad/off_on"], ["grad/one_hot"], name="grad/one_hot", axis=-1),
+        helper.make_node("Sub", ["grad/probs", "grad/one_hot"], ["grad/residual"], name="grad/residual"),
         helper.make_node("Shape", ["x"], ["grad/x_shape"], name="grad/x_shape", end=1),
         helper.make_node("Cast", ["grad/x_shape"], ["grad/batch_vec"], name="grad/batch_cast", to=TensorProto.FLOAT),
         helper.make_node("Squeeze", ["grad/batch_vec"], [batch], name="grad/batch"),
@@ -63,6 +66,8 @@ def softmax_regression_gradient(model, loss, wrt=None, *, grad_output=None, **_)
         helper.make_node("ReduceSum", ["grad/logits", "grad/axis0"], ["b_grad"], name="grad/b", keepdims=0),
     ])
     g.initializer.append(helper.make_tensor("grad/axis0", TensorProto.INT64, [1], [0]))
+    g.initializer.append(helper.make_tensor("grad/off_on", TensorProto.FLOAT, [2], [0.0, 1.0]))
+    g.initializer.append(helper.make_tensor("grad/last", TensorProto.INT64, [], [-1]))
     if grad_output is None:
         g.initializer.append(helper.make_tensor(seed, TensorProto.FLOAT, [], [1.0]))
     else:

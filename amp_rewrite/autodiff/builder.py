@@ -24,6 +24,7 @@ from amp_rewrite.autodiff.contrib import decompose_contrib_ops
 from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.autodiff.graphinfo import GraphIndex, TypeInfo, model_opset
 from amp_rewrite.autodiff.registry import lookup
+from amp_rewrite.autodiff.scatter_sums import fold as fold_scatter_sums
 from amp_rewrite.errors import GradientError
 
 MIN_OPSET = 13
@@ -67,6 +68,7 @@ def build_gradient_graph(
         from amp_rewrite.autodiff.recompute import apply
 
         apply(builder, recompute)
+    fold_scatter_sums(out.graph)
     return out
 
 

@@ -36,7 +36,7 @@ AXES_INPUT_SINCE = {
 
 class Emitter:
     """Appends uniquely named nodes and constants to a graph: the one emitter of autodiff (the
-    backward region, `grad/...`) and of training (`loss/`, `amp/`, `opt/`).
+    backward region, `grad/...`) and of training (`loss/`, `scale/`, `opt/`).
 
     Every node and tensor it makes is named under `scope` (`<scope>/<op type>`), so the AMP
     rewrite can pin a whole region with one regex and a reader of the graph sees which part of

@@ -73,6 +73,25 @@ def plan_of(model: onnx.ModelProto) -> RecomputePlan | None:
     return None
 
 
+def copies(model: onnx.ModelProto) -> dict[str, str]:
+    """{copy node: its forward original} of the main graph: what a mixed-precision rewrite must
+    colour alike (`RewriteOptions.colour_as`), so a copy computes what its original did."""
+    if plan_of(model) is None:
+        return {}
+    names = {node.name for node in model.graph.node}
+    return {node.name: node.name[: -len(COPY_SUFFIX)] for node in model.graph.node
+            if node.name.endswith(COPY_SUFFIX) and node.name[: -len(COPY_SUFFIX)] in names}
+
+
+def report_section(model: onnx.ModelProto) -> dict | None:
+    """The recomputed segments for a rewrite report (names, nodes, recomputed tensors), or None."""
+    plan = plan_of(model)
+    if plan is None:
+        return None
+    return {"segments": [{"name": s.name, "nodes": len(s.nodes), "recomputed": list(s.recomputed),
+                          "checkpoints": list(s.checkpoints)} for s in plan.segments]}
+
+
 class Forward:
     """Producers, readers and data dependence of the forward nodes (the first `n` of the graph)."""
 

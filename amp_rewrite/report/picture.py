@@ -106,8 +106,8 @@ def _place(groups, g) -> tuple:
 def page_data(report, model: onnx.ModelProto) -> dict:
     """What the script draws: nodes, reasons, islands, and per region its items, layers and edges."""
     g = report_graph.build(report, model)
-    phases = report_regions.is_step_graph(g.name)
-    groups = report_regions.build(g.name, g.op, g.succ, phases=phases)
+    phases = report_regions.declared(model)
+    groups = report_regions.build(g.name, g.op, g.succ, parts=phases)
     edges, stubs, own_casts, loose = _place(groups, g)
     totals: dict = {}
     _totals(groups, 0, g.kind, own_casts, totals)

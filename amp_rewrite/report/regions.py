@@ -9,6 +9,7 @@ graph size times the tree depth.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -182,16 +183,32 @@ def _runs(groups: list, items: list, target: int, succ: list) -> list[list[int]]
     return chunks
 
 
-# Training step graphs (amp_rewrite.training) name their parts; each is a region of its own.
-PHASES = (("grad/", "backward"), ("opt/", "optimizer"), ("amp/", "loss scale"), ("loss/", "loss"))
+# A model may declare its parts, as [[name prefix, label], ...] in its metadata under this key (a
+# training step graph declares forward, loss, backward, loss scale, optimizer); each part is a
+# region of its own, the first prefix a node's name starts with decides (a "" prefix takes the rest).
+REGIONS_KEY = "amp_rewrite.regions"
+OTHER = "other"  # the part of nodes no declared prefix matches
 
 
-def phase_of(name: str) -> str:
-    return next((phase for prefix, phase in PHASES if name.startswith(prefix)), "forward")
+def declared(model) -> tuple[tuple[str, str], ...]:
+    """The (prefix, label) parts the model declares in its metadata; () when none."""
+    for prop in model.metadata_props:
+        if prop.key == REGIONS_KEY:
+            return tuple((str(prefix), str(label)) for prefix, label in json.loads(prop.value))
+    return ()
 
 
-def is_step_graph(names: list[str]) -> bool:
-    return any(n.startswith("grad/") for n in names) and any(n.startswith(("opt/", "amp/")) for n in names)
+def declare(model, parts) -> None:
+    """Write the (prefix, label) parts into the model's metadata (replacing any declared before)."""
+    kept = [p for p in model.metadata_props if p.key != REGIONS_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = REGIONS_KEY, json.dumps([list(p) for p in parts])
+
+
+def part_of(name: str, parts) -> str:
+    return next((label for prefix, label in parts if name.startswith(prefix)), OTHER)
 
 
 def _region(groups: list, nodes: list, names: list, label: str, parent: int) -> int:
@@ -203,17 +220,17 @@ def _region(groups: list, nodes: list, names: list, label: str, parent: int) -> 
     return _from_trie(trie, label, label, parent, groups)
 
 
-def build(names: list[str], ops: list[str], succ: list, phases: bool = False) -> list[Group]:
+def build(names: list[str], ops: list[str], succ: list, parts=()) -> list[Group]:
     """The region tree of compute nodes 0..n-1 (topological order); groups[0] is the root. With
-    `phases` (a training step graph) the root holds one region per phase."""
+    `parts` (a model's declared (prefix, label) parts) the root holds one region per part."""
     groups: list = []
-    if phases:
+    if parts:
         groups.append(Group("", "", -1))
         members: dict = {}
         for k, name in enumerate(names):
-            members.setdefault(phase_of(name), []).append(k)
-        for phase, nodes in members.items():
-            groups[0].items.append(ref(_region(groups, nodes, names, phase, 0)))
+            members.setdefault(part_of(name, parts), []).append(k)
+        for label, nodes in members.items():
+            groups[0].items.append(ref(_region(groups, nodes, names, label, 0)))
     else:
         _region(groups, range(len(names)), names, "", -1)
     _finish(groups, 0)

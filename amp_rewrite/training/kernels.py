@@ -17,8 +17,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis import kernels as analysis_kernels
+from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.onnx_facts import all_graphs, default_opset
 
 LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
@@ -47,6 +47,58 @@ def refused_nodes(model: onnx.ModelProto, device: str) -> dict[str, str]:
         if reason:
             refused[node.name or node.output[0]] = reason
     return refused
+
+
+def refused_in(model: onnx.ModelProto, target: str) -> dict[str, str]:
+    """{node name: reason} for the nodes of a float32 `model` the CPU provider would refuse in
+    `target`: each node is probed with its float32 slots that admit `target` (by the op's schema)
+    in `target`, before any rewrite, so the rewrite keeps them float32 at once. (CUDA needs no
+    probe: its kernel table is the rewrite's own `provider="cuda"` check.)"""
+    low = next(t for t, name in LOW.items() if name == target)
+    types, shapes = tensor_types(model, shape_inference=True)
+    opset = default_opset(model) or 13
+    refused = {}
+    for node in (node for graph in all_graphs(model.graph) for node in graph.node):
+        if node.op_type in ("Cast", "Constant") or any(a.type in _GRAPHS for a in node.attribute):
+            continue
+        ins = tuple(types.get(n, 0) if n else 0 for n in node.input)
+        outs = tuple(types.get(n, 0) if n else 0 for n in node.output)
+        swapped = _in_target(node, opset, ins, outs, low, target)
+        if swapped is None:
+            continue
+        ranks = tuple(_rank(shapes.get(n)) for n in node.input)
+        attributes = tuple(a.SerializeToString() for a in node.attribute)
+        reason = _cpu_refuses(node.domain, node.op_type, opset, attributes, *swapped, ranks)
+        if reason:
+            refused[node.name or node.output[0]] = reason
+    return refused
+
+
+_GRAPHS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _in_target(node: onnx.NodeProto, opset: int, ins, outs, low: int, target: str):
+    """(ins, outs) with the float32 slots whose type parameter admits `low` set to it; None when
+    no slot changes or the op has no ONNX schema."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return None
+    admits = {c.type_param_str for c in schema.type_constraints if f"tensor({target})" in c.allowed_type_strs}
+    changed = False
+
+    def swap(formals, elems):
+        nonlocal changed
+        out = []
+        for k, elem in enumerate(elems):
+            formal = formals[min(k, len(formals) - 1)] if formals else None
+            if elem == TensorProto.FLOAT and formal is not None and formal.type_str in admits:
+                elem, changed = low, True
+            out.append(elem)
+        return tuple(out)
+
+    swapped = swap(schema.inputs, ins), swap(schema.outputs, outs)
+    return swapped if changed else None
 
 
 def _rank(shape) -> int:

@@ -1,4 +1,4 @@
-"""Loss-scale policies and their state machine, emitted in-graph under the `amp/` prefix.
+"""Loss-scale policies and their state machine, emitted in-graph under the `scale/` prefix.
 
 The scale is float32 state (float16 tops out at 65504, below the default 2^15 times any loss
 above 2), updated in the same session run as the step so a skipped step needs no host round trip.
@@ -16,8 +16,8 @@ import numpy as np
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.autodiff.emitter import Emitter
 
-SCALE_STATE = "amp/loss_scale"
-GOOD_STEPS_STATE = "amp/good_steps"
+SCALE_STATE = "scale/loss_scale"
+GOOD_STEPS_STATE = "scale/good_steps"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The report is the one the Trainer's own rewrite made (`StepGraph.report`); the picture draws the
 float32 step graph with one region per phase: forward, loss, backward (`grad/`), loss scale
-(`amp/`) and optimizer (`opt/`).
+(`scale/`) and optimizer (`opt/`).
 """
 
 from __future__ import annotations

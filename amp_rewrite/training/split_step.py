@@ -3,7 +3,7 @@
 Data parallelism needs a cut between backward and update: every rank computes its gradients,
 the gradients are summed across ranks, then every rank applies the same update. The cut is at
 the unscaled gradients and the finite flag, which the one-graph step already names
-(`amp/unscaled/<weight>`, `amp/skipped`). The gradient graph is everything those depend on; the
+(`scale/unscaled/<weight>`, `scale/skipped`). The gradient graph is everything those depend on; the
 apply graph is everything the next state depends on, reading the (reduced) gradients and the
 (global) skip flag as inputs. Each node goes to exactly one side, so the pair computes what the
 one graph computes, bit for bit when nothing is reduced in between.
@@ -22,8 +22,8 @@ from amp_rewrite.onnx_facts import reads
 from amp_rewrite.training.loss_scale import SCALE_STATE
 from amp_rewrite.training.step_graph import INVERSE_SCALE, SKIPPED_OUTPUT, UNSCALED_PREFIX, StepGraph
 
-REPLICA_SHARE = "amp/replica_share"
-REPLICA_SEED = "amp/replica_seed"
+REPLICA_SHARE = "scale/replica_share"
+REPLICA_SEED = "scale/replica_seed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,4 +106,4 @@ def _prescale_seed(graph: onnx.GraphProto, share: float) -> None:
         if INVERSE_SCALE not in node.output:
             node.input[:] = [REPLICA_SEED if name == SCALE_STATE else name for name in node.input]
     graph.initializer.append(numpy_helper.from_array(np.array(share, np.float32), REPLICA_SHARE))
-    graph.node.insert(0, helper.make_node("Mul", [SCALE_STATE, REPLICA_SHARE], [REPLICA_SEED], name="amp/Mul:replica_seed"))
+    graph.node.insert(0, helper.make_node("Mul", [SCALE_STATE, REPLICA_SHARE], [REPLICA_SEED], name="scale/Mul:replica_seed"))

@@ -16,21 +16,30 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from amp_rewrite.errors import TrainingError
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.errors import TrainingError
 from amp_rewrite.onnx_facts import default_opset, names_in
-from amp_rewrite.training.loss_scale import SCALE_STATE, GOOD_STEPS_STATE, emit_scale_update, initial_scale_state
+from amp_rewrite.report.regions import declare as declare_regions
+from amp_rewrite.training.loss_scale import (
+    GOOD_STEPS_STATE,
+    SCALE_STATE,
+    emit_scale_update,
+    initial_scale_state,
+)
 from amp_rewrite.training.losses import attach_loss
 from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm, emit_warmup, zero_slots
 
 LR_INPUT = "opt/lr"
 STEP_STATE = "opt/step"
-SKIPPED_OUTPUT = "amp/skipped"
-INVERSE_SCALE = "amp/inverse_scale"
-UNSCALED_PREFIX = "amp/unscaled/"  # + weight name: the unscaled gradient (data-parallel split point)
+SKIPPED_OUTPUT = "scale/skipped"
+INVERSE_SCALE = "scale/inverse_scale"
+UNSCALED_PREFIX = "scale/unscaled/"  # + weight name: the unscaled gradient (data-parallel split point)
 # The loss, its backward (autodiff names it grad/<forward node>/...), the seed, loss scaling,
 # finite check and optimizer stay float32: the loss is scaled and gradients unscaled in float32.
-FLOAT32_REGIONS = (r"loss/.*", r"grad/loss/.*", r"grad/seed.*", r"amp/.*", r"opt/.*")
+FLOAT32_REGIONS = (r"loss/.*", r"grad/loss/.*", r"grad/seed.*", r"scale/.*", r"opt/.*")
+# The step's parts, declared in its metadata for the report's picture (report.regions): the first
+# prefix a node's name starts with decides.
+PARTS = (("grad/", "backward"), ("opt/", "optimizer"), ("scale/", "loss scale"), ("loss/", "loss"), ("", "forward"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +83,7 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     graph = with_grads.graph
     nodes: list = []
     initializers: list = []
-    emitter = Emitter(nodes, initializers, opset, names_in(graph), scope="amp")
+    emitter = Emitter(nodes, initializers, opset, names_in(graph), scope="scale")
     state_inputs, next_state = _emit_update(emitter, optimizer, loss_scale, loss_name, grads)
 
     graph.node.extend(nodes)
@@ -99,6 +108,7 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     initial_state.update(initial_scale_state(loss_scale))
     non_batch = set(next_state) | {LR_INPUT}
     batch_inputs = tuple(i.name for i in graph.input if i.name not in non_batch)
+    declare_regions(with_grads, PARTS)
     onnx.checker.check_model(with_grads)
     return StepGraph(with_grads, loss_name, weights, batch_inputs, next_state, initial_state, grads)
 
@@ -248,7 +258,7 @@ def _ensure_scale_input(graph: onnx.GraphProto) -> None:
 
 def _reject_existing_loss_scaling(names: set[str]) -> None:
     """A model that already scales its loss would be scaled twice; say so instead."""
-    clash = sorted(n for n in names if n.startswith(("amp/", "opt/")))
+    clash = sorted(n for n in names if n.startswith(("scale/", "opt/")))
     if clash:
         raise TrainingError(f"model already has loss-scaling/optimizer tensors ({clash[0]!r}): train the plain model")
 
@@ -261,20 +271,34 @@ def _autodiff_builder():
     return build_gradient_graph
 
 
-def apply_precision(step: StepGraph, precision: str, force_fp32: dict[str, str] | None = None) -> StepGraph:
-    """Rewrite forward+backward to `precision` with the loss/scale/optimizer region pinned float32
-    (and the nodes of `force_fp32`, {node: reason}, kept float32 with that reason)."""
+def apply_precision(step: StepGraph, precision: str, device: str = "cpu") -> StepGraph:
+    """The step graph's one mixed-precision rewrite, for the device it runs on: the training region
+    pinned float32, recomputed copies coloured as their originals, and on CPU the nodes the
+    provider refuses in `precision` (probed on the float32 graph first) kept float32."""
     if precision == "float32":
         return step
     from amp_rewrite.api import rewrite
+    from amp_rewrite.autodiff.recompute import copies, report_section
+    from amp_rewrite.training.kernels import refused_in, refused_nodes
 
-    result = rewrite(step.model, precision_options(precision, force_fp32))
+    forced = refused_in(step.model, precision) if device == "cpu" else {}
+    result = rewrite(step.model, precision_options(precision, forced, device, copies(step.model)))
+    missed = refused_nodes(result.model, device) if device == "cpu" else {}
+    if missed:  # a refusal the probe of the float32 graph did not foresee (none known): rewrite once more
+        result = rewrite(step.model, precision_options(precision, forced | missed, device, copies(step.model)))
+    section = report_section(step.model)
+    if section:
+        result.report.sections["recompute"] = section
     return dataclasses.replace(step, model=result.model, report=result.report)
 
 
-def precision_options(precision: str, force_fp32: dict[str, str] | None = None):
-    """The rewrite options of a step graph: the training region pinned float32, and the target's
-    training lists (op_lists/training_<target>.yaml, where shipped) over its inference lists."""
+def precision_options(precision: str, force_fp32: dict[str, str] | None = None, device: str = "cpu",
+                      colour_as: dict[str, str] | None = None):
+    """The rewrite options of a step graph on `device`: the training region pinned float32, the
+    target's training lists (op_lists/training_<target>.yaml, where shipped) over its inference
+    lists, `force_fp32` ({node: reason}) kept float32, `colour_as` ({node: node}) coloured alike.
+    On CUDA the provider's kernel table applies; on CPU none does (ONNX Runtime's CPU provider runs
+    a float16 node it has no kernel for in float32 between Casts of its own), only `force_fp32`."""
     from amp_rewrite.analysis.oplists import shipped_path
     from amp_rewrite.errors import OpListError
     from amp_rewrite.options import RewriteOptions
@@ -284,4 +308,5 @@ def precision_options(precision: str, force_fp32: dict[str, str] | None = None):
     except OpListError:  # no training-only entries for this target
         training_lists = ()
     return RewriteOptions.of(target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS,
-                             force_fp32=force_fp32, op_lists=training_lists)
+                             force_fp32=force_fp32, op_lists=training_lists, colour_as=colour_as,
+                             provider="cuda" if device == "cuda" else "any")

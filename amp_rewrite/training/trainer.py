@@ -23,7 +23,9 @@ from amp_rewrite.api import rewrite
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
-from amp_rewrite.training import feeds as feed_checks, kernels, parameters, precision as precision_line, skips
+from amp_rewrite.training import feeds as feed_checks
+from amp_rewrite.training import parameters, skips
+from amp_rewrite.training import precision as precision_line
 from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
@@ -76,6 +78,7 @@ class Trainer:
         self.precision = _check_choice("precision", precision, PRECISIONS)
         _check_distributed(distributed, distributed_options)
         _check_threads(threads)
+        device = _device_for(provider)
         say = _say if verbose else (lambda line: None)
         self._model, found = prepare(_load_model(model, say), say)
         self.optimizer = _check_optimizer(optimizer)
@@ -91,8 +94,7 @@ class Trainer:
                                 recompute)
         self.recompute_plan = _recompute_plan(step.model)
         self._float_step = step.model  # what `report` draws
-        self.step_graph: StepGraph = apply_precision(step, self.precision)
-        self._keep_refused_fp32(step, provider)
+        self.step_graph: StepGraph = apply_precision(step, self.precision, device)
         self._feed_check = feed_checks.FeedCheck.of(self.step_graph.model, self.step_graph.batch_inputs, loss, self._model)
         sizes = {w: step.initial_state[w].size for w in step.weights}
         initial = step.initial_state
@@ -181,20 +183,6 @@ class Trainer:
         bad = skips.nonfinite_tensors(self.step_graph.model, self.step_graph.loss_output, self.step_graph.gradients,
                                       feeds, self.device)
         logging.getLogger("amp_rewrite.training").warning(skips.warning_text(self._skips_in_row, bad))
-
-    def _keep_refused_fp32(self, step: StepGraph, provider: str) -> None:
-        """Keep float32 the low-precision nodes the provider the session will get cannot run
-        (the reason goes to the step graph's report)."""
-        forced = self._forced_fp32 = {}
-        if self.precision == "float32":
-            return
-        device = _device_for(self.step_graph.model, provider, self.precision)
-        for _ in range(3):
-            refused = kernels.refused_nodes(self.step_graph.model, device)
-            if not refused.keys() - forced.keys():
-                return
-            forced |= refused
-            self.step_graph = apply_precision(step, self.precision, force_fp32=forced)
 
     @property
     def trainable(self) -> list[str]:
@@ -391,8 +379,9 @@ def _check_optimizer(optimizer) -> Optimizer:
     return optimizer
 
 
-def _device_for(model: onnx.ModelProto, provider: str, precision: str) -> str:
-    """'cuda' or 'cpu': where the Deployment resolves `provider` (CUDA probed once per process)."""
+def _device_for(provider: str) -> str:
+    """'cuda' or 'cpu', where the step will run (the Deployment resolves `provider`, CUDA probed once
+    per process): known before the rewrite, which colours for it."""
     return deployment_for(provider).device
 
 

@@ -23,8 +23,7 @@ from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.onnx_facts import opsets
 from amp_rewrite.report import flops as report_flops, report as report_mod
-from amp_rewrite.transform import materialise as materialise_mod, scaling as scaling_mod, weights
-from amp_rewrite.transform.recompute_colours import follow_originals, report_section
+from amp_rewrite.transform import colour_as, materialise as materialise_mod, scaling as scaling_mod, weights
 
 
 @dataclass
@@ -122,8 +121,8 @@ def scan_constants(w: Work) -> None:
 
 
 def colour(w: Work) -> None:
-    w.plan = follow_originals(w.model, w.cg, paint.colour(w.cg, low_io=w.low_io,
-                                                          placement=w.options.placement))
+    w.plan = colour_as.follow(w.cg, paint.colour(w.cg, low_io=w.low_io, placement=w.options.placement),
+                              w.options.colour_as)
 
 
 def estimate_flops(w: Work) -> None:
@@ -162,9 +161,6 @@ def report(w: Work) -> None:
     if w.options.dims and not sizes_dims(w.model):
         rep.notes.append(f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
                          f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates")
-    recompute = report_section(w.model)
-    if recompute:
-        rep.sections["recompute"] = recompute
     if w.scaling is not None and w.scaling.regions:
         scaling_mod.add_to_report(rep, w.scaling)
     changed = bool(w.materialised.casts or w.materialised.removed_casts or w.low_io or paint.LOW in w.plan.colour.values()

@@ -42,13 +42,10 @@ def loss_model(nodes, inputs, weights, out_shape, opset=17, seed=5, elem=FLOAT):
 def float16_outputs(grad_model, feeds):
     """Run the gradient graph as a float16 training step runs it on CPU."""
     from amp_rewrite import rewrite
-    from amp_rewrite.training.kernels import refused_nodes
+    from amp_rewrite.training.kernels import refused_in
     from amp_rewrite.training.step_graph import precision_options
 
-    result = rewrite(grad_model, precision_options("float16"))
-    refused = refused_nodes(result.model, "cpu")
-    if refused:
-        result = rewrite(grad_model, precision_options("float16", refused))
+    result = rewrite(grad_model, precision_options("float16", refused_in(grad_model, "float16")))
     assert result.report.summary["nodes_low"] > 0
     names = [o.name for o in result.model.graph.output]
     return dict(zip(names, session(result.model).run(None, feeds)))

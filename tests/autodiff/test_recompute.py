@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.autodiff import build_gradient_graph
-from amp_rewrite.autodiff.recompute import COPY_SUFFIX, plan_of
+from amp_rewrite.autodiff.recompute import COPY_SUFFIX, copies, plan_of, report_section
 from amp_rewrite.errors import GradientError
 from amp_rewrite.training.step_graph import precision_options
 from helpers import IR_VERSION
@@ -235,11 +235,13 @@ def test_mixed_precision_copies_coloured_like_originals_and_close():
     feeds = feeds_for(model, 3)
     options = precision_options("float16")  # a gradient graph: the training lists, as the Trainer uses them
     plain = amp_rewrite.rewrite(build_gradient_graph(model, "loss"), options).model
-    result = amp_rewrite.rewrite(build_gradient_graph(model, "loss", recompute=PER_LAYER), options)
+    recomputing = build_gradient_graph(model, "loss", recompute=PER_LAYER)
+    result = amp_rewrite.rewrite(recomputing, options.replace(colour_as=copies(recomputing)))
+    result.report.sections["recompute"] = report_section(recomputing)  # what the Trainer's rewrite adds
     precision = {n["name"]: n["precision"] for n in result.report.nodes}
-    copies = [name for name in precision if name.endswith(COPY_SUFFIX)]
-    assert len(copies) > 20 and "float16" in {precision[c] for c in copies}
-    assert all(precision[c] == precision[c[: -len(COPY_SUFFIX)]] for c in copies)
+    copied = [name for name in precision if name.endswith(COPY_SUFFIX)]
+    assert len(copied) > 20 and "float16" in {precision[c] for c in copied}
+    assert all(precision[c] == precision[c[: -len(COPY_SUFFIX)]] for c in copied)
     assert [s["name"] for s in result.report.sections["recompute"]["segments"]] == ["layer0/", "layer1/"]
     assert "recomputed segments (2): layer0/" in result.report.to_text()
     expected, got = run(plain, feeds), run(result.model, feeds)

@@ -165,6 +165,20 @@ def test_training_step_graph_shows_its_phases_apart(pictures):
     assert {r["data-label"]: int(r["data-nodes"]) for r in cli.open_regions} == phases
 
 
+def test_regions_are_the_parts_a_model_declares_not_name_prefixes():
+    """The compiler knows no training prefix: nodes named like a step graph's are one region
+    until the model declares its parts (report.regions.REGIONS_KEY, as training's step graph does)."""
+    nodes = [node("MatMul", ["x", "w"], ["h"], name="grad/MatMul"), node("Relu", ["h"], ["r"], name="opt/Relu"),
+             node("Relu", ["r"], ["y"], name="fw/Relu")]
+    model = make_model(nodes, [tensor("x", [2, 2])], [tensor("y", [2, 2])],
+                       [init("w", np.ones((2, 2), np.float32))])
+    assert report_page.page_data(rewrite(model).report, model)["open"] == []
+    report_regions.declare(model, [("grad/", "backward"), ("opt/", "optimizer")])
+    data = report_page.page_data(rewrite(model).report, model)
+    labels = [data["groups"][~item]["l"] for item in data["groups"][0]["i"]]
+    assert labels == ["backward", "optimizer", report_regions.OTHER] and len(data["open"]) == 3
+
+
 def crossings(layers: list[list[int]], edges) -> int:
     where = {e: (lay, k) for lay, row in enumerate(layers) for k, e in enumerate(row)}
     segments = [(where[a][1], where[b][1], where[a][0]) for a, b, _ in edges if where[b][0] == where[a][0] + 1]

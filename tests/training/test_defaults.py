@@ -97,6 +97,19 @@ def test_float16_gather_gradient_stays_float32_on_cpu_with_a_reason():
     assert not any(r.skipped for r in results) and results[-1].loss < 0.7 * results[0].loss
 
 
+def test_one_rewrite_per_trainer_for_the_device_it_runs_on(monkeypatch):
+    """The step graph is rewritten once, for its device (the CPU refusals probed on the float32
+    graph first), and `report()` returns that rewrite's report, no rewrite again."""
+    import amp_rewrite.api
+
+    real, calls = amp_rewrite.api.rewrite, []
+    monkeypatch.setattr(amp_rewrite.api, "rewrite", lambda model, options: calls.append(options) or real(model, options))
+    trainer = Trainer(lm_like(), optimizer=AdamW(1e-2), precision="float16", provider="cpu", verbose=False)
+    assert trainer.report() is trainer.step_graph.report
+    [options] = calls
+    assert options.provider == "any" and any("refuses ScatterND" in why for why in options.force_fp32.values())
+
+
 def test_float16_gather_gradient_inside_an_if_body_stays_float32_on_cpu():
     """ONNX Runtime runs If bodies only when the step runs: the refused float16 ScatterND of a Gather
     inside a branch (silero-vad-ifless) is found in the body and kept float32, so the step runs."""

@@ -53,7 +53,7 @@ def test_prescaled_seed_scales_the_gradients_not_the_loss():
     quarter = _run(split_step_graph(step, 0.25).gradient, batch)
     assert quarter[step.loss_output] == full[step.loss_output]
     for w in step.weights:
-        np.testing.assert_array_equal(quarter[f"amp/unscaled/{w}"], full[f"amp/unscaled/{w}"] * np.float32(0.25))
+        np.testing.assert_array_equal(quarter[f"scale/unscaled/{w}"], full[f"scale/unscaled/{w}"] * np.float32(0.25))
 
 
 def _run(model, feeds):
@@ -155,7 +155,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(nonfinite_run):
         assert result["skipped"].tolist() == [False, False, True, False]
         assert result["scales"].tolist() == [2.0**15, 2.0**15, 2.0**14, 2.0**14]
         for key in result.files:
-            if key.startswith("before/") and "amp/" not in key:  # weights, slots, step count
+            if key.startswith("before/") and "scale/" not in key:  # weights, slots, step count
                 assert result[key].tobytes() == result[key.replace("before/", "after/")].tobytes(), key
     for key in ranks[0].files:
         assert ranks[0][key].tobytes() == ranks[1][key].tobytes(), key  # equal everywhere, loss scale included

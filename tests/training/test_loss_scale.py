@@ -34,9 +34,9 @@ def test_nonfinite_step_is_skipped_with_state_bit_identical_and_scale_halved(val
     assert result.skipped and result.loss_scale == 2.0**14
     assert trainer.step_count == 1
     for name, array in before.items():
-        if not name.startswith("amp/"):
+        if not name.startswith("scale/"):
             assert after[name].tobytes() == array.tobytes(), name
-    assert after["amp/good_steps"] == 0
+    assert after["scale/good_steps"] == 0
 
 
 def test_overflowing_scaled_gradient_is_skipped_although_the_loss_is_finite():

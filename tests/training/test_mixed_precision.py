@@ -39,7 +39,7 @@ def test_float16_step_graph_computes_matmuls_in_float16_and_keeps_the_training_r
     model = make_trainer().step_graph.model
     low = float16_tensors(model)
     assert {"logits", "W_grad"} <= low
-    assert not any(name.startswith(("loss/", "opt/")) or name == "amp/loss_scale" for name in low)
+    assert not any(name.startswith(("loss/", "opt/")) or name == "scale/loss_scale" for name in low)
     assert all(i.type.tensor_type.elem_type != TensorProto.FLOAT16 for i in model.graph.input)
     assert all(o.type.tensor_type.elem_type != TensorProto.FLOAT16 for o in model.graph.output)
 
@@ -50,7 +50,7 @@ def test_float16_steps_track_float32_steps_on_ort_and_on_the_reference_evaluator
     for batch in batches:
         expected = reference_step(mixed, batch)
         result, reference = mixed.step(batch), full.step(batch)
-        assert not result.skipped and not expected["amp/skipped"]
+        assert not result.skipped and not expected["scale/skipped"]
         assert result.loss == pytest.approx(reference.loss, rel=1e-2, abs=1e-3)
         assert result.loss == pytest.approx(float(expected[mixed.step_graph.loss_output]), rel=1e-2, abs=1e-3)
         for name, array in full.weights().items():
@@ -63,14 +63,14 @@ def test_float16_gradient_overflow_is_caught_in_graph_and_leaves_state_bit_ident
     """At scale 2^24 the float16 logits gradient overflows (65504 max): the step must be skipped."""
     trainer = make_trainer()
     state = trainer.state()
-    state["amp/loss_scale"] = np.array(2.0**24, np.float32)
+    state["scale/loss_scale"] = np.array(2.0**24, np.float32)
     out = reference_step(trainer, classification_batches(count=1)[0], state)
-    assert bool(out["amp/skipped"]) and float(out["amp/loss_scale/next"]) == 2.0**23
+    assert bool(out["scale/skipped"]) and float(out["scale/loss_scale/next"]) == 2.0**23
     for name in trainer.step_graph.weights:
         assert out[f"{name}/next"].tobytes() == state[name].tobytes()
-    state["amp/loss_scale"] = np.array(2.0**10, np.float32)
+    state["scale/loss_scale"] = np.array(2.0**10, np.float32)
     out = reference_step(trainer, classification_batches(count=1)[0], state)
-    assert not bool(out["amp/skipped"])
+    assert not bool(out["scale/skipped"])
 
 
 def test_training_keeps_layernorm_and_softmax_float32_in_float16_only():

@@ -30,15 +30,15 @@ def test_the_step_updates_the_one_copy_of_the_state_in_place():
 def _state_graph(reader_after_writer: bool):
     """w/next = a gated update of w; m/next = m + (w or x): a reader of w the writer does not wait for."""
     nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
-             helper.make_node("IsNaN", ["s"], ["amp/skipped"]),
-             helper.make_node("Not", ["amp/skipped"], ["ok"]),
+             helper.make_node("IsNaN", ["s"], ["scale/skipped"]),
+             helper.make_node("Not", ["scale/skipped"], ["ok"]),
              helper.make_node("Mul", ["w", "s"], ["new"]),
              helper.make_node("Where", ["ok", "new", "w"], ["w/next"])]
     read = "w" if reader_after_writer else "x"
     nodes.append(helper.make_node("Add", ["m", read], ["m/next"], name="late_reader"))
     value = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [2])  # noqa: E731
     graph = helper.make_graph(nodes, "g", [value("x"), value("w"), value("m")],
-                              [value("w/next"), value("m/next"), helper.make_tensor_value_info("amp/skipped", TensorProto.BOOL, [])])
+                              [value("w/next"), value("m/next"), helper.make_tensor_value_info("scale/skipped", TensorProto.BOOL, [])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 

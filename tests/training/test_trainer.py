@@ -133,8 +133,8 @@ def test_step_graph_keeps_ir_version_and_pins_training_nodes_under_prefixes():
     model = trainer.step_graph.model
     assert model.ir_version == softmax_regression().ir_version
     own = [n for n in model.graph.node if not n.name.startswith(("grad/", "fc"))]
-    assert own and all(n.name.startswith(("loss/", "amp/", "opt/")) for n in own)
-    assert {o.name for o in model.graph.output} >= {"amp/skipped", "W/next", "amp/loss_scale/next"}
+    assert own and all(n.name.startswith(("loss/", "scale/", "opt/")) for n in own)
+    assert {o.name for o in model.graph.output} >= {"scale/skipped", "W/next", "scale/loss_scale/next"}
 
 
 def test_opset_13_and_18_step_graphs_train_identically_and_keep_their_opset():

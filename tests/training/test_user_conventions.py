@@ -51,6 +51,28 @@ def test_cross_entropy_matches_torch(labels, options):
     assert t.step(feeds).loss == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.2}], ids=["plain", "smoothing"])
+def test_cross_entropy_gradient_through_a_batched_matmul_matches_torch(options):
+    """The cross-entropy's gradient (softmax x dY, the labels' part scattered into it: no one-hot,
+    `autodiff.scatter_sums`) through a [batch, seq, hidden] x [hidden, classes] MatMul (one product
+    over every row: `rules.linalg`) equals torch's autograd: one SGD(lr=1) step gives W - dW."""
+    torch = pytest.importorskip("torch", reason="the reference is torch's autograd")
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.5, (FEATURES, 5)).astype(np.float32)
+    model = make_model([node("MatMul", ["x", "W"], ["logits"])], [tensor("x", ["N", 3, FEATURES])],
+                       [tensor("logits", ["N", 3, 5])], [init("W", w)])
+    feeds = {"x": rng.standard_normal((2, 3, FEATURES)).astype(np.float32),
+             "labels": np.array([[0, 4, -100], [2, 2, 1]], np.int64)}
+    t = trainer(CrossEntropy(**options), model=model, optimizer=SGD(1.0))
+    graph = t.step_graph.model.graph
+    assert not any(n.op_type in ("OneHot", "ConstantOfShape") for n in graph.node)
+    t.step(feeds)
+    weight = torch.tensor(w, requires_grad=True)
+    logits = torch.tensor(feeds["x"]) @ weight
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 5), torch.tensor(feeds["labels"]).reshape(-1), **options).backward()
+    np.testing.assert_allclose(w - t.weights()["W"], weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("labels, message", [
     ([0, 1, 3, 2, 5, 1, 0, 0], r"^labels: 2 of this batch's labels are outside \[0, 3\) \(values 3, 5\); the ignore index is -100$"),
     ([0, -1, 2, 2, 0, 1, 1, 0], r"outside \[0, 3\) \(values -1\)"),

@@ -14,7 +14,7 @@ def matmul_grad(ctx):
     e = ctx.emit
     a, b, dy = ctx.x(0), ctx.x(1), ctx.dy()
     a_dims, b_dims, y_dims = ctx.dims(a), ctx.dims(b), ctx.dims(ctx.y())
-    if (a_dims is None or y_dims is None) and b_dims is not None and len(b_dims) == 2 \
+    if (a_dims is None or y_dims is None or len(a_dims) > 2) and b_dims is not None and len(b_dims) == 2 \
             and all(isinstance(d, int) for d in b_dims):
         return _matmul_by_matrix_grad(ctx, a, b, dy, b_dims)
     if a_dims is None or b_dims is None or y_dims is None:
@@ -41,8 +41,9 @@ def matmul_grad(ctx):
 
 
 def _matmul_by_matrix_grad(ctx, a, b, dy, b_dims):
-    """A of unknown rank (>= 2) times a [K, N] matrix, as a Linear layer: dA = dY @ B^T; dB over
-    every row of A flattened, A[-1, K]^T @ dY[-1, N], so no rank is needed."""
+    """A of rank >= 2 (known or not) times a [K, N] matrix, as a Linear layer: dA = dY @ B^T; dB
+    over every row of A flattened, A[-1, K]^T @ dY[-1, N]: one matrix product, no rank needed, and
+    no [batch, K, N] stack of per-batch products to sum (500 MB for a BERT's decoder at batch 16)."""
     e = ctx.emit
     k, n = b_dims
     grads = [None, None]

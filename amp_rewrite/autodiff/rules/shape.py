@@ -139,13 +139,18 @@ def gather_grad(ctx):
 
 
 def gather_elements_grad(ctx):
-    """ScatterElements-add dY into zeros at the gathered positions."""
-    _needs_scatter_add(ctx)
+    """ScatterElements-add dY into zeros at the gathered positions. Before opset 16 (no add) only
+    one index per line along the axis is differentiable (a cross-entropy's label): no two land on
+    one element, so a plain scatter is the sum."""
     e, x = ctx.emit, ctx.x(0)
     axis = normalize_axis(ctx.attr("axis", 0), ctx.rank(x))
+    one_per_line = (ctx.dims(ctx.x(1)) or [None] * (axis + 1))[axis] == 1
+    if not one_per_line or ctx.opset >= SCATTER_ADD_SINCE:
+        _needs_scatter_add(ctx)
     indices = _positive_indices(ctx, ctx.x(1), _dim_scalar(ctx, x, axis))
     zeros = ctx.emit.zeros_like(x, ctx.dtype(x))
-    return [e.op("ScatterElements", [zeros, indices, ctx.dy()], axis=axis, reduction="add")]
+    add = {"reduction": "add"} if ctx.opset >= SCATTER_ADD_SINCE else {}
+    return [e.op("ScatterElements", [zeros, indices, ctx.dy()], axis=axis, **add)]
 
 
 def gather_nd_grad(ctx):
