@@ -31,8 +31,21 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+EPILOG = """commands:
+  amp-rewrite explain MODEL.onnx NODE [options]
+                        why NODE got its precision, as a chain (the same as MODEL.onnx --explain NODE)
+
+exit codes: 0 ok, 2 bad arguments, 3 bad model, 4 bad op list, 5 output not writable,
+6 validation over tolerance, 1 anything else refused, 130/143 interrupted"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="amp-rewrite", description="Rewrite an ONNX model for mixed precision (float16/bfloat16).")
+    from amp_rewrite import __version__
+    from amp_rewrite.analysis.oplists import default_list_path
+
+    p = _Parser(prog="amp-rewrite", description="Rewrite an ONNX model for mixed precision (float16/bfloat16).",
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"amp-rewrite {__version__}")
     p.add_argument("model", help="input .onnx file (never modified)")
     p.add_argument("-o", "--output", help="output file (default: MODEL.fp16.onnx beside the input)")
     p.add_argument("--target", choices=TARGETS, default="float16", help="low-precision type (default float16)")
@@ -51,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", action="append", default=[], metavar="OP",
                        help=f"put op type OP in the {name} list (repeatable; 'domain:Op' for other domains)")
     p.add_argument("--op-lists", action="append", default=[], metavar="FILE.yaml",
-                   help="YAML file of list overrides (same format as op_lists/float16.yaml)")
+                   help=f"YAML file of list overrides (same format as the shipped {default_list_path('float16')})")
     p.add_argument("--keep-fp32-node", action="append", default=[], metavar="NAME_OR_REGEX",
-                   help="keep nodes whose name equals or fully matches this regex in float32")
+                   help="keep nodes whose name equals or fully matches this regex in float32 (one that matches "
+                        "no node is an error)")
     p.add_argument("--clamp", action="store_true",
                    help="clamp constants outside the target range instead of keeping their consumers float32")
     p.add_argument("--annotate", action="store_true",
@@ -106,8 +120,9 @@ def _add_check_arguments(p) -> None:
     g.add_argument("--rtol", type=float, default=1e-2, help="relative tolerance (default 1e-2)")
     g.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
     g.add_argument("--safety", type=float, default=4.0, help="calibration margin: limit is max/SAFETY (default 4)")
-    g.add_argument("--reference", choices=("auto", "always", "never"), default="auto",
-                   help="also run onnx.reference on CPU, which keeps float16 (auto: models up to 2000 nodes)")
+    g.add_argument("--reference", nargs="?", const="always", choices=("auto", "always", "never"), default="auto",
+                   help="also run onnx.reference on CPU, which keeps float16 (--reference alone: always; auto: "
+                        "when its estimated work is small, about 20 s)")
     g.add_argument("--max-runs", type=int, default=10, help="validation runs the --tolerance search may use")
     g.add_argument("--progress", action="store_true", default=None, help="progress bars even when not a terminal")
 
@@ -145,6 +160,25 @@ def output_plan(args, source: Path, output: Path) -> OutputPlan:
     return plan
 
 
+def check_keep_patterns(model, patterns) -> None:
+    """A --keep-fp32-node that names or fully matches no node is a typo that would pin nothing."""
+    if not patterns:
+        return
+    import re
+
+    from amp_rewrite.onnx_facts import all_graphs
+
+    names = [n.name for g in all_graphs(model.graph) for n in g.node if n.name]
+    for pattern in patterns:
+        compiled = re.compile(pattern)
+        if not any(name == pattern or compiled.fullmatch(name) for name in names):
+            import difflib
+
+            close = difflib.get_close_matches(pattern, names, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise UsageError(f"--keep-fp32-node {pattern!r} names or fully matches no node{hint}")
+
+
 def run(args) -> int:
     options = rewrite_options(args)  # bad option values fail before anything is read
     fallback.check_values(samples_count=args.samples, safety=args.safety, rtol=args.rtol, atol=args.atol,
@@ -159,6 +193,7 @@ def run(args) -> int:
     # onnx.checker: up front when the original runs in ONNX Runtime, else once, on the rewrite
     runs_original = args.validate or args.calibrate or args.tolerance
     loaded = load(source, lazy_weights=not needs_weights, checker=bool(runs_original), outputs=plan)
+    check_keep_patterns(loaded.model, args.keep_fp32_node)
     checked = fallback.check(
         loaded, inputs=args.inputs, dims=dict(options.dims), samples_count=args.samples,
         validate=args.validate, calibrate=args.calibrate or args.tolerance, tolerance=args.tolerance,
@@ -193,6 +228,15 @@ def run(args) -> int:
     return 0
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so Python's flush at exit does not report the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (a test's capture): nothing to flush at exit
+        pass
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the process is, so every write on the way out removes its temporaries."""
 
@@ -210,6 +254,11 @@ def main(argv=None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         return run(build_parser().parse_args(argv))
+    except BrokenPipeError:  # `amp-rewrite ... | head`: the reader left, which is no error of ours
+        _quiet_stdout()
+        return 0
+    except SystemExit as exc:  # --version, --help
+        return exc.code if isinstance(exc.code, int) else 0
     except AmpRewriteError as exc:
         print(f"amp-rewrite: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -39,7 +39,7 @@ from onnx import TensorProto
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
-from amp_rewrite.checks.sessions import open_session
+from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.io import load
 from amp_rewrite.transform.weights import LIMITS
 
@@ -222,7 +222,7 @@ def calibrate(model, samples=None, *, target: str = "float16", safety: float = D
             if name in producers:
                 consumers.setdefault(name, []).append((_node_key(node), node.op_type))
     exposed = val.expose(model, list(producers))
-    sess, used = open_session(exposed, provider)
+    sess, used = open_checked(exposed, provider, progress=progress, label="calibrate")
     names = [o.name for o in sess.get_outputs() if o.name in producers]
     ranges = {n: TensorRange(n, *producers[n]) for n in names}
     flush = FLUSH[target]

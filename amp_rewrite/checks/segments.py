@@ -1,0 +1,151 @@
+"""Run a large model in ONNX Runtime as a chain of sessions over consecutive pieces of its graph.
+
+ONNX Runtime's session creation grows faster than the node count (the synthetic stacks,
+CPU, float16 rewrite: 1k nodes 0.3 s, 10k nodes 10-37 s; its cast insertion and graph passes
+revisit the whole graph), while the checks' runs are cheap. Cut into pieces of at most
+SEGMENT_NODES nodes in the graph's (topological) order, each piece its own session, setup is
+linear: each piece, one intra-op thread (a thread pool per session costs more to start than
+the checks' few runs gain from it), reads the tensors earlier pieces made (kept only until their last reader) and
+its own weights. Fusions across a cut are lost; the numbers of every node are otherwise ORT's own.
+
+`open_checked(model, provider)` returns ORT's session for small models and a `SegmentedSession`
+with the same `run` / `get_outputs` / `get_providers` for large ones, with a progress line for
+the setup. A graph the cut cannot describe (a tensor of unknown or non-tensor type crossing it,
+nodes out of order) runs whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+from onnx import helper
+
+from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.checks.sessions import open_session, session_options
+from amp_rewrite.progress import Progress
+
+SEGMENT_NODES = 200  # measured (10k-node stacks, CPU): 100-250 cost least; larger grows superlinearly
+
+
+@dataclass(frozen=True)
+class _Output:
+    name: str
+
+
+@dataclass
+class _Piece:
+    session: object
+    inputs: list  # names fed from earlier pieces or the graph inputs
+    outputs: list  # names this piece makes that later pieces, or the caller, read
+
+
+def _used_names(node: onnx.NodeProto) -> list:
+    """Inputs of `node`, and every name its subgraphs read (outer-scope values included)."""
+    names = list(node.input)
+    for attr in node.attribute:
+        for graph in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            for inner in graph.node:
+                names.extend(_used_names(inner))
+    return names
+
+
+def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
+    """[(nodes, inputs, outputs)] per piece, or None when the model should run whole."""
+    graph = model.graph
+    nodes = list(graph.node)
+    if len(nodes) <= size:
+        return None
+    pieces = [nodes[i:i + size] for i in range(0, len(nodes), size)]
+    initializers = {i.name for i in graph.initializer}
+    made_in: dict = {}
+    for index, piece in enumerate(pieces):
+        for node in piece:
+            for name in node.output:
+                if name:
+                    made_in[name] = index
+    graph_inputs = {v.name for v in graph.input}
+    last_read: dict = {}
+    reads = []
+    for index, piece in enumerate(pieces):
+        used = list(dict.fromkeys(n for node in piece for n in _used_names(node) if n))
+        outer = [n for n in used if made_in.get(n, -1) != index and n not in initializers
+                 and (n in made_in or n in graph_inputs)]
+        if any(made_in.get(n, -1) > index for n in outer):
+            return None  # not in topological order
+        for name in outer:
+            last_read[name] = index
+        reads.append((used, outer))
+    wanted = {o.name for o in graph.output}
+    if any(n not in made_in for n in wanted):
+        return None  # an output that is an input or a weight: rare, run whole
+    out = []
+    for index, (piece, (used, outer)) in enumerate(zip(pieces, reads)):
+        made = [n for node in piece for n in node.output if n]
+        outputs = [n for n in made if n in wanted or last_read.get(n, -1) > index]
+        out.append((piece, outer, [n for n in used if n in initializers], outputs))
+    return out
+
+
+class SegmentedSession:
+    """ORT sessions over consecutive pieces of one graph, run as one model."""
+
+    def __init__(self, pieces: list, outputs: list, provider_used: str):
+        self.pieces = pieces
+        self._outputs = outputs
+        self._provider = provider_used
+        last: dict = {}
+        for index, piece in enumerate(pieces):
+            for name in piece.inputs:
+                last[name] = index
+        self._last_read = last
+
+    def get_outputs(self) -> list:
+        return [_Output(n) for n in self._outputs]
+
+    def get_providers(self) -> list:
+        return [self._provider]
+
+    def run(self, outputs, feeds: dict) -> list:
+        wanted = list(outputs) if outputs is not None else list(self._outputs)
+        keep = set(wanted)
+        live = dict(feeds)
+        for index, piece in enumerate(self.pieces):
+            got = piece.session.run(piece.outputs, {n: live[n] for n in piece.inputs})
+            live.update(zip(piece.outputs, got))
+            for name in piece.inputs:
+                if self._last_read[name] == index and name not in keep:
+                    live.pop(name, None)
+        return [live[n] for n in wanted]
+
+
+def open_checked(model: onnx.ModelProto, provider: str = "auto", *, progress=None, label: str = "session",
+                 size: int = SEGMENT_NODES, **session_kwargs):
+    """(session, provider used): ORT's session, or a SegmentedSession for a model over `size` nodes."""
+    pieces = plan(model, size)
+    types = tensor_types(model, shape_inference=False)[0] if pieces else {}
+    if pieces is None or any(n not in types for _, inputs, _, outputs in pieces for n in (*inputs, *outputs)):
+        return open_session(model, provider, **session_kwargs)
+    by_name = {i.name: i for i in model.graph.initializer}
+    session_kwargs.setdefault("options", session_options(intra_op_num_threads=1))
+    sessions, used = [], None
+    with Progress(len(pieces), f"{label}: session setup", progress) as bar:
+        for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
+            graph = helper.make_graph(
+                nodes, f"{model.graph.name or 'graph'}_{index}",
+                [helper.make_tensor_value_info(n, types[n], None) for n in inputs],
+                [helper.make_tensor_value_info(n, types[n], None) for n in outputs],
+                [by_name[n] for n in weights])
+            piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+            piece.functions.extend(model.functions)
+            session, used = open_session(piece, provider if used is None else _same(used), **session_kwargs)
+            sessions.append(_Piece(session, inputs, outputs))
+            bar.step()
+    return SegmentedSession(sessions, [o.name for o in model.graph.output], used), used
+
+
+def _same(used: str) -> str:
+    """Every piece on the provider the first one got (CUDA did not load: CPU for all)."""
+    from amp_rewrite.checks.sessions import CUDA
+
+    return "cuda" if used == CUDA else "cpu"
