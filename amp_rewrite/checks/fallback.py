@@ -171,7 +171,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
                                label="fallback: original")
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
     skipped: list = []  # decided once, on the original: every candidate has its shapes
-    reference = val.use_reference(model, ref_used, reference, samples, skipped)
+    reference = val.use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
     options = options or RewriteOptions.of(**rewrite_kwargs)
     if explicit:  # named here: where the model runs decides its kernels too

@@ -4,14 +4,15 @@ ONNX Runtime's session creation grows faster than the node count (the synthetic 
 CPU, float16 rewrite: 1k nodes 0.3 s, 10k nodes 10-37 s; its cast insertion and graph passes
 revisit the whole graph), while the checks' runs are cheap. Cut into pieces of at most
 SEGMENT_NODES nodes in the graph's (topological) order, each piece its own session, setup is
-linear: each piece, one intra-op thread (a thread pool per session costs more to start than
-the checks' few runs gain from it), reads the tensors earlier pieces made (kept only until their last reader) and
+linear: each piece, with one intra-op thread (a thread pool per session costs more to start than
+the checks' few runs gain from it) and ORT's basic optimisations (its extended fusions cost a
+fifth more setup, measured), reads the tensors earlier pieces made (kept only until their last reader) and
 its own weights. Fusions across a cut are lost; the numbers of every node are otherwise ORT's own.
 
 `open_checked(model, provider)` returns ORT's session for small models and a `SegmentedSession`
 with the same `run` / `get_outputs` / `get_providers` for large ones, with a progress line for
-the setup. A graph the cut cannot describe (a tensor of unknown or non-tensor type crossing it,
-nodes out of order) runs whole.
+the setup. A graph the cut cannot describe (a sequence or map crossing it, nodes out of order)
+runs whole.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.checks.sessions import open_session, session_options
 from amp_rewrite.progress import Progress
 
-SEGMENT_NODES = 200  # measured (10k-node stacks, CPU): 100-250 cost least; larger grows superlinearly
+SEGMENT_NODES = 100  # measured (10k-node float16 stack, CPU): 100 < 200 < 400 nodes a piece, in setup time
 
 
 @dataclass(frozen=True)
@@ -121,27 +121,43 @@ class SegmentedSession:
 
 def open_checked(model: onnx.ModelProto, provider: str = "auto", *, progress=None, label: str = "session",
                  size: int = SEGMENT_NODES, **session_kwargs):
-    """(session, provider used): ORT's session, or a SegmentedSession for a model over `size` nodes."""
+    """(session, provider used): ORT's session, or a SegmentedSession for a model over `size` nodes.
+    A piece's outputs are declared untyped (ORT infers them); the types it reports type the next
+    pieces' inputs, so no type inference over the whole model runs here."""
     pieces = plan(model, size)
-    types = tensor_types(model, shape_inference=False)[0] if pieces else {}
-    if pieces is None or any(n not in types for _, inputs, _, outputs in pieces for n in (*inputs, *outputs)):
+    if pieces is None:
         return open_session(model, provider, **session_kwargs)
     by_name = {i.name: i for i in model.graph.initializer}
-    session_kwargs.setdefault("options", session_options(intra_op_num_threads=1))
+    typed = {v.name: v for v in model.graph.input}
+    asked = session_kwargs.pop("options", None)
+    options = asked or session_options(intra_op_num_threads=1, graph_optimization_level=_basic())
     sessions, used = [], None
     with Progress(len(pieces), f"{label}: session setup", progress) as bar:
         for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
-            graph = helper.make_graph(
-                nodes, f"{model.graph.name or 'graph'}_{index}",
-                [helper.make_tensor_value_info(n, types[n], None) for n in inputs],
-                [helper.make_tensor_value_info(n, types[n], None) for n in outputs],
-                [by_name[n] for n in weights])
+            graph = helper.make_graph(nodes, f"{model.graph.name or 'graph'}_{index}", [typed[n] for n in inputs],
+                                      [helper.make_value_info(n, onnx.TypeProto()) for n in outputs],
+                                      [by_name[n] for n in weights])
             piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
             piece.functions.extend(model.functions)
-            session, used = open_session(piece, provider if used is None else _same(used), **session_kwargs)
+            session, used = open_session(piece, provider if used is None else _same(used), options=options,
+                                         **session_kwargs)
+            for out in session.get_outputs():
+                elem = _TENSOR_TYPES.get(out.type)
+                if elem is None:  # a sequence or map crossing a cut: run the model whole
+                    return open_session(model, provider, options=asked, **session_kwargs)
+                typed[out.name] = helper.make_tensor_value_info(out.name, elem, None)
             sessions.append(_Piece(session, inputs, outputs))
             bar.step()
     return SegmentedSession(sessions, [o.name for o in model.graph.output], used), used
+
+
+def _basic():
+    import onnxruntime as ort
+
+    return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+
+
+_TENSOR_TYPES = {f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value}
 
 
 def _same(used: str) -> str:

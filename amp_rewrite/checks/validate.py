@@ -32,7 +32,7 @@ from amp_rewrite.progress import Progress
 # onnx.reference computes float16 in numpy, which has no float16 kernels: about 1e7 elements or
 # 4e7 multiply-adds a second on this project's CPUs. Automatic only below about 20 s of that.
 REFERENCE_WORK_LIMIT = 2e8
-NODE_WORK = 300  # its per-node Python overhead, in the same units
+NODE_WORK = 2000  # its per-node overhead, in the same units (10k-node stack: about 0.5 ms a node)
 CPU_NOTE = ("ORT CPU computes many float16 ops in float32 and can hide overflow; "
             "pass reference=True (--reference) to also run onnx.reference")
 
@@ -271,7 +271,7 @@ def sample_dims(model: onnx.ModelProto, samples) -> dict:
     return dims
 
 
-def reference_work(model: onnx.ModelProto, samples) -> float:
+def reference_work(model: onnx.ModelProto, samples, repeats: int = 1) -> float:
     """Estimated work of onnx.reference on `samples`: per node its output elements (its
     multiply-adds for MatMul/Gemm/Conv) plus NODE_WORK, from shapes inferred at the samples'
     sizes; an output of unknown shape counts as large as the largest known tensor. Beyond
@@ -279,8 +279,12 @@ def reference_work(model: onnx.ModelProto, samples) -> float:
     from amp_rewrite.analysis.elemtypes import sizes_dims
     from amp_rewrite.report.flops import _dims, estimate_flops
 
+    runs = max(len(samples), 1) * repeats
     if not sizes_dims(model):
         return float("inf")
+    floor = len(model.graph.node) * NODE_WORK * runs
+    if floor > REFERENCE_WORK_LIMIT:  # over already: no shape inference needed to say so
+        return floor
     _, shapes = tensor_types(model, shape_inference=True, dims=sample_dims(model, samples))
     sizes = {name: int(np.prod(d)) for name in shapes if (d := _dims(shapes, name)) is not None}
     largest = max(sizes.values(), default=1)
@@ -288,17 +292,19 @@ def reference_work(model: onnx.ModelProto, samples) -> float:
     for node in model.graph.node:
         flops = estimate_flops(node, shapes)
         work += NODE_WORK + (flops / 2 if flops else sum(sizes.get(o, largest) for o in node.output if o))
-    return work * max(len(samples), 1)
+    return work * runs
 
 
-def use_reference(model: onnx.ModelProto, provider_used: str, reference, samples=(), notes=None) -> bool:
-    """Whether onnx.reference runs: True/False, or "auto": on CPU when `reference_work` is within
-    REFERENCE_WORK_LIMIT (a skip is said in `notes`)."""
+def use_reference(model: onnx.ModelProto, provider_used: str, reference, samples=(), notes=None,
+                  repeats: int = 1) -> bool:
+    """Whether onnx.reference runs: True/False, or "auto": on CPU when `reference_work` (over
+    `repeats` runs of the samples: the fallback's search) is within REFERENCE_WORK_LIMIT (a skip
+    is said in `notes`)."""
     if reference != "auto":
         return bool(reference)
     if provider_used != CPU:
         return False
-    work = reference_work(model, samples)
+    work = reference_work(model, samples, repeats)
     if work <= REFERENCE_WORK_LIMIT:
         return True
     if notes is not None:
