@@ -40,6 +40,7 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.segments import open_checked
+from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.io import load
 from amp_rewrite.transform.weights import LIMITS
 
@@ -208,12 +209,13 @@ def _measured_tensors(model: onnx.ModelProto, types: dict):
     return producers
 
 
-def calibrate(model, samples=None, *, target: str = "float16", safety: float = DEFAULT_SAFETY,
-              provider: str = "auto", progress=None, dims=None) -> CalibrationResult:
-    """Run the float32 `model` on `samples` (synthesised if None) and measure every float tensor."""
+def calibrate(model, samples=None, *, deployment: Deployment = DEFAULT, safety: float = DEFAULT_SAFETY,
+              progress=None) -> CalibrationResult:
+    """Run the float32 `model` on `samples` (synthesised if None, at the deployment's dims) on the
+    deployment's device and measure every float tensor against its target's range."""
     model = load(model).model if not isinstance(model, onnx.ModelProto) else model
     if samples is None:
-        samples = val.synthesise(model, dims=dims)
+        samples = val.synthesise(model, dims=deployment.dims)
     types, _ = tensor_types(model)
     producers = _measured_tensors(model, types)
     consumers: dict = {}
@@ -222,9 +224,10 @@ def calibrate(model, samples=None, *, target: str = "float16", safety: float = D
             if name in producers:
                 consumers.setdefault(name, []).append((_node_key(node), node.op_type))
     exposed = val.expose(model, list(producers))
-    sess, used = open_checked(exposed, provider, progress=progress, label="calibrate")
+    sess, used = open_checked(exposed, deployment.device, progress=progress, label="calibrate")
     names = [o.name for o in sess.get_outputs() if o.name in producers]
     ranges = {n: TensorRange(n, *producers[n]) for n in names}
+    target = deployment.target
     flush = FLUSH[target]
     with val.Progress(len(samples), "calibrate", progress) as bar:
         for feeds in samples:

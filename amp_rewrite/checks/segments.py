@@ -9,7 +9,7 @@ the checks' few runs gain from it) and ORT's basic optimisations (its extended f
 fifth more setup, measured), reads the tensors earlier pieces made (kept only until their last reader) and
 its own weights. Fusions across a cut are lost; the numbers of every node are otherwise ORT's own.
 
-`open_checked(model, provider)` returns ORT's session for small models and a `SegmentedSession`
+`open_checked(model, device)` returns ORT's session for small models and a `SegmentedSession`
 with the same `run` / `get_outputs` / `get_providers` for large ones, with a progress line for
 the setup. A graph the cut cannot describe (a sequence or map crossing it, nodes out of order)
 runs whole.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from amp_rewrite.checks.sessions import open_session, session_options
 from amp_rewrite.progress import Progress
+from amp_rewrite.runtime import open_session, session_options
 
 SEGMENT_NODES = 100  # measured (10k-node float16 stack, CPU): 100 < 200 < 400 nodes a piece, in setup time
 
@@ -119,14 +119,15 @@ class SegmentedSession:
         return [live[n] for n in wanted]
 
 
-def open_checked(model: onnx.ModelProto, provider: str = "auto", *, progress=None, label: str = "session",
+def open_checked(model: onnx.ModelProto, device: str = "cpu", *, progress=None, label: str = "session",
                  size: int = SEGMENT_NODES, **session_kwargs):
-    """(session, provider used): ORT's session, or a SegmentedSession for a model over `size` nodes.
+    """(session, ORT provider used) on `device` ("cuda" or "cpu", as `Deployment.device` resolved
+    it): ORT's session, or a SegmentedSession for a model over `size` nodes.
     A piece's outputs are declared untyped (ORT infers them); the types it reports type the next
     pieces' inputs, so no type inference over the whole model runs here."""
     pieces = plan(model, size)
     if pieces is None:
-        return open_session(model, provider, **session_kwargs)
+        return open_session(model, device, **session_kwargs)
     by_name = {i.name: i for i in model.graph.initializer}
     typed = {v.name: v for v in model.graph.input}
     asked = session_kwargs.pop("options", None)
@@ -139,16 +140,24 @@ def open_checked(model: onnx.ModelProto, provider: str = "auto", *, progress=Non
                                       [by_name[n] for n in weights])
             piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
             piece.functions.extend(model.functions)
-            session, used = open_session(piece, provider if used is None else _same(used), options=options,
-                                         **session_kwargs)
+            session, used = open_session(piece, device, options=options, **session_kwargs)
             for out in session.get_outputs():
                 elem = _TENSOR_TYPES.get(out.type)
                 if elem is None:  # a sequence or map crossing a cut: run the model whole
-                    return open_session(model, provider, options=asked, **session_kwargs)
+                    return open_session(model, device, options=asked, **session_kwargs)
                 typed[out.name] = helper.make_tensor_value_info(out.name, elem, None)
             sessions.append(_Piece(session, inputs, outputs))
             bar.step()
     return SegmentedSession(sessions, [o.name for o in model.graph.output], used), used
+
+
+def _basic():
+    import onnxruntime as ort
+
+    return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+
+
+_TENSOR_TYPES = {f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value}
 
 
 def _basic():

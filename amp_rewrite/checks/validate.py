@@ -1,6 +1,6 @@
 """Run the original and the rewritten model and compare them, per output.
 
-`validate(original, rewritten, samples)` runs both in ONNX Runtime on the chosen provider (CUDA
+`validate(original, rewritten, samples)` runs both in ONNX Runtime on the deployment's device (CUDA
 when it really loads) and, on CPU, also runs the rewritten model in `onnx.reference` (which keeps
 float16 tensors float16, as a GPU does; ORT's CPU provider computes most float16 ops in float32
 and drops the casts in between, so it hides overflow). The float32 original on ORT is the
@@ -9,7 +9,7 @@ for class scores, top-1 agreement. `passed` needs every run within `rtol`/`atol`
 `allclose` rule) and no non-finite value where the original is finite.
 
 Samples are dicts {input name: array}: from an .npz (`load_samples`) or synthesised from the
-declared input types (`synthesise`, symbolic dims from `dims` or 1).
+declared input types (`synthesise`, symbolic dims from the deployment's `dims` or 1).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from onnx import helper
 
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.checks.segments import open_checked
-from amp_rewrite.checks.sessions import CPU, CUDA
+from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import load
 from amp_rewrite.io.npz import read_npz
 from amp_rewrite.progress import Progress
+from amp_rewrite.runtime import CPU, CUDA
 
 # onnx.reference computes float16 in numpy, which has no float16 kernels: about 1e7 elements or
 # 4e7 multiply-adds a second on this project's CPUs. Automatic only below about 20 s of that.
@@ -314,15 +315,15 @@ def use_reference(model: onnx.ModelProto, provider_used: str, reference, samples
     return False
 
 
-def reference_outputs(original: onnx.ModelProto, samples, provider: str = "auto", progress=None):
+def reference_outputs(original: onnx.ModelProto, samples, deployment: Deployment = DEFAULT, progress=None):
     """(float32 outputs per sample, provider used): the original run once on ORT."""
-    sess, used = open_checked(original, provider, progress=progress, label="validate: original")
+    sess, used = open_checked(original, deployment.device, progress=progress, label="validate: original")
     names = [o.name for o in sess.get_outputs()]
     return names, run_samples(sess, samples, progress=progress, label="validate: original"), used
 
 
-def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol: float = 1e-2, atol: float = 1e-3,
-             reference="auto", progress=None, dims=None, expected=None) -> ValidationResult:
+def validate(original, rewritten, samples=None, *, deployment: Deployment = DEFAULT, rtol: float = 1e-2,
+             atol: float = 1e-3, reference="auto", progress=None, expected=None) -> ValidationResult:
     """Compare `rewritten` with `original` (paths or ModelProtos) on `samples` (synthesised if None).
 
     `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU
@@ -331,15 +332,15 @@ def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol:
     original = load(original).model if not isinstance(original, onnx.ModelProto) else original
     rewritten = load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
     if samples is None:
-        samples = synthesise(original, dims=dims)
+        samples = synthesise(original, dims=deployment.dims)
     if not len(samples):
         raise UsageError("no samples to validate on: comparing nothing would pass anything")
-    names, ref, used = expected or reference_outputs(original, samples, provider, progress)
+    names, ref, used = expected or reference_outputs(original, samples, deployment, progress)
     result = ValidationResult(rtol, atol, used, len(samples))
-    if provider == "cuda" and used != CUDA:
+    if deployment.provider == "cuda" and used != CUDA:
         result.notes.append("CUDA provider did not load; validated on CPU")
     samples = as_declared(rewritten, samples)  # float16 inputs (low_precision_io, keep_io_types=False)
-    sess, used_new = open_checked(rewritten, provider, progress=progress, label="validate: rewritten")
+    sess, used_new = open_checked(rewritten, deployment.device, progress=progress, label="validate: rewritten")
     got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
     result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)
     skipped: list = []

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from amp_rewrite import flops, ir
 from amp_rewrite.analysis import graph, paint, pointwise
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.analysis.oplists import check_named_ops
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
-from amp_rewrite.onnx_facts import opsets, sort_graphs
-from amp_rewrite.report import flops, report as report_mod
+from amp_rewrite.onnx_facts import opsets
+from amp_rewrite.report import flops as report_flops, report as report_mod
 from amp_rewrite.transform import materialise as materialise_mod, scaling as scaling_mod, weights
 from amp_rewrite.transform.recompute_colours import follow_originals, report_section
 
@@ -99,7 +100,7 @@ def inline_local_functions(w: Work) -> None:
 
 
 def read_scopes(w: Work) -> None:
-    w.scopes = graph.read_scopes(w.model.graph, w.nested)
+    w.scopes = ir.read_scopes(w.model.graph, w.nested)
 
 
 def infer_types(w: Work) -> None:
@@ -141,7 +142,7 @@ def colour(w: Work) -> None:
 
 def estimate_flops(w: Work) -> None:
     """Before materialising, which moves nodes."""
-    w.flops = flops.flops_by_node(w.cg)
+    w.flops = report_flops.flops_by_node(w.cg)
     if w.weights_before is None:
         w.weights_before = flops.weight_bytes(scope.graph for scope in w.cg.scopes)
 
@@ -155,7 +156,7 @@ def materialise(w: Work) -> None:
 def sort(w: Work) -> None:
     """Casts go right after their producers, so a sorted input stays sorted: only an unsorted one is sorted."""
     if w.cg.unsorted:
-        sort_graphs(w.model)
+        ir.sort_graphs(w.model)
 
 
 def check(w: Work) -> None:

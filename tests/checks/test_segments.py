@@ -6,7 +6,8 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from amp_rewrite.checks import segments
-from amp_rewrite.checks.sessions import open_session
+from amp_rewrite.deployment import Deployment
+from amp_rewrite.runtime import open_session
 from helpers import FLOAT, init, load_tool, make_model, node, random_feeds, tensor
 
 
@@ -64,7 +65,7 @@ def test_synthetic_stack_validates_in_pieces():
     model = load_tool("synthetic").transformer_stack(1000)
     rewritten = amp_rewrite.rewrite(model).model
     samples = validate.synthesise(model, dims={"batch": 1, "seq": 4})
-    result = validate.validate(model, rewritten, samples, provider="cpu", reference=False)
+    result = validate.validate(model, rewritten, samples, deployment=Deployment(provider="cpu"), reference=False)
     whole, _ = open_session(rewritten, "cpu")
     [expected] = whole.run(None, validate.as_declared(rewritten, samples)[0])
     pieces, _ = segments.open_checked(rewritten, "cpu")
