@@ -4,8 +4,9 @@
     python tools/bench_checks.py --sizes 1000 --repeat 3
 
 Per size: the plain rewrite, then `--validate`, `--calibrate` and `--tolerance` (each its own
-process, so every figure includes loading and saving, as a user sees it), with wall seconds, the
-ratio to the plain rewrite and the peak resident memory. Medians over `--repeat` runs. The
+process, so every figure includes loading and saving, as a user sees it), with wall seconds, CPU
+seconds (user + system: on a shared machine the steadier figure), the CPU ratio to the plain
+rewrite and the peak resident memory. Medians over `--repeat` runs. The
 tolerance search runs up to `--tolerance-up-to` nodes (default 10k: at 100k its ten validation
 runs take many minutes, and its target is set at 10k). A check over tolerance exits 6: the time
 still counts (the synthetic stacks do not meet rtol 1e-2 everywhere; that is not what is timed).
@@ -33,8 +34,8 @@ CHECKS = {"validate": ["--validate"], "calibrate": ["--calibrate"], "tolerance":
 DIMS = ["--dim", "batch=1", "--dim", "seq=8"]
 
 
-def timed(args: list) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS in MB, exit code) of one `amp-rewrite` process."""
+def timed(args: list) -> tuple[float, float, float, int]:
+    """(wall seconds, CPU seconds, peak RSS in MB, exit code) of one `amp-rewrite` process."""
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "amp_rewrite", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -45,7 +46,7 @@ def timed(args: list) -> tuple[float, float, int]:
     proc.stderr.close()
     if proc.returncode not in (0, 6):
         raise SystemExit(f"amp-rewrite {' '.join(args)} exited {proc.returncode}: {err.strip()[-500:]}")
-    return seconds, usage.ru_maxrss / 1024, proc.returncode
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, proc.returncode
 
 
 def bench(sizes, repeat: int, tolerance_up_to: int, checks) -> list[dict]:
@@ -61,26 +62,28 @@ def bench(sizes, repeat: int, tolerance_up_to: int, checks) -> list[dict]:
                 if name == "tolerance" and size > tolerance_up_to:
                     continue
                 runs = [timed(base + flags) for _ in range(repeat)]
-                row[name] = (statistics.median(r[0] for r in runs), max(r[1] for r in runs), runs[-1][2])
-                print(f"  {size} {name}: {row[name][0]:.1f} s, {row[name][1]:.0f} MB, exit {row[name][2]}",
-                      file=sys.stderr, flush=True)
+                row[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+                             max(r[2] for r in runs), runs[-1][3])
+                print(f"  {size} {name}: {row[name][0]:.1f} s wall, {row[name][1]:.1f} s CPU, {row[name][2]:.0f} MB, "
+                      f"exit {row[name][3]}", file=sys.stderr, flush=True)
             rows.append(row)
             model.unlink()
     return rows
 
 
 def table(rows: list[dict], checks) -> str:
-    head = f"{'nodes':>8} {'plain s':>8} {'MB':>6}" + "".join(f" {c + ' s':>12} {'x plain':>8} {'MB':>6}" for c in checks)
+    head = f"{'nodes':>8} {'plain s':>8} {'CPU s':>7} {'MB':>6}" + "".join(
+        f" {c + ' s':>12} {'CPU s':>7} {'x plain':>8} {'MB':>6}" for c in checks)
     lines = [head, "-" * len(head)]
     for row in rows:
-        plain = row["plain"][0]
-        line = f"{row['nodes']:>8} {plain:>8.1f} {row['plain'][1]:>6.0f}"
+        wall, cpu, mb, _ = row["plain"]
+        line = f"{row['nodes']:>8} {wall:>8.1f} {cpu:>7.1f} {mb:>6.0f}"
         for c in checks:
             if c in row:
-                seconds, mb, code = row[c]
-                line += f" {seconds:>12.1f} {seconds / plain:>8.2f} {mb:>6.0f}"
+                c_wall, c_cpu, c_mb, _ = row[c]
+                line += f" {c_wall:>12.1f} {c_cpu:>7.1f} {c_cpu / cpu:>8.2f} {c_mb:>6.0f}"
             else:
-                line += f" {'-':>12} {'-':>8} {'-':>6}"
+                line += f" {'-':>12} {'-':>7} {'-':>8} {'-':>6}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -93,8 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     args = p.parse_args(argv)
     rows = bench(args.sizes, args.repeat, args.tolerance_up_to, args.checks)
-    print(f"amp-rewrite on synthetic stacks ({' '.join(DIMS)}), wall seconds (median of {args.repeat}), "
-          "ratio to the plain rewrite, peak RSS")
+    print(f"amp-rewrite on synthetic stacks ({' '.join(DIMS)}), wall and CPU seconds (median of {args.repeat}), "
+          "CPU ratio to the plain rewrite, peak RSS")
     print(table(rows, args.checks))
     return 0
 

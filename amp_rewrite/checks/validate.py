@@ -278,7 +278,7 @@ def reference_work(model: onnx.ModelProto, samples, repeats: int = 1) -> float:
     sizes; an output of unknown shape counts as large as the largest known tensor. Beyond
     shape inference's node limit the estimate is infinite."""
     from amp_rewrite.analysis.elemtypes import sizes_dims
-    from amp_rewrite.report.flops import _dims, estimate_flops
+    from amp_rewrite.flops import _dims, estimate_flops
 
     runs = max(len(samples), 1) * repeats
     if not sizes_dims(model):
