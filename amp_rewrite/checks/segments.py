@@ -40,50 +40,50 @@ class _Piece:
     outputs: list  # names this piece makes that later pieces, or the caller, read
 
 
-def _used_names(node: onnx.NodeProto) -> list:
+_GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
+
+
+def _reads(node: onnx.NodeProto) -> list:
     """Inputs of `node`, and every name its subgraphs read (outer-scope values included)."""
     names = list(node.input)
     for attr in node.attribute:
-        for graph in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-            for inner in graph.node:
-                names.extend(_used_names(inner))
+        if attr.type == _GRAPH or attr.type == _GRAPHS:
+            for graph in [attr.g] if attr.type == _GRAPH else attr.graphs:
+                for inner in graph.node:
+                    names.extend(_reads(inner))
     return names
 
 
 def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
-    """[(nodes, inputs, outputs)] per piece, or None when the model should run whole."""
+    """[(nodes, inputs, weights, outputs)] per piece, or None when the model should run whole."""
     graph = model.graph
     nodes = list(graph.node)
     if len(nodes) <= size:
         return None
-    pieces = [nodes[i:i + size] for i in range(0, len(nodes), size)]
+    starts = range(0, len(nodes), size)
+    reads = [_reads(n) for n in nodes]  # each node's names read once: protobuf access is the cost
+    writes = [[x for x in n.output if x] for n in nodes]
     initializers = {i.name for i in graph.initializer}
-    made_in: dict = {}
-    for index, piece in enumerate(pieces):
-        for node in piece:
-            for name in node.output:
-                if name:
-                    made_in[name] = index
     graph_inputs = {v.name for v in graph.input}
+    made_in = {x: i // size for i, made in enumerate(writes) for x in made}
     last_read: dict = {}
-    reads = []
-    for index, piece in enumerate(pieces):
-        used = list(dict.fromkeys(n for node in piece for n in _used_names(node) if n))
-        outer = [n for n in used if made_in.get(n, -1) != index and n not in initializers
-                 and (n in made_in or n in graph_inputs)]
-        if any(made_in.get(n, -1) > index for n in outer):
+    used_by = []
+    for index, start in enumerate(starts):
+        used = list(dict.fromkeys(x for names in reads[start:start + size] for x in names if x))
+        outer = [x for x in used if made_in.get(x, -1) != index and x not in initializers
+                 and (x in made_in or x in graph_inputs)]
+        if any(made_in.get(x, -1) > index for x in outer):
             return None  # not in topological order
-        for name in outer:
-            last_read[name] = index
-        reads.append((used, outer))
+        for x in outer:
+            last_read[x] = index
+        used_by.append((used, outer))
     wanted = {o.name for o in graph.output}
-    if any(n not in made_in for n in wanted):
+    if any(x not in made_in for x in wanted):
         return None  # an output that is an input or a weight: rare, run whole
     out = []
-    for index, (piece, (used, outer)) in enumerate(zip(pieces, reads)):
-        made = [n for node in piece for n in node.output if n]
-        outputs = [n for n in made if n in wanted or last_read.get(n, -1) > index]
-        out.append((piece, outer, [n for n in used if n in initializers], outputs))
+    for index, (start, (used, outer)) in enumerate(zip(starts, used_by)):
+        outputs = [x for made in writes[start:start + size] for x in made if x in wanted or last_read.get(x, -1) > index]
+        out.append((nodes[start:start + size], outer, [x for x in used if x in initializers], outputs))
     return out
 
 
@@ -140,7 +140,7 @@ def open_checked(model: onnx.ModelProto, device: str = "cpu", *, progress=None, 
                                       [by_name[n] for n in weights])
             piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
             piece.functions.extend(model.functions)
-            session, used = open_session(piece, device, options=options, **session_kwargs)
+            session, used = open_session(_serialised(piece), device, options=options, **session_kwargs)
             for out in session.get_outputs():
                 elem = _TENSOR_TYPES.get(out.type)
                 if elem is None:  # a sequence or map crossing a cut: run the model whole
@@ -151,6 +151,15 @@ def open_checked(model: onnx.ModelProto, device: str = "cpu", *, progress=None, 
     return SegmentedSession(sessions, [o.name for o in model.graph.output], used), used
 
 
+def _serialised(piece: onnx.ModelProto):
+    """The piece's bytes (no size probe first: a piece is small), or itself when over protobuf's
+    2 GB (the session factory then writes its weights as external data)."""
+    try:
+        return piece.SerializeToString()
+    except ValueError:
+        return piece
+
+
 def _basic():
     import onnxruntime as ort
 
@@ -158,6 +167,15 @@ def _basic():
 
 
 _TENSOR_TYPES = {f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value}
+
+
+def _serialised(piece: onnx.ModelProto):
+    """The piece's bytes (no size probe first: a piece is small), or itself when over protobuf's
+    2 GB (the session factory then writes its weights as external data)."""
+    try:
+        return piece.SerializeToString()
+    except ValueError:
+        return piece
 
 
 def _basic():
