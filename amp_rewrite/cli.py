@@ -51,13 +51,22 @@ exit codes: 0 ok, 2 bad arguments, 3 bad model, 4 bad op list, 5 output not writ
 6 validation over tolerance, 1 anything else refused, 130/143 interrupted"""
 
 
+def _version() -> str:
+    """The installed distribution's version (the package root is above the CLI's layer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("amp-rewrite")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from amp_rewrite import __version__
     from amp_rewrite.analysis.oplists import default_list_path
 
     p = _Parser(prog="amp-rewrite", description="Rewrite an ONNX model for mixed precision (float16/bfloat16).",
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"amp-rewrite {__version__}")
+    p.add_argument("--version", action="version", version=f"amp-rewrite {_version()}")
     p.add_argument("model", help="input .onnx file (never modified)")
     p.add_argument("-o", "--output", help="output file (default: MODEL.fp16.onnx beside the input)")
     p.add_argument("--target", choices=TARGETS, help=f"low-precision type (default {DEFAULT.target})")

@@ -16,4 +16,4 @@ def test_bench_checks_at_1k(monkeypatch, capsys):
     cells = lines[3].split()
     assert int(cells[0]) == 1000 and len(cells) == 8
     plain_cpu, validated_cpu, ratio = float(cells[2]), float(cells[5]), float(cells[6])
-    assert plain_cpu > 0 and ratio > 1 and abs(validated_cpu / plain_cpu - ratio) < 0.01  # the rewrite and more
+    assert plain_cpu > 0 and ratio > 1 and abs(validated_cpu / plain_cpu - ratio) < 0.1  # printed rounded
