@@ -78,8 +78,9 @@ def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
             last_read[x] = index
         used_by.append((used, outer))
     wanted = {o.name for o in graph.output}
-    if any(x not in made_in for x in wanted):
-        return None  # an output that is an input or a weight: rare, run whole
+    fed = graph_inputs - initializers  # an output that is a fed input comes from the feeds
+    if any(x not in made_in and x not in fed for x in wanted):
+        return None  # an output that is a weight: rare, run whole
     out = []
     for index, (start, (used, outer)) in enumerate(zip(starts, used_by)):
         outputs = [x for made in writes[start:start + size] for x in made if x in wanted or last_read.get(x, -1) > index]

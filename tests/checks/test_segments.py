@@ -31,7 +31,8 @@ def _residual_with_if():
                       node("If", ["c5"], ["if5"], name="if", then_branch=then, else_branch=other)]
             inits.append(init("zero", np.zeros((), np.float32)))
             x = "if5"
-    return make_model(nodes, [tensor("x", [2, 4])], [tensor(x, [2, 4]), tensor("r3", [2, 4])], inits)
+    return make_model(nodes, [tensor("x", [2, 4])], [tensor(x, [2, 4]), tensor("r3", [2, 4]), tensor("x", [2, 4])],
+                      inits)  # the input is an output too, as calibration exposes it
 
 
 def test_segmented_session_matches_one_session():
