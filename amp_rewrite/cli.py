@@ -43,8 +43,30 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+EPILOG = """commands:
+  amp-rewrite explain MODEL.onnx NODE [options]
+                        why NODE got its precision, as a chain (the same as MODEL.onnx --explain NODE)
+
+exit codes: 0 ok, 2 bad arguments, 3 bad model, 4 bad op list, 5 output not writable,
+6 validation over tolerance, 1 anything else refused, 130/143 interrupted"""
+
+
+def _version() -> str:
+    """The installed distribution's version (the package root is above the CLI's layer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("amp-rewrite")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="amp-rewrite", description="Rewrite an ONNX model for mixed precision (float16/bfloat16).")
+    from amp_rewrite.analysis.oplists import default_list_path
+
+    p = _Parser(prog="amp-rewrite", description="Rewrite an ONNX model for mixed precision (float16/bfloat16).",
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"amp-rewrite {_version()}")
     p.add_argument("model", help="input .onnx file (never modified)")
     p.add_argument("-o", "--output", help="output file (default: MODEL.fp16.onnx beside the input)")
     p.add_argument("--target", choices=TARGETS, help=f"low-precision type (default {DEFAULT.target})")
@@ -63,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", action="append", metavar="OP",
                        help=f"put op type OP in the {name} list (repeatable; 'domain:Op' for other domains)")
     p.add_argument("--op-lists", action="append", metavar="FILE.yaml",
-                   help="YAML file of list overrides (same format as op_lists/float16.yaml)")
+                   help=f"YAML file of list overrides (same format as the shipped {default_list_path('float16')})")
     p.add_argument("--keep-fp32-node", action="append", metavar="NAME_OR_REGEX",
-                   help="keep nodes whose name equals or fully matches this regex in float32")
+                   help="keep nodes whose name equals or fully matches this regex in float32 (one that matches "
+                        "no node is an error)")
     p.add_argument("--clamp", action="store_const", const=True,
                    help="clamp constants outside the target range instead of keeping their consumers float32")
     p.add_argument("--annotate", action="store_const", const=True,
@@ -119,8 +142,9 @@ def _add_check_arguments(p) -> None:
     g.add_argument("--rtol", type=float, default=1e-2, help="relative tolerance (default 1e-2)")
     g.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
     g.add_argument("--safety", type=float, default=4.0, help="calibration margin: limit is max/SAFETY (default 4)")
-    g.add_argument("--reference", choices=("auto", "always", "never"), default="auto",
-                   help="also run onnx.reference on CPU, which keeps float16 (auto: models up to 2000 nodes)")
+    g.add_argument("--reference", nargs="?", const="always", choices=("auto", "always", "never"), default="auto",
+                   help="also run onnx.reference on CPU, which keeps float16 (--reference alone: always; auto: "
+                        "when its estimated work is small, about 20 s)")
     g.add_argument("--max-runs", type=int, default=10, help="validation runs the --tolerance search may use")
     g.add_argument("--progress", action="store_true", default=None, help="progress bars even when not a terminal")
 
@@ -201,6 +225,15 @@ def run(args) -> int:
     return 0
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so Python's flush at exit does not report the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (a test's capture): nothing to flush at exit
+        pass
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the process is, so every write on the way out removes its temporaries."""
 
@@ -218,6 +251,11 @@ def main(argv=None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         return run(build_parser().parse_args(argv))
+    except BrokenPipeError:  # `amp-rewrite ... | head`: the reader left, which is no error of ours
+        _quiet_stdout()
+        return 0
+    except SystemExit as exc:  # --version, --help
+        return exc.code if isinstance(exc.code, int) else 0
     except AmpRewriteError as exc:
         print(f"amp-rewrite: error: {exc}", file=sys.stderr)
         return exc.exit_code

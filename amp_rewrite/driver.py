@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass
 
 from amp_rewrite.analysis.elemtypes import check_dims
+from amp_rewrite.analysis.oplists import check_named_ops
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.fallback import FallbackResult, fit
 from amp_rewrite.errors import UsageError
 from amp_rewrite.io import LoadedModel, load
+from amp_rewrite.onnx_facts import all_graphs
 
 
 @dataclass
@@ -132,6 +135,8 @@ def check(
     model = loaded.model
     deployment = options.deployment
     check_dims(model.graph, deployment.dims)  # a typo fails now, not after calibrating
+    check_named_ops(options.lists(), model)  # so does an unknown op type
+    check_keep_patterns(model, options.keep_fp32_nodes)  # and a node pattern that pins nothing
     if samples is None and checks:
         samples = (
             val.load_samples(inputs, model)
@@ -178,6 +183,20 @@ def check(
             deployment.target, exempt=exempt, relax_margin=options.relax_margin
         )
     return out
+
+
+def check_keep_patterns(model, patterns) -> None:
+    """A keep_fp32_nodes entry (--keep-fp32-node) that names or fully matches no node is a typo that
+    would pin nothing: one UsageError line with the closest names."""
+    if not patterns:
+        return
+    names = [n.name for g in all_graphs(model.graph) for n in g.node if n.name]
+    for pattern in patterns:
+        compiled = re.compile(pattern)
+        if not any(name == pattern or compiled.fullmatch(name) for name in names):
+            close = difflib.get_close_matches(pattern, names, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise UsageError(f"--keep-fp32-node {pattern!r} names or fully matches no node{hint}")
 
 
 def _shared(loaded):

@@ -1,7 +1,7 @@
 """Train a small MLP on scikit-learn's digits (ships offline) in float32 and in float16 mixed
 precision with amp-rewrite's Trainer, and print both test-accuracy curves.
 
-    pip install -e '.[examples]'
+    pip install scikit-learn        # or, in a checkout: pip install -e '.[examples]'
     python examples/train_digits.py --epochs 15
 
 Both runs start from the same weights and see the same batches, so the curves differ only by
@@ -34,7 +34,7 @@ def digits_split(seed: int = 0):
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError:
-        sys.exit("this example needs scikit-learn: pip install -e '.[examples]'")
+        sys.exit("this example needs scikit-learn: pip install scikit-learn")
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)

@@ -51,6 +51,7 @@ class OpLists:
 
     target: str
     entries: Mapping[str, Entry] = field(default_factory=dict)
+    named: tuple = ()  # (op key, where) for each op the user named: checked against the model's ops
 
     def classify(self, domain: str, op_type: str) -> Entry | None:
         return self.entries.get(op_key(domain, op_type))
@@ -215,15 +216,61 @@ def load_op_lists(
     """The default lists for `target`, then each user file, then the explicit op arguments."""
     list_target, entries = _default_entries(target)
     entries = dict(entries)
+    named = []
     for user_file in user_files:
         file_target, user_entries = _parse_file(Path(user_file))
         if file_target is not None and file_target != target:
             raise OpListError(f"{user_file}: written for target {file_target!r}, not {target!r}")
         entries.update(user_entries)
+        named += [(op, f"{user_file}: {entry.list}") for op, entry in user_entries.items()]
     explicit = {"allow": allow, "deny": deny, "infer": infer, "clear": clear}
     sections = {name: _entries_of(list(ops), f"--{name}") for name, ops in explicit.items()}
     _check_one_list_each(sections, "op arguments")
     for list_name, ops in sections.items():
         for op in ops:
             entries[op] = Entry(list_name, f"moved to {list_name} by the user", "arguments")
-    return OpLists(list_target or target, dict(entries))
+            named.append((op, f"--{list_name}"))
+    return OpLists(list_target or target, dict(entries), tuple(named))
+
+
+@lru_cache(maxsize=1)
+def known_op_keys() -> frozenset:
+    """Op keys of every ONNX schema (all domains onnx registers), every op in the shipped kernel
+    tables (ONNX Runtime's contrib ops) and every op the shipped lists name."""
+    import onnx.defs
+
+    keys = {op_key(s.domain, s.name) for s in onnx.defs.get_all_schemas_with_history()}
+    for provider in ("cpu", "cuda"):
+        for key in shipped_table(f"kernels_{provider}.json")["kernels"]:
+            domain, _, op = key.rpartition(":")
+            keys.add(op_key(domain, op))
+    for target in TARGETS:
+        keys.update(_default_entries(target)[1])
+    return frozenset(keys)
+
+
+def check_named_ops(lists: OpLists, model) -> None:
+    """An op type the user named that no ONNX schema, kernel table or node of `model` knows is a
+    typo that would change nothing: one line naming the closest known ops. Op list files say so
+    as an OpListError, command-line arguments as a UsageError."""
+    if not lists.named:
+        return
+    from amp_rewrite.onnx_facts import all_graphs
+
+    present = {op_key(n.domain, n.op_type) for g in all_graphs(model.graph) for n in g.node}
+    present |= {op_key(f.domain, f.name) for f in model.functions}
+    known = known_op_keys() | present
+    for op, where in lists.named:
+        if op in known:
+            continue
+        import difflib
+
+        folded = {k.lower(): k for k in known}
+        close = ([folded[op.lower()]] if op.lower() in folded else []) or difflib.get_close_matches(op, sorted(known), n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        text = f"{where}: unknown op type {op!r} (no ONNX schema, kernel or node of the model has it){hint}"
+        if where.startswith("--"):
+            from amp_rewrite.errors import UsageError
+
+            raise UsageError(text)
+        raise OpListError(text)

@@ -40,9 +40,9 @@ from amp_rewrite import ir
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
+from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.io import load
-from amp_rewrite.runtime import open_session
 from amp_rewrite.transform.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
@@ -223,7 +223,7 @@ def calibrate(model, samples=None, *, deployment: Deployment = DEFAULT, safety: 
     consumers = {name: [(_node_key(nodes[i]), nodes[i].op_type) for i in rows]
                  for name, rows in ir.readers(node.input for node in nodes).items() if name in producers}
     exposed = val.expose(model, list(producers))
-    sess, used = open_session(exposed, deployment.device)
+    sess, used = open_checked(exposed, deployment.device, progress=progress, label="calibrate")
     names = [o.name for o in sess.get_outputs() if o.name in producers]
     ranges = {n: TensorRange(n, *producers[n]) for n in names}
     target = deployment.target

@@ -28,8 +28,8 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
+from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.io import load
-from amp_rewrite.runtime import open_session
 
 HUGE = 1e30
 LOW_MAX = cal_mod.LIMITS["float16"]  # bfloat16's is larger: a low type's sentinel is at least this
@@ -120,7 +120,7 @@ def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, 
               progress) -> tuple[dict, dict]:
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
     exposed = val.expose(candidate, measured)
-    sess, used = open_session(exposed, device)
+    sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate")
     available = [o.name for o in sess.get_outputs()]
     inter = [m for m in measured if m in available and m not in names]
     got = val.run_samples(sess, samples, outputs=names + inter, progress=progress, label="fallback: validate")
@@ -163,11 +163,14 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, calibrat
     st = _structure(model, measured)
     names = [o.name for o in model.graph.output]
     measured_names = [t for t in measured if t not in names] + [t for t in names if t in measured]
-    ref_sess, ref_used = open_session(val.expose(model, measured_names), device)
+    ref_sess, ref_used = open_checked(val.expose(model, measured_names), device, progress=progress,
+                                      label="fallback: original")
     ref_available = [o.name for o in ref_sess.get_outputs()]
     ref_rows = val.run_samples(ref_sess, samples, outputs=ref_available, progress=progress,
                                label="fallback: original")
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
+    skipped: list = []  # decided once, on the original: every candidate has its shapes
+    reference = val.use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
     base_force = dict(options.force_fp32)
 
@@ -233,6 +236,8 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, calibrat
                 low = middle
         pinned = {**before, **dict(batch[:high])}
     validation = check(result, pinned, final=True)
+    if skipped:  # say why onnx.reference did not run, instead of how to run it
+        validation.notes[:] = [n for n in validation.notes if n != val.CPU_NOTE] + skipped
     fallback = FallbackResult(result, validation, validation.passed, runs, pinned, history)
     result.report.sections["fallback"] = fallback.to_dict()
     result.report.sections["validation"] = validation.to_dict()

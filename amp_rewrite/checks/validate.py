@@ -22,14 +22,20 @@ import onnx
 from onnx import helper
 
 from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import load
 from amp_rewrite.io.npz import read_npz
 from amp_rewrite.progress import Progress
-from amp_rewrite.runtime import CPU, CUDA, open_session
+from amp_rewrite.runtime import CPU, CUDA
 
-REFERENCE_NODE_LIMIT = 2000  # the reference evaluator is slow: automatic only for small models
+# onnx.reference computes float16 in numpy, which has no float16 kernels: about 1e7 elements or
+# 4e7 multiply-adds a second on this project's CPUs. Automatic only below about 20 s of that.
+REFERENCE_WORK_LIMIT = 2e8
+NODE_WORK = 2000  # its per-node overhead, in the same units (10k-node stack: about 0.5 ms a node)
+CPU_NOTE = ("ORT CPU computes many float16 ops in float32 and can hide overflow; "
+            "pass reference=True (--reference) to also run onnx.reference")
 
 def feed_inputs(model: onnx.ModelProto) -> list:
     """Graph inputs that must be fed (inputs that are also initializers are optional)."""
@@ -234,8 +240,9 @@ class ValidationResult:
                 "atol": self.atol, "runs": self.runs, "notes": self.notes}
 
     def to_text(self) -> str:
-        lines = [f"validation on {self.provider}, {self.samples} sample(s), rtol {self.rtol:g} atol {self.atol:g}: "
-                 + ("PASSED" if self.passed else "FAILED")]
+        lines = [f"validation on {self.provider}, {self.samples} sample(s): " + ("PASSED" if self.passed else "FAILED"),
+                 f"  ok: every value within |new - float32| <= atol + rtol x |float32| (atol {self.atol:g}, "
+                 f"rtol {self.rtol:g}; numpy.allclose's rule), no new NaN/Inf; max rel alone may exceed rtol"]
         head = f"  {'run':<26}{'output':<20}{'max abs':>11}{'max rel':>11}{'cosine':>10}{'NaN':>6}{'Inf':>6}{'top1':>7}  ok"
         lines.append(head)
         for run, stats in self.runs.items():
@@ -253,15 +260,64 @@ class ValidationResult:
             raise ValidationError(f"over tolerance rtol {self.rtol:g} atol {self.atol:g}: " + "; ".join(bad))
 
 
-def use_reference(model: onnx.ModelProto, provider_used: str, reference) -> bool:
-    if reference == "auto":
-        return provider_used == CPU and len(model.graph.node) <= REFERENCE_NODE_LIMIT
-    return bool(reference)
+def sample_dims(model: onnx.ModelProto, samples) -> dict:
+    """{symbolic dim: size} as the first sample has them."""
+    dims: dict = {}
+    feeds = samples[0] if len(samples) else {}
+    for value in feed_inputs(model):
+        array = feeds.get(value.name)
+        for i, d in enumerate(value.type.tensor_type.shape.dim):
+            if d.dim_param and array is not None and i < np.ndim(array):
+                dims.setdefault(d.dim_param, int(np.shape(array)[i]))
+    return dims
+
+
+def reference_work(model: onnx.ModelProto, samples, repeats: int = 1) -> float:
+    """Estimated work of onnx.reference on `samples`: per node its output elements (its
+    multiply-adds for MatMul/Gemm/Conv) plus NODE_WORK, from shapes inferred at the samples'
+    sizes; an output of unknown shape counts as large as the largest known tensor. Beyond
+    shape inference's node limit the estimate is infinite."""
+    from amp_rewrite.analysis.elemtypes import sizes_dims
+    from amp_rewrite.flops import _dims, estimate_flops
+
+    runs = max(len(samples), 1) * repeats
+    if not sizes_dims(model):
+        return float("inf")
+    floor = len(model.graph.node) * NODE_WORK * runs
+    if floor > REFERENCE_WORK_LIMIT:  # over already: no shape inference needed to say so
+        return floor
+    _, shapes = tensor_types(model, shape_inference=True, dims=sample_dims(model, samples))
+    sizes = {name: int(np.prod(d)) for name in shapes if (d := _dims(shapes, name)) is not None}
+    largest = max(sizes.values(), default=1)
+    work = 0.0
+    for node in model.graph.node:
+        flops = estimate_flops(node, shapes)
+        work += NODE_WORK + (flops / 2 if flops else sum(sizes.get(o, largest) for o in node.output if o))
+    return work * runs
+
+
+def use_reference(model: onnx.ModelProto, provider_used: str, reference, samples=(), notes=None,
+                  repeats: int = 1) -> bool:
+    """Whether onnx.reference runs: True/False, or "auto": on CPU when `reference_work` (over
+    `repeats` runs of the samples: the fallback's search) is within REFERENCE_WORK_LIMIT (a skip
+    is said in `notes`)."""
+    if reference != "auto":
+        return bool(reference)
+    if provider_used != CPU:
+        return False
+    work = reference_work(model, samples, repeats)
+    if work <= REFERENCE_WORK_LIMIT:
+        return True
+    if notes is not None:
+        size = "beyond shape inference's node limit" if work == float("inf") else f"about {work:.2g} element operations"
+        notes.append(f"onnx.reference skipped: {size}, over the automatic limit {REFERENCE_WORK_LIMIT:.0e} "
+                     "(--reference runs it anyway)")
+    return False
 
 
 def reference_outputs(original: onnx.ModelProto, samples, deployment: Deployment = DEFAULT, progress=None):
     """(float32 outputs per sample, provider used): the original run once on ORT."""
-    sess, used = open_session(original, deployment.device)
+    sess, used = open_checked(original, deployment.device, progress=progress, label="validate: original")
     names = [o.name for o in sess.get_outputs()]
     return names, run_samples(sess, samples, progress=progress, label="validate: original"), used
 
@@ -270,8 +326,8 @@ def validate(original, rewritten, samples=None, *, deployment: Deployment = DEFA
              atol: float = 1e-3, reference="auto", progress=None, expected=None) -> ValidationResult:
     """Compare `rewritten` with `original` (paths or ModelProtos) on `samples` (synthesised if None).
 
-    `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU for
-    models up to REFERENCE_NODE_LIMIT nodes). `expected` reuses `reference_outputs(...)`.
+    `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU
+    when its estimated work is small, `use_reference`). `expected` reuses `reference_outputs(...)`.
     """
     original = load(original).model if not isinstance(original, onnx.ModelProto) else original
     rewritten = load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
@@ -284,10 +340,11 @@ def validate(original, rewritten, samples=None, *, deployment: Deployment = DEFA
     if deployment.provider == "cuda" and used != CUDA:
         result.notes.append("CUDA provider did not load; validated on CPU")
     samples = as_declared(rewritten, samples)  # float16 inputs (low_precision_io, keep_io_types=False)
-    sess, used_new = open_session(rewritten, deployment.device)
+    sess, used_new = open_checked(rewritten, deployment.device, progress=progress, label="validate: rewritten")
     got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
     result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)
-    if use_reference(rewritten, used_new, reference):
+    skipped: list = []
+    if use_reference(rewritten, used_new, reference, samples, skipped):
         try:
             emulated = run_reference(rewritten, samples, outputs=names, progress=progress,
                                      label="validate: reference")
@@ -296,8 +353,7 @@ def validate(original, rewritten, samples=None, *, deployment: Deployment = DEFA
             result.notes.append(f"onnx.reference could not run the rewritten model: {type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
     elif used_new == CPU:
-        result.notes.append("ORT CPU computes many float16 ops in float32 and can hide overflow; "
-                            "pass reference=True (--reference) to also run onnx.reference")
+        result.notes += skipped or [CPU_NOTE]
     return result
 
 
@@ -307,13 +363,14 @@ def _compare_all(names, ref, got, rtol, atol) -> list:
 
 
 def expose(model: onnx.ModelProto, names) -> onnx.ModelProto:
-    """A copy of `model` whose graph also outputs the main-graph tensors `names` (types inferred)."""
+    """A copy of `model` whose graph also outputs the main-graph tensors `names`, declared untyped:
+    ONNX Runtime infers their types (no type inference over the whole model here)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    types, _ = tensor_types(copy)
     present = {o.name for o in copy.graph.output}
+    made = {o for n in copy.graph.node for o in n.output} | {v.name for v in copy.graph.input}
     for name in names:
-        if name not in present and name in types:
-            copy.graph.output.append(helper.make_tensor_value_info(name, types[name], None))
+        if name not in present and name in made:
+            copy.graph.output.append(helper.make_value_info(name, onnx.TypeProto()))
             present.add(name)
     return copy

@@ -110,7 +110,8 @@ def _checks(report) -> str:
                             f"<td>{top1}</td><td>{ok}</td></tr>")
         notes = "".join(f"<li>{_e(n)}</li>" for n in v.get("notes", []))
         out.append(f"<h2>Validation</h2><p>{verdict} on {_e(v['provider'])}, {v['samples']} sample(s), "
-                   f"rtol {v['rtol']:g}, atol {v['atol']:g}.</p><table><tr><th class=l>run</th><th class=l>output</th>"
+                   f"ok where every |new &minus; float32| &le; atol + rtol &times; |float32| (atol {v['atol']:g}, "
+                   f"rtol {v['rtol']:g}, numpy.allclose's rule).</p><table><tr><th class=l>run</th><th class=l>output</th>"
                    f"<th>max abs</th><th>max rel</th><th>cosine</th><th>NaN</th><th>Inf</th><th>top-1</th><th>ok</th></tr>"
                    f"{''.join(rows)}</table>" + (f"<ul>{notes}</ul>" if notes else ""))
     fb = report.sections.get("fallback")
@@ -147,3 +148,29 @@ def render(report, model: onnx.ModelProto, title: str | None = None) -> str:
         + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
         + "</body></html>"
     )
+
+
+def summary_card(report) -> str:
+    """A notebook's view of a RewriteResult: the headline figures, the checks' verdicts and the
+    five largest op types, in a few lines of inline-styled HTML."""
+    s = report.summary
+    cell = 'style="border:1px solid #ddd;padding:2px 8px;text-align:{}"'
+    figures = [("float nodes in " + report.target, f"{s['nodes_low']} of {s['nodes_float']} ({s['nodes_mixed']} mixed)"),
+               ("compute-heavy ops low", f"{s['allow_ops_low']}/{s['allow_ops']} ({100 * s['allow_share']:.0f}%)"),
+               ("casts inserted", str(s["casts_inserted"])),
+               ("model size", f"{s['bytes_before'] / 1e6:.2f} MB &rarr; {s['bytes_after'] / 1e6:.2f} MB")]
+    validation = report.sections.get("validation")
+    if validation:
+        figures.append(("validation", "passed" if validation["passed"] else "<b>failed</b>"))
+    fallback = report.sections.get("fallback")
+    if fallback:
+        figures.append(("pinned float32 by --tolerance", str(len(fallback["pinned"]))))
+    rows = "".join(f"<tr><td {cell.format('left')}>{_e(k)}</td><td {cell.format('right')}>{v}</td></tr>"
+                   for k, v in figures)
+    ops = "".join(f"<tr><td {cell.format('left')}>{_e(r['op_type'])}</td><td {cell.format('right')}>{r['nodes']}</td>"
+                  f"<td {cell.format('right')}>{r[report.target]}</td><td {cell.format('right')}>{r['float32']}</td></tr>"
+                  for r in report.op_table()[:5])
+    head = "".join(f"<th {cell.format('right')}>{h}</th>" for h in ("nodes", report.target, "float32"))
+    return (f"<div><b>amp-rewrite</b> ({_e(report.target)})<table style=\"border-collapse:collapse\">{rows}</table>"
+            f"<table style=\"border-collapse:collapse;margin-top:4px\"><tr><th {cell.format('left')}>op type</th>{head}"
+            f"</tr>{ops}</table></div>")

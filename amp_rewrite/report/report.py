@@ -19,10 +19,15 @@ from amp_rewrite.report import picture_graph
 from amp_rewrite.flops import HEAVY
 from amp_rewrite.report.sentences import explain, removed, sentence
 
+SHOWN_PINS = 10  # the text shows the fallback's first pins; the report and --report JSON keep them all
 
-@dataclass
+
+@dataclass(repr=False)
 class Report:
     """Decisions and figures of one rewrite; `to_dict()` is what `--report` writes as JSON."""
+
+    def __repr__(self) -> str:
+        return f"<Report {self.target}: {len(self.nodes)} nodes, sections {sorted(self.sections) or 'none'}>"
 
     target: str
     make_summary: object  # builds the summary figures on first use
@@ -137,8 +142,12 @@ class Report:
                       f"{r['max_abs']:.4g} at {r['tensor']!r}" for r in scaled["regions"]]
         fb = self.sections.get("fallback")
         if fb:
+            pinned = fb["pinned"]
             lines.append(f"fallback: {'passed' if fb['passed'] else 'NOT passed'} after {fb['validation_runs']} "
-                         f"validation run(s); pinned float32: {', '.join(fb['pinned']) or 'none'}")
+                         f"validation run(s); {len(pinned)} node(s) pinned float32"
+                         + (f", the first {SHOWN_PINS} (largest error jumps; --report lists all):" if len(pinned) > SHOWN_PINS
+                            else ":" if pinned else ""))
+            lines += [f"  {key}: {fb['reasons'].get(key, '')}" for key in pinned[:SHOWN_PINS]]
         rc = self.sections.get("recompute")
         if rc:
             lines.append(f"recomputed segments ({len(rc['segments'])}): "

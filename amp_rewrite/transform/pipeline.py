@@ -19,6 +19,7 @@ import onnx
 from amp_rewrite import flops, ir
 from amp_rewrite.analysis import graph, paint, pointwise
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
+from amp_rewrite.analysis.oplists import check_named_ops
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.onnx_facts import opsets
@@ -26,13 +27,26 @@ from amp_rewrite.report import flops as report_flops, report as report_mod
 from amp_rewrite.transform import colour_as, materialise as materialise_mod, scaling as scaling_mod, weights
 
 
-@dataclass
+@dataclass(repr=False)
 class RewriteResult:
-    """What `rewrite()` returns."""
+    """What `rewrite()` returns. Its repr is one line and, in a notebook, a summary card: the
+    model and report themselves are far too big to print."""
 
     model: onnx.ModelProto  # checker-valid, IR version and opsets kept
     report: report_mod.Report  # every decision and why
     changed: bool
+
+    def __repr__(self) -> str:
+        s = self.report.summary
+        return (f"<RewriteResult {self.report.target}: {s['nodes_low']} of {s['nodes_float']} float nodes "
+                f"({s['nodes_mixed']} mixed), {s['casts_inserted']} casts inserted, "
+                f"{s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB"
+                f"{'' if self.changed else ', unchanged'}>")
+
+    def _repr_html_(self) -> str:
+        from amp_rewrite.report.html import summary_card
+
+        return summary_card(self.report)
 
 
 @dataclass
@@ -220,6 +234,7 @@ def run(model, options: RewriteOptions) -> RewriteResult:
     # onnx.checker runs once, on the result (`check`); the input gets it only when anything fails,
     # to tell a bad input (one ModelError line) from a bug of ours, or up front when nothing is checked
     loaded = load(model, checker=not options.check)
+    check_named_ops(lists, loaded.model)
     w = Work(loaded, options, lists, started)
     try:
         for stage in STAGES:
