@@ -20,7 +20,7 @@ import networkx as nx
 import onnx
 
 from amp_rewrite.analysis import schemas
-from amp_rewrite.analysis.oplists import OpLists
+from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite import onnx_facts
 from amp_rewrite.onnx_facts import FLOAT, LOW_ELEM
 
@@ -400,8 +400,23 @@ def _template(sig, entry, groups, target: str, kernel=None, check_deny: bool = F
             late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
         if fixed is None and kernel is not None and (check_deny or entry.list != "deny"):
             fixed = kernel(group.type_param)
+        if fixed is None:
+            fixed = _read_as_float32(sig, group)
         template.append((group, fixed, late))
     return template
+
+
+def _read_as_float32(sig, group) -> str | None:
+    """Why ONNX Runtime's kernels read one of the group's inputs as float32 whatever the schema
+    allows (op_lists/kernel_float32_inputs.yaml: Resize's roi), or None."""
+    inputs = shipped_table("kernel_float32_inputs.yaml").get(sig.op_type) if sig.domain == "" else None
+    if not inputs:
+        return None
+    for i in group.inputs:
+        formal = schemas.formal_at(sig.inputs, i)
+        if formal is not None and formal.name in inputs:
+            return inputs[formal.name]
+    return None
 
 
 def _add_edges(cg: ColouringGraph) -> None:

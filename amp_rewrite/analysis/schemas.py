@@ -25,6 +25,7 @@ class Formal:
 
     type_param: str
     variadic: bool
+    name: str = ""  # the schema's name for it (Resize's `roi`)
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: `signature` returns one object per version
@@ -66,7 +67,7 @@ def _formal(param, fixed_prefix: str) -> Formal:
     # A fixed type ("tensor(float)") is a group of its own, named after the parameter.
     if type_str.startswith(("tensor(", "seq(", "optional(", "map(", "sparse_tensor(")):
         type_str = f"{type_str}@{fixed_prefix}{param.name}"
-    return Formal(type_str, variadic)
+    return Formal(type_str, variadic, param.name)
 
 
 def _signature_of(schema, domain: str, op_type: str) -> Signature:
@@ -124,7 +125,7 @@ def signature(domain: str, op_type: str, opset: int) -> Signature | None:
     return _signature_of(candidates[-1], domain, op_type)
 
 
-def _formal_at(formals: tuple[Formal, ...], index: int) -> Formal | None:
+def formal_at(formals: tuple[Formal, ...], index: int) -> Formal | None:
     if index < len(formals):
         return formals[index]
     if formals and formals[-1].variadic:
@@ -138,11 +139,11 @@ def type_groups(sig: Signature, n_inputs: int, n_outputs: int) -> tuple[TypeGrou
     inputs: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
     for i in range(n_inputs):
-        formal = _formal_at(sig.inputs, i)
+        formal = formal_at(sig.inputs, i)
         if formal is not None:
             inputs.setdefault(formal.type_param, []).append(i)
     for i in range(n_outputs):
-        formal = _formal_at(sig.outputs, i)
+        formal = formal_at(sig.outputs, i)
         if formal is not None:
             outputs.setdefault(formal.type_param, []).append(i)
     params = list(dict.fromkeys([*inputs, *outputs]))
