@@ -100,6 +100,7 @@ class ColouringGraph:
     has_constant_nodes: bool = False  # some graph holds a Constant node (else the constant scan skips the nodes)
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
     constant_nodes: set = field(default_factory=set)  # (scope, node) of Constant nodes: sources, not vertices
+    tied_tensors: list = field(default_factory=list)  # (scope, name) of tensors no Cast may split: sequences (ties.py)
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
 
@@ -254,6 +255,7 @@ def build(
     op_info: dict = {}  # (domain, op type) -> (signature, list entry, why it is skipped)
     templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups with their fixed reasons
     vertices = cg.vertices
+    maybe = []  # groups that hold a sequence or a tensor, as the value is: (sig, group, scope, inputs, outputs)
     for s, scope in enumerate(scopes):
         reads, writes, nodes = cg.reads[s], cg.writes[s], scope.graph.node
         for n, key in enumerate(zip(scope.domains, scope.op_types)):  # as read_scopes read them: one read a node
@@ -286,6 +288,9 @@ def build(
                 tied = schemas.tie(sig, nodes[n], opsets, in_types, groups, float_params, LOW_ELEM[target])
                 if tied is not groups:
                     template = _template(sig, entry, tied, target, _kernel_of(kernel_check, sig, opsets, cg.notes))
+            if sig.containers and entry is not None and not holds_body:
+                template = _tie_containers(sig, entry, template, inputs, outputs, types, target,
+                                           _kernel_of(kernel_check, sig, opsets, cg.notes))
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
             relaxed = None
@@ -329,6 +334,11 @@ def build(
                         blocked = f"schema {key[1]}-{sig.since_version} inference refuses {target}: {refused}"
                 v = len(vertices)
                 vertices.append(Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed))
+                if sig.maybe_containers:
+                    if sig.is_container(group.type_param):
+                        cg.tied_tensors.extend(_sequences(sig, group, s, inputs, outputs))
+                    else:  # Identity's V: a sequence or a tensor, as its values are
+                        maybe.append((sig, group, s, inputs, outputs))
                 if reads[n] is None:
                     reads[n], writes[n] = [None] * len(inputs), [None] * len(outputs)
                 for i in group.inputs:
@@ -336,6 +346,11 @@ def build(
                 for i in group.outputs:
                     writes[n][i] = v
     cg.has_constant_nodes = any(op_type == "Constant" for _, op_type in op_info)
+    if maybe:  # a value a sequence-only slot reads or writes is a sequence wherever it is read
+        known = {name for _, name in cg.tied_tensors}
+        for sig, group, s, inputs, outputs in maybe:
+            cg.tied_tensors.extend(t for t in _sequences(sig, group, s, inputs, outputs, sig.maybe_containers)
+                                   if t[1] in known)
     _add_edges(cg)
     return cg
 
@@ -396,7 +411,7 @@ def _template(sig, entry, groups, target: str, kernel=None, check_deny: bool = F
         elif not sig.admits(group.type_param, target_string):
             fixed = (f"schema {sig.op_type}-{sig.since_version} does not allow {target} "
                      f"for {group.type_param.split('@')[0]}")
-        elif sig.containers:
+        elif sig.containers and not sig.is_container(group.type_param):
             late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
         if fixed is None and kernel is not None and (check_deny or entry.list != "deny"):
             fixed = kernel(group.type_param)
@@ -404,6 +419,26 @@ def _template(sig, entry, groups, target: str, kernel=None, check_deny: bool = F
             fixed = _read_as_float32(sig, group)
         template.append((group, fixed, late))
     return template
+
+
+def _tie_containers(sig, entry, template, inputs, outputs, types, target, kernel) -> list:
+    """A sequence op's template with its float tensor and sequence groups tied into one
+    (schemas.tie_containers); a sequence not typed yet counts as float beside a float tensor."""
+    groups = tuple(group for group, _, _ in template)
+    float_groups = set()
+    for g in groups:
+        kind = first_type(group_names(inputs, outputs, g), types)
+        if kind == FLOAT or (kind is None and g.type_param in sig.container_params):
+            float_groups.add(g)
+    tied = schemas.tie_containers(sig, groups, float_groups)
+    return template if tied is groups else _template(sig, entry, tied, target, kernel)
+
+
+def _sequences(sig, group, s: int, inputs, outputs, params=None):
+    """(scope, name) of the group's sequence tensors: no Cast can convert one, so their producer
+    and readers take one colour (ties.py)."""
+    ins, outs = schemas.container_slots(sig, group, params)
+    return [(s, inputs[i]) for i in ins if inputs[i]] + [(s, outputs[i]) for i in outs if outputs[i]]
 
 
 def _read_as_float32(sig, group) -> str | None:

@@ -82,12 +82,13 @@ class KernelCheck:
         if row is None:
             return reason, None
         types = row[2]
-        params = type_param.split("+")  # a tied group (schemas.tie) needs every part
-        unknown = [p for p in params if p not in types]
-        if unknown:
+        params = type_param.split("+")  # a tied group (schemas.tie) needs every part the row declares
+        declared = [p for p in params if p in types]
+        if not declared:
             return None, (f"{_NAMES[self.provider]} kernel of {op_type} at opset {opset} declares no types for "
-                          f"{', '.join(unknown)}: its {self.target} support is unknown; colour unchanged")
-        if all(self.target in types[p] for p in params):
+                          f"{', '.join(params)}: its {self.target} support is unknown; colour unchanged")
+        sequence = f"seq(tensor({self.target}))"  # a sequence parameter runs the target as its element type
+        if all(self.target in types[p] or sequence in types[p] for p in declared):
             return None, None
         return reason, None
 

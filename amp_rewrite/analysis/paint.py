@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from amp_rewrite.analysis import ties
 from amp_rewrite.analysis.graph import ColouringGraph
 from amp_rewrite.analysis.reasons import Reason, Step  # noqa: F401  (re-exported: callers read them here)
 
@@ -61,6 +62,10 @@ class _Masks:
         self.paintable = [vx.blocked is None and not vx.group.output_only for vx in cg.vertices]
         self.succ = cg.succ
         self.pred = cg.pred
+        self.clusters = ties.clusters(cg)  # vertices a sequence joins: one colour each
+        self.pinned = ties.pinned(cg, self.clusters)  # members of clusters that stay float32, with why
+        for v in self.pinned:
+            self.paintable[v] = False
 
     def inside(self, reached: dict, left_out: dict) -> list[bool]:
         """Per vertex: in `reached` and not in `left_out` (a comprehension, not a call per vertex)."""
@@ -151,22 +156,24 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
     m = _Masks(cg)
     allow = paint_allow(cg, m)
     if not allow:  # as TF: without allow ops, casts cannot pay off
-        return _freeze(cg, {}, {})
+        return _freeze(cg, {}, dict(m.pinned))
     deny = propagate_deny(cg, m, allow)
+    ties.spread_deny_and_allow(m.clusters, allow, deny)
     if placement == "cost":
         from amp_rewrite.analysis import placement as cost
 
         low, kept = cost.colour_free(cg, m, allow, deny, low_io)
         graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
-        return _freeze(cg, low, {**deny, **kept, **low})
+        return _freeze(cg, low, {**m.pinned, **deny, **kept, **low})
     low = dict(allow)
     low.update(paint_between_allow(cg, m, low, deny))
     if cg.target == "bfloat16":
         low.update(paint_infer_after_allow(cg, m, low, deny))
     low.update(propagate_allow_through_clear(cg, m, low, deny))
+    low.update(ties.match_low(m.clusters, low))
     low.update(paint_attribute_typed_outputs(cg, low, _typed_output_keys(cg, low_io)))
-    reasons = {**deny, **low}
+    reasons = {**m.pinned, **deny, **low}
     return _freeze(cg, low, reasons)
 
 

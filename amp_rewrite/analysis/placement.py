@@ -130,15 +130,20 @@ class Placement:
     regions: int
 
 
-def place(cg: ColouringGraph, free: list, is_low, low_io: frozenset = frozenset()) -> Placement:
+def place(cg: ColouringGraph, free: list, is_low, low_io: frozenset = frozenset(), tied=()) -> Placement:
     """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour,
-    `low_io` the main graph's inputs and outputs in the target type (the rest are float32)."""
+    `low_io` the main graph's inputs and outputs in the target type (the rest are float32); `tied`:
+    lists of free vertices that take one colour (ties.py), joined by infinite edges both ways."""
     if not free:
         return Placement(set(), [], {}, 0)
     net = _Network(len(cg.vertices))
     cache = sizes(cg)
     free_set = set(free)
     _build(cg, free, free_set, cache, is_low, low_io, net)
+    for members in tied:
+        for a, b in zip(members, members[1:]):
+            _edge(net.out, net.into, a, b, INF)
+            _edge(net.out, net.into, b, a, INF)
     side, rest = reduce_terminal(net)
     flow = nx.DiGraph()
     flow.add_nodes_from(("s", "t"))
@@ -454,7 +459,9 @@ def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, low_io: frozense
     """(low: allow + the free vertices the cut put low, with reasons; reasons of the free ones it
     kept float32). `m` is paint's masks (lists, paintable)."""
     free = free_vertices(m.lists, m.paintable, allow, deny)
-    done = place(cg, free, allow.__contains__, low_io)
+    free_set = set(free)
+    tied = [[v for v in c.members if v in free_set] for c in m.clusters if c.pinned is None]
+    done = place(cg, free, allow.__contains__, low_io, [t for t in tied if len(t) > 1])
     low = dict(allow)
     kept = {}
     fixed = "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)"

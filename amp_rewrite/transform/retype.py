@@ -28,7 +28,20 @@ def retype_io_and_value_info(m: Materialisation) -> None:
         for value in scope.graph.value_info:
             found = m.cg.resolve(s, value.name)
             if found is not None and _ends_low(m, found, value.name):
-                value.type.tensor_type.elem_type = m.low
+                _element(value.type).elem_type = m.low
+
+
+def _element(type_proto):
+    """The tensor type a value declares: its own, or its sequence's or optional's elements'."""
+    while not type_proto.HasField("tensor_type"):
+        kind = type_proto.WhichOneof("value")
+        if kind == "sequence_type":
+            type_proto = type_proto.sequence_type.elem_type
+        elif kind == "optional_type":
+            type_proto = type_proto.optional_type.elem_type
+        else:
+            return type_proto.tensor_type
+    return type_proto.tensor_type
 
 
 def _ends_low(m: Materialisation, found, name: str) -> bool:

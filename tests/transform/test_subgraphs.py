@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 from amp_rewrite import rewrite
-from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
+from helpers import assert_close, check_both, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
 
 FLOAT, F16, BOOL, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BOOL, TensorProto.INT64
 
@@ -166,6 +167,70 @@ def test_sequence_ops_keep_their_tensor_types():
     assert result.report.node("mm")["precision"] == "float16"
     assert result.report.node("split")["precision"] == "float32"
     _check_both(model, result, {"x": weights(rng, 2, 3)})
+
+
+def _sequence_model(rng, split=False, exp=False):
+    """MatMul -> [SequenceEmpty + 2 SequenceInsert | SplitToSequence] -> SequenceAt + ConcatFromSequence
+    -> Add -> MatMul; `exp`: the second insert reads Exp(h) (a deny op) instead of h."""
+    start = ([node("Concat", ["h", "h"], ["hh"], name="twice", axis=0),
+              node("SplitToSequence", ["hh", "halves"], ["seq"], name="split", axis=0)] if split else
+             [node("SequenceEmpty", [], ["empty"], name="empty", dtype=FLOAT),
+              node("SequenceInsert", ["empty", "h"], ["seq"], name="insert0")])
+    second = [node("Exp", ["h"], ["e"], name="exp")] if exp else []
+    model = make_model(
+        [node("MatMul", ["x", "W"], ["h"], name="mm"), *start, *second,
+         node("SequenceInsert", ["seq", "e" if exp else "h"], ["seq2"], name="insert"),
+         node("Identity", ["seq2"], ["seq3"], name="same"),  # Identity's V is a tensor or a sequence
+         node("SequenceAt", ["seq3", "zero"], ["at"], name="at"),
+         node("ConcatFromSequence", ["seq3"], ["y0"], name="concat", axis=0, new_axis=1),
+         node("Add", ["y0", "at"], ["y1"], name="add"),
+         node("MatMul", ["y1", "W"], ["y"], name="mm2")],
+        [tensor("x", [2, 3])], [tensor("y", [None, 2, 3])],
+        [init("W", weights(rng, 3, 3)), init("zero", np.array(0, np.int64)), init("halves", np.array([2, 2], np.int64))],
+        opset=17)
+    return onnx.shape_inference.infer_shapes(model)  # sequence value_infos, retyped with their tensors
+
+
+@pytest.mark.parametrize("placement", ["tf", "cost"])
+def test_sequence_ops_are_clear_ops_of_their_element_type(placement):
+    """Sequence ops are clear (as TF's TensorList ops): the sequence and the tensors an op ties to
+    its elements are one group, coloured like a tensor: between two MatMuls, all float16, and
+    no Cast on a sequence (none can convert one)."""
+    rng = np.random.default_rng(0)
+    model = _sequence_model(rng)
+    result = rewrite(model, target="float16", placement=placement)
+    for name in ("empty", "insert0", "insert", "same", "at", "concat", "add"):
+        assert result.report.node(name)["precision"] == "float16", name
+    assert [n.op_type for n in result.model.graph.node].count("Cast") == 2  # the model's input and output
+    seq = next(v for v in result.model.graph.value_info if v.name == "seq2")
+    assert seq.type.sequence_type.elem_type.tensor_type.elem_type == F16
+    check_both(model, result.model, {"x": weights(rng, 2, 3)})
+
+
+def test_the_tie_rule_decides_a_sequence_and_its_reason_says_so():
+    """SplitToSequence has no float16 CUDA kernel: the sequence ties every op that reads it to
+    its float32, and their reasons say the tie decided (not a schema: the schema allows it);
+    with provider 'any' the same ops are float16. A deny op tied in makes the cluster deny."""
+    rng = np.random.default_rng(1)
+    model = _sequence_model(rng, split=True)
+    result = rewrite(model, target="float16")
+    assert result.report.node("split")["groups"]["T+S"]["reason"].endswith("no float16 kernel on CUDA at opset 17")
+    for name in ("insert", "same", "at", "concat"):
+        entry = result.report.node(name)
+        assert entry["precision"] == "float32" and entry["step"] == "tied", name
+        assert "tied by a sequence to SplitToSequence 'split', which stays float32" in entry["because"]
+        assert "does not allow" not in entry["because"]
+    check_both(model, result.model, {"x": weights(rng, 2, 3)})
+    anywhere = rewrite(model, target="float16", provider="any")
+    assert all(anywhere.report.node(n)["precision"] == "float16" for n in ("split", "insert", "at", "concat"))
+    check_both(model, anywhere.model, {"x": weights(rng, 2, 3)})
+    denied = _sequence_model(rng, exp=True)
+    for placement in ("tf", "cost"):
+        result = rewrite(denied, target="float16", placement=placement)
+        assert result.report.node("insert")["precision"] == "float32"
+        assert result.report.node("insert0")["step"] == "tied", placement
+        assert "tied by a sequence to a float32 op" in result.report.node("insert0")["because"]
+        check_both(denied, result.model, {"x": weights(rng, 2, 3)})
 
 
 def test_model_local_function_is_inlined_and_coloured():
