@@ -163,6 +163,7 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
         from amp_rewrite.analysis import placement as cost
 
         low, kept = cost.colour_free(cg, m, allow, deny, low_io)
+        kept.update(drop_regions_without_allow(cg, m, low))
         graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
         return _freeze(cg, low, {**m.pinned, **deny, **kept, **low})
@@ -172,9 +173,41 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
         low.update(paint_infer_after_allow(cg, m, low, deny))
     low.update(propagate_allow_through_clear(cg, m, low, deny))
     low.update(ties.match_low(m.clusters, low))
+    kept = drop_regions_without_allow(cg, m, low)
     low.update(paint_attribute_typed_outputs(cg, low, _typed_output_keys(cg, low_io)))
-    reasons = {**m.pinned, **deny, **low}
+    reasons = {**m.pinned, **deny, **kept, **low}
     return _freeze(cg, low, reasons)
+
+
+def drop_regions_without_allow(cg: ColouringGraph, m: _Masks, low: dict) -> dict:
+    """Regions of low vertices (joined by edges, and the groups of one node) with no allow op in
+    them go back to float32, in place: casts pay off only around an allow op (TF: no allow op,
+    nothing to do). Returns their reasons. One walk over the low vertices."""
+    of_node: dict = {}
+    for v in low:
+        vertex = cg.vertices[v]
+        of_node.setdefault((vertex.scope, vertex.node), []).append(v)
+    seen: set = set()
+    dropped = {}
+    for start in list(low):
+        if start in seen:
+            continue
+        seen.add(start)
+        members, queue = [], [start]
+        while queue:
+            v = queue.pop()
+            members.append(v)
+            vertex = cg.vertices[v]
+            for w in (*m.succ[v], *m.pred[v], *of_node[(vertex.scope, vertex.node)]):
+                if w in low and w not in seen:
+                    seen.add(w)
+                    queue.append(w)
+        if not any(m.lists[v] == "allow" for v in members):
+            for v in members:
+                del low[v]
+                dropped[v] = Reason(Step.NOT_PAINTED, None, "a low-precision region without an allow op: "
+                                                            "its casts cannot pay off")
+    return dropped
 
 
 def _typed_output_keys(cg: ColouringGraph, low_io: frozenset) -> set:

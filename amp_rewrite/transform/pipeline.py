@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from amp_rewrite.analysis import graph, paint, pointwise
+from amp_rewrite.analysis import evidence, graph, paint, pointwise
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
@@ -59,6 +59,7 @@ class Work:
     flops: dict = None
     materialised: materialise_mod.Materialised = None
     result: RewriteResult = None
+    range_note: str | None = None  # what the range check of cost placement measured (analysis.evidence)
 
 
 def take_working_copy(w: Work) -> None:
@@ -120,9 +121,38 @@ def scan_constants(w: Work) -> None:
     w.constants = weights.scan_constants(w.cg, w.options.clamp)
 
 
+# Above these, cost placement's extra low ops are not measured on synthesised inputs (evidence.settle)
+RANGE_CHECK_NODES, RANGE_CHECK_BYTES = 20_000, 2**30
+
+
 def colour(w: Work) -> None:
-    w.plan = follow_originals(w.model, w.cg, paint.colour(w.cg, low_io=w.low_io,
-                                                          placement=w.options.placement))
+    """Cost placement's ops that TF's rule keeps float32 need range evidence (analysis.evidence):
+    a data-free bound, or one float32 run on synthesised inputs within the work budget. Not with
+    calibration, whose measured ranges already made the out-of-range ops deny roots."""
+    def run(placement):
+        return paint.colour(w.cg, low_io=w.low_io, placement=placement)
+
+    if w.options.placement != "cost" or w.options.calibration is not None:
+        plan = run(w.options.placement)
+    else:
+        plan, w.range_note = evidence.settle(w.cg, run, functools.partial(_largest_values, w), _over_budget(w))
+    w.plan = follow_originals(w.model, w.cg, plan)
+
+
+def _over_budget(w: Work) -> str | None:
+    nodes = sum(len(scope.io) for scope in w.scopes)
+    if w.loaded.lazy or nodes > RANGE_CHECK_NODES or w.bytes_before > RANGE_CHECK_BYTES:
+        return (f"over the work budget of {RANGE_CHECK_NODES} nodes and {RANGE_CHECK_BYTES >> 20} MiB "
+                f"({nodes} nodes, {w.bytes_before >> 20} MiB)")
+    return None
+
+
+def _largest_values(w: Work, names):
+    """The float32 model's largest values on a synthesised sample: the caller's model where the
+    working copy borrowed its weights (it has not changed yet)."""
+    from amp_rewrite.checks.calibrate import largest_values
+
+    return largest_values(w.model if w.loaded.owned else w.loaded.model, names, dims=w.options.dims)
 
 
 def estimate_flops(w: Work) -> None:
@@ -160,6 +190,8 @@ def report(w: Work) -> None:
     if w.options.dims and not sizes_dims(w.model):
         rep.notes.append(f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
                          f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates")
+    if w.range_note:
+        rep.notes.append(w.range_note)
     recompute = report_section(w.model)
     if recompute:
         rep.sections["recompute"] = recompute
