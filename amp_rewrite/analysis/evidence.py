@@ -28,6 +28,7 @@ from amp_rewrite.io import tensordata
 from amp_rewrite.onnx_facts import FLOAT, constant_tensor
 
 LIMIT = 65504.0  # float16's largest value (bfloat16 needs no check)
+SENTINEL = float(np.finfo(np.float32).max)
 SAFETY = 4.0  # a data-free bound must stay this far inside (as calibration's default safety)
 MEASURED_LIMIT = 512.0  # AutoCast's data_max: synthesised inputs are not the real ones
 MAX_ROUNDS = 8
@@ -92,6 +93,11 @@ class Bounds:
                 for slot, x in enumerate(outputs):
                     if x and row[slot] is not None:
                         self.bound[x] = ACCEPTED if row[slot] in tf_low else out
+
+    def sentinel(self, s: int, name: str) -> bool:
+        """A constant all of whose values are float32's largest: a mask sentinel (transform.weights)."""
+        b = self.of(s, name)
+        return b is not None and b[0] == SENTINEL and self.smallest.get(name) == SENTINEL
 
     def of(self, s: int, name: str):
         """The bound of `name` as read in scope `s`: a node's output, a constant, or None."""
@@ -163,9 +169,10 @@ def settle(cg, colour, measure=None, skipped: str | None = None):
             if v in proven:
                 continue
             vertex = cg.vertices[v]
-            names = [x for x in group_tensors(cg, v) if not _is_constant(cg, vertex.scope, x)]
-            if all(_bounded(bounds.of(vertex.scope, x)) for x in names):
-                proven.add(v)
+            tensors = group_tensors(cg, v)
+            names = [x for x in tensors if not _is_constant(cg, vertex.scope, x)]
+            if all(_bounded(bounds.of(vertex.scope, x)) for x in names) or any(bounds.sentinel(vertex.scope, x) for x in tensors):
+                proven.add(v)  # (a mask sentinel's reader: the constant scan's rule makes it +-65504 x mask)
             else:
                 unproven[v] = names
         if not unproven:
