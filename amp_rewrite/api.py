@@ -15,7 +15,7 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
             check: bool = True, op_block_list=None, node_block_list=None, force_fp32=None, calibration=None,
             annotate: bool = False, provider: str = "cuda", placement: str = "cost", scale_activations: bool = True,
             relax_margin: float = 16.0, dims=None, pointwise_check: bool = True, fold_noop_casts: bool = True,
-            low_precision_io=()):
+            low_precision_io=(), opset: int | None = None):
     """Rewrite `model` (a path or ModelProto; never modified) for mixed precision in `target`.
 
     `op_lists` names YAML files of user overrides; `allow`/`deny`/`infer`/`clear` move op types
@@ -39,7 +39,8 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
     model's own Casts that convert nothing in the result are removed (transform/noop_casts.py).
     `low_precision_io` (full-match regexes): graph inputs and outputs whose names match take
     `target` (a decoder's `past_key_values.*` and `present.*`), the rest follow `keep_io_types`;
-    a pattern that matches no float32 input or output is a `UsageError`.
+    a pattern that matches no float32 input or output is a `UsageError`. `opset`: the model is
+    converted to that default-domain opset first (onnx.version_converter).
     `options` (a RewriteOptions) replaces all keyword options. Returns a `RewriteResult`; raises AmpRewriteError subclasses on bad input.
     """
     if options is None:
@@ -50,5 +51,6 @@ def rewrite(model, options: RewriteOptions | None = None, *, target: str = "floa
                                     calibration=calibration, annotate=annotate,
                                     provider=provider, placement=placement, scale_activations=scale_activations,
                                     relax_margin=relax_margin, dims=dims, pointwise_check=pointwise_check,
-                                    fold_noop_casts=fold_noop_casts, low_precision_io=low_precision_io)
+                                    fold_noop_casts=fold_noop_casts, low_precision_io=low_precision_io,
+                                    opset=opset)
     return run(model, options)

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="infer/clear ops no deny op reaches: cost (default) colours them by one minimum cut of "
                         "the estimated bytes moved (fewer bytes on every model measured); tf paints them low "
                         "only between allow ops (TensorFlow's rule, a little faster on very large graphs)")
+    p.add_argument("--opset", type=int, default=None, metavar="N",
+                   help="convert the model to opset N first (onnx.version_converter): ops whose kernels need a newer "
+                        "opset (CUDA's float16 Clip from 12) then run in the target type; the summary says when it would help")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of the inputs' symbolic dim NAME (repeatable): shape inference uses it for the size "
                         "estimates (cost placement, bytes moved, FLOPs) and --validate for synthesised inputs; "
@@ -124,7 +127,8 @@ def rewrite_options(args) -> RewriteOptions:
                              annotate=args.annotate, provider=colouring_provider(args.provider),
                              placement=args.placement or "cost", scale_activations=args.scale_activations,
                              relax_margin=args.relax_margin, dims=validate.parse_dims(args.dim),
-                             pointwise_check=args.pointwise_check, low_precision_io=args.low_precision_io)
+                             pointwise_check=args.pointwise_check, low_precision_io=args.low_precision_io,
+                             opset=args.opset)
 
 
 def output_plan(args, source: Path, output: Path) -> OutputPlan:

@@ -54,6 +54,7 @@ class RewriteOptions:
     dims: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # symbolic dim -> size: size estimates only
     pointwise_check: bool = True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
     fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
+    opset: int | None = None  # convert the model to this default-domain opset first (onnx.version_converter)
 
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
@@ -82,6 +83,8 @@ class RewriteOptions:
             raise UsageError(f"relax margin {self.relax_margin:g} must be 0 (off) or at least 1")
         if self.placement not in PLACEMENTS:
             raise UsageError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < 1):
+            raise UsageError(f"opset {self.opset!r} must be a whole number of at least 1")
         for name, size in self.dims.items():
             if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise UsageError(f"dim {name!r}={size!r}: a symbolic dim's size must be a whole number of at least 1")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from amp_rewrite.analysis import evidence, graph, paint, pointwise
+from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
@@ -65,7 +66,9 @@ class Work:
 def take_working_copy(w: Work) -> None:
     """A model read from a file here is nobody else's: rewritten in place. The caller's model is
     copied, its big weights borrowed (read, never changed)."""
-    if w.loaded.owned:
+    if w.options.opset is not None and opsets(w.loaded.model).get("") != w.options.opset:
+        w.model, w.borrowed = convert_opset(w.loaded.model, w.options.opset), {}  # a new model: ours
+    elif w.loaded.owned:
         w.model, w.borrowed = w.loaded.model, {}
     else:
         w.model, w.borrowed = working_copy(w.loaded.model)
@@ -149,10 +152,10 @@ def _over_budget(w: Work) -> str | None:
 
 def _largest_values(w: Work, names):
     """The float32 model's largest values on a synthesised sample: the caller's model where the
-    working copy borrowed its weights (it has not changed yet)."""
+    working copy borrowed its weights (neither has changed yet), else the working copy."""
     from amp_rewrite.checks.calibrate import largest_values
 
-    return largest_values(w.model if w.loaded.owned else w.loaded.model, names, dims=w.options.dims)
+    return largest_values(w.loaded.model if w.borrowed else w.model, names, dims=w.options.dims)
 
 
 def estimate_flops(w: Work) -> None:
@@ -192,6 +195,9 @@ def report(w: Work) -> None:
                          f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates")
     if w.range_note:
         rep.notes.append(w.range_note)
+    kernel_check = w.options.kernel_check()
+    if kernel_check is not None:
+        rep.notes.extend(newer_opset_advice(w.cg, kernel_check, opsets(w.model)))
     recompute = report_section(w.model)
     if recompute:
         rep.sections["recompute"] = recompute
@@ -277,6 +283,27 @@ def bytes_moved(cg, plan, options: RewriteOptions, dims_used: bool = True, low_i
 
 def _dims_text(dims) -> str:
     return ", ".join(f"{name}={size}" for name, size in dims.items())
+
+
+def convert_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """`model` converted to default-domain `opset` by onnx.version_converter (a new model), its IR
+    version raised only as far as that opset needs; one UsageError line when it cannot."""
+    from onnx import helper, version_converter
+
+    from amp_rewrite.errors import UsageError
+
+    if model.graph.initializer and any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        raise UsageError(f"--opset {opset}: a model with weights left on disk cannot be converted; "
+                         "convert it with onnx.version_converter first")
+    try:
+        converted = version_converter.convert_version(model, opset)
+    except Exception as exc:  # noqa: BLE001 - the converter's refusal, said in one line
+        lines = [x for x in str(exc).strip().splitlines() if x.strip()]
+        raise UsageError(f"--opset {opset}: onnx.version_converter cannot convert this model "
+                         f"({(lines[-1] if lines else type(exc).__name__)[:200]})") from None
+    needed = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
+    converted.ir_version = max(model.ir_version, needed)
+    return converted
 
 
 def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
