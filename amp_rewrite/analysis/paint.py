@@ -180,13 +180,14 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
 
 
 def drop_regions_without_allow(cg: ColouringGraph, m: _Masks, low: dict) -> dict:
-    """Regions of low vertices (joined by edges, and the groups of one node) with no allow op in
+    """Regions of low vertices (joined by edges, the groups of one node, ties) with no allow op in
     them go back to float32, in place: casts pay off only around an allow op (TF: no allow op,
     nothing to do). Returns their reasons. One walk over the low vertices."""
     of_node: dict = {}
     for v in low:
         vertex = cg.vertices[v]
         of_node.setdefault((vertex.scope, vertex.node), []).append(v)
+    tied = {v: c.members for c in m.clusters for v in c.members}  # a sequence's ops are one region too
     seen: set = set()
     dropped = {}
     for start in list(low):
@@ -198,7 +199,7 @@ def drop_regions_without_allow(cg: ColouringGraph, m: _Masks, low: dict) -> dict
             v = queue.pop()
             members.append(v)
             vertex = cg.vertices[v]
-            for w in (*m.succ[v], *m.pred[v], *of_node[(vertex.scope, vertex.node)]):
+            for w in (*m.succ[v], *m.pred[v], *of_node[(vertex.scope, vertex.node)], *tied.get(v, ())):
                 if w in low and w not in seen:
                     seen.add(w)
                     queue.append(w)
