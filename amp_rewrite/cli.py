@@ -16,12 +16,26 @@ import sys
 import threading
 from pathlib import Path
 
+from amp_rewrite import driver
 from amp_rewrite.analysis.oplists import TARGETS
-from amp_rewrite.analysis.kernels import colouring_provider
-from amp_rewrite.options import RewriteOptions
-from amp_rewrite.checks import fallback, validate
+from amp_rewrite.checks import validate
+from amp_rewrite.deployment import PROVIDERS
 from amp_rewrite.errors import AmpRewriteError, UsageError, one_line
-from amp_rewrite.io import OutputPlan, atomic_write_bytes, load, save
+from amp_rewrite.io import OutputPlan, atomic_write_bytes, save
+from amp_rewrite.options import PLACEMENTS, RewriteOptions
+
+DEFAULT = RewriteOptions()  # every option's default is written once, in options.py
+# RewriteOptions field -> the argparse dest of its flag; the flag's default is None (not given),
+# so an option the user did not name keeps RewriteOptions' default. A test checks this table
+# against the fields and the parser.
+OPTION_FLAGS = {
+    "target": "target", "provider": "provider", "dims": "dim", "keep_io_types": "keep_io_types",
+    "low_precision_io": "low_precision_io", "op_lists": "op_lists", "allow": "allow", "deny": "deny",
+    "infer": "infer", "clear": "clear", "keep_fp32_nodes": "keep_fp32_node", "clamp": "clamp",
+    "annotate": "annotate", "placement": "placement", "scale_activations": "scale_activations",
+    "relax_margin": "relax_margin", "pointwise_check": "pointwise_check", "opset": "opset",
+}
+API_ONLY = ("deployment", "check", "force_fp32", "calibration", "fold_noop_casts")  # options without a flag
 
 SUFFIX = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -35,46 +49,46 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="amp-rewrite", description="Rewrite an ONNX model for mixed precision (float16/bfloat16).")
     p.add_argument("model", help="input .onnx file (never modified)")
     p.add_argument("-o", "--output", help="output file (default: MODEL.fp16.onnx beside the input)")
-    p.add_argument("--target", choices=TARGETS, default="float16", help="low-precision type (default float16)")
+    p.add_argument("--target", choices=TARGETS, help=f"low-precision type (default {DEFAULT.target})")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.add_argument("--dry-run", action="store_true", help="decide and report, write no model")
     p.add_argument("--keep-failed", action="store_true",
                    help="with --validate/--tolerance: write the outputs even when over tolerance (exit 6 still)")
     p.add_argument("--report", metavar="FILE.json", help="write every decision and the summary as JSON")
-    p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
+    p.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_const", const=False,
                    help="graph inputs/outputs become the target type too (default: keep float32)")
-    p.add_argument("--low-precision-io", action="append", default=[], metavar="REGEX",
+    p.add_argument("--low-precision-io", action="append", metavar="REGEX",
                    help="graph inputs/outputs whose names fully match REGEX take the target type, the rest follow "
                         "--no-keep-io-types (repeatable; e.g. 'past_key_values\\..*' 'present\\..*' for a "
                         "decoder's KV cache); a REGEX matching no float32 input or output is an error")
     for name in ("allow", "deny", "infer", "clear"):
-        p.add_argument(f"--{name}", action="append", default=[], metavar="OP",
+        p.add_argument(f"--{name}", action="append", metavar="OP",
                        help=f"put op type OP in the {name} list (repeatable; 'domain:Op' for other domains)")
-    p.add_argument("--op-lists", action="append", default=[], metavar="FILE.yaml",
+    p.add_argument("--op-lists", action="append", metavar="FILE.yaml",
                    help="YAML file of list overrides (same format as op_lists/float16.yaml)")
-    p.add_argument("--keep-fp32-node", action="append", default=[], metavar="NAME_OR_REGEX",
+    p.add_argument("--keep-fp32-node", action="append", metavar="NAME_OR_REGEX",
                    help="keep nodes whose name equals or fully matches this regex in float32")
-    p.add_argument("--clamp", action="store_true",
+    p.add_argument("--clamp", action="store_const", const=True,
                    help="clamp constants outside the target range instead of keeping their consumers float32")
-    p.add_argument("--annotate", action="store_true",
+    p.add_argument("--annotate", action="store_const", const=True,
                    help="write each node's precision and reason into the output model (doc_string; Netron shows it)")
-    p.add_argument("--provider", choices=("cuda", "cpu", "any", "auto"), default="auto",
+    p.add_argument("--provider", choices=PROVIDERS,
                    help="where the model will run (ONNX Runtime provider): ops it has no target-type kernel for "
                         "stay float32, and --validate/--calibrate run on it. cuda/auto (default): CUDA's "
                         "kernels, checks on CUDA when it loads, else CPU; cpu: CPU's kernels and CPU; any: "
                         "no kernel check")
-    p.add_argument("--placement", choices=("tf", "cost"), default=None,
+    p.add_argument("--placement", choices=PLACEMENTS,
                    help="infer/clear ops no deny op reaches: cost (default) colours them by one minimum cut of "
                         "the estimated bytes moved (fewer bytes on every model measured); tf paints them low "
                         "only between allow ops (TensorFlow's rule, a little faster on very large graphs)")
-    p.add_argument("--opset", type=int, default=None, metavar="N",
+    p.add_argument("--opset", type=int, metavar="N",
                    help="convert the model to opset N first (onnx.version_converter): ops whose kernels need a newer "
                         "opset (CUDA's float16 Clip from 12) then run in the target type; the summary says when it would help")
-    p.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+    p.add_argument("--dim", action="append", metavar="NAME=SIZE",
                    help="size of the inputs' symbolic dim NAME (repeatable): shape inference uses it for the size "
                         "estimates (cost placement, bytes moved, FLOPs) and --validate for synthesised inputs; "
                         "the model's declared shapes are unchanged")
-    p.add_argument("--pointwise-check", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--pointwise-check", action=argparse.BooleanOptionalAction,
                    help="a range-deny op (Exp, Pow, Reciprocal, Sinh, Cosh) whose pointwise chain from one tensor "
                         "agrees with float32 on every float16 value becomes an infer op, no data needed "
                         "(default on; --no-pointwise-check: the lists alone decide)")
@@ -95,13 +109,14 @@ def _add_check_arguments(p) -> None:
     g.add_argument("--validate", action="store_true", help="run both models in ONNX Runtime and compare outputs")
     g.add_argument("--calibrate", action="store_true",
                    help="measure float32 tensor ranges on the samples; overflowing producers/readers stay float32")
-    g.add_argument("--scale-activations", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--scale-activations", action=argparse.BooleanOptionalAction,
                    help="with --calibrate: a linear region (MatMul/Gemm/Conv and the ops around them) over the "
                         "limit computes in the target type on inputs x 2^-k, its output x 2^k in float32, "
                         "instead of staying float32 (default on; --no-scale-activations: float32 as before)")
-    g.add_argument("--relax-margin", type=float, default=16.0, metavar="M",
+    g.add_argument("--relax-margin", type=float, metavar="M",
                    help="with --calibrate: an elementwise range-deny op (Exp, Pow, Reciprocal, Sinh, Cosh) whose "
-                        "measured inputs and outputs stay within max/M (default 16; 0: never) becomes an infer op")
+                        f"measured inputs and outputs stay within max/M (default {DEFAULT.relax_margin:g}; 0: never) "
+                        "becomes an infer op")
     g.add_argument("--tolerance", action="store_true",
                    help="after calibration, pin nodes float32 where the error enters until --rtol/--atol pass")
     g.add_argument("--inputs", metavar="FILE.npz", help="sample inputs: keys NAME, or I/NAME for sample I")
@@ -120,15 +135,11 @@ def default_output(model_path: Path, target: str) -> Path:
 
 
 def rewrite_options(args) -> RewriteOptions:
-    """The rewrite's options, built once from the command line."""
-    return RewriteOptions.of(target=args.target, keep_io_types=args.keep_io_types, op_lists=args.op_lists,
-                             allow=args.allow, deny=args.deny, infer=args.infer, clear=args.clear,
-                             keep_fp32_nodes=args.keep_fp32_node, clamp=args.clamp,
-                             annotate=args.annotate, provider=colouring_provider(args.provider),
-                             placement=args.placement or "cost", scale_activations=args.scale_activations,
-                             relax_margin=args.relax_margin, dims=validate.parse_dims(args.dim),
-                             pointwise_check=args.pointwise_check, low_precision_io=args.low_precision_io,
-                             opset=args.opset)
+    """The rewrite's options, built once from the flags the user gave (the rest: their defaults)."""
+    given = {field: getattr(args, dest) for field, dest in OPTION_FLAGS.items() if getattr(args, dest) is not None}
+    if "dims" in given:
+        given["dims"] = validate.parse_dims(given["dims"])
+    return RewriteOptions.of(**given)
 
 
 def output_plan(args, source: Path, output: Path) -> OutputPlan:
@@ -145,33 +156,31 @@ def output_plan(args, source: Path, output: Path) -> OutputPlan:
     plan = OutputPlan(writes, reads=[source], force=args.force)
     if args.inputs:
         plan.check_reads([Path(args.inputs)], label="the --inputs file")
-    plan.check_reads([Path(f) for f in args.op_lists], label="an --op-lists file")
+    plan.check_reads([Path(f) for f in args.op_lists or ()], label="an --op-lists file")
     return plan
 
 
 def run(args) -> int:
     options = rewrite_options(args)  # bad option values fail before anything is read
-    fallback.check_values(samples_count=args.samples, safety=args.safety, rtol=args.rtol, atol=args.atol,
-                          max_runs=args.max_runs, checks=args.validate or args.calibrate or args.tolerance)
+    checks = {"validate": args.validate, "calibrate": args.calibrate or args.tolerance, "tolerance": args.tolerance}
+    numbers = {"samples_count": args.samples, "safety": args.safety, "rtol": args.rtol, "atol": args.atol,
+               "max_runs": args.max_runs}
+    driver.check_values(options, **numbers, **checks)
     source = Path(args.model)
-    output = Path(args.output) if args.output else default_output(source, args.target)
+    output = Path(args.output) if args.output else default_output(source, options.target)
     if args.explain is not None:
         args.dry_run, args.report, args.html = True, None, None  # --explain writes nothing
     plan = output_plan(args, source, output)
-    # Only rewriting and saving: big external weights can stay on disk until written (memory).
-    needs_weights = args.validate or args.calibrate or args.tolerance or args.html or args.explain is not None
-    # onnx.checker: up front when the original runs in ONNX Runtime, else once, on the rewrite
-    runs_original = args.validate or args.calibrate or args.tolerance
-    loaded = load(source, lazy_weights=not needs_weights, checker=bool(runs_original), outputs=plan)
-    checked = fallback.check(
-        loaded, inputs=args.inputs, dims=dict(options.dims), samples_count=args.samples,
-        validate=args.validate, calibrate=args.calibrate or args.tolerance, tolerance=args.tolerance,
-        provider=args.provider, rtol=args.rtol, atol=args.atol, safety=args.safety, max_runs=args.max_runs,
+    checked = driver.check(
+        source, inputs=args.inputs, **numbers, **checks,
         reference={"auto": "auto", "always": True, "never": False}[args.reference], progress=args.progress,
-        options=options, keep_original=bool(args.html))
+        options=options, keep_original=bool(args.html), outputs=plan,
+        # only rewriting and saving: big external weights can stay on disk until written (memory)
+        lazy_weights=not (args.html or args.explain is not None))
+    loaded = checked.loaded
     result = checked.result
     if args.explain is not None:
-        print(fallback.explain_text(result.report, args.explain))
+        print(driver.explain_text(result.report, args.explain))
         return 0
     # over tolerance: a refusal, so nothing is written unless asked (--keep-failed)
     writes = checked.passed or args.keep_failed

@@ -60,3 +60,9 @@ class TrainingError(AmpRewriteError):
     """A training configuration or step cannot be carried out."""
 
     exit_code = 8
+
+
+class RuntimeUnavailableError(AmpRewriteError):
+    """ONNX Runtime is missing or broken: the checks and training cannot run."""
+
+    exit_code = 1

@@ -1,4 +1,4 @@
-"""Facts about ONNX that every stage shares: element types, domains, opsets, graph walks, order.
+"""Facts about ONNX that every stage shares: element types, domains, opsets, graph walks.
 
 One table of each, so the loader, the colouring, the materialiser, the report, autodiff and the
 trainer agree on what `float16` means and how big a `double` is. Nothing here imports the rest of
@@ -7,12 +7,10 @@ the package but `errors`.
 
 from __future__ import annotations
 
-import networkx as nx
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from amp_rewrite.errors import ModelError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 FLOAT = TensorProto.FLOAT
@@ -129,38 +127,6 @@ def reads(node: onnx.NodeProto) -> list[str]:
         for inner in body.node:
             names.extend(reads(inner))
     return names
-
-
-# --- order ---------------------------------------------------------------------------------------
-
-
-def is_sorted(g: onnx.GraphProto) -> bool:
-    """Every node reads only tensors made before it (or not made by a node of this graph)."""
-    produced = {name for node in g.node for name in node.output if name}
-    seen = set()
-    for node in g.node:
-        if any(name in produced and name not in seen for name in node.input if name):
-            return False
-        seen.update(node.output)
-    return True
-
-
-def sort_graphs(model: onnx.ModelProto) -> None:
-    """Topologically sort every graph that is not sorted, keeping the original order otherwise."""
-    for g in reversed(all_graphs(model.graph)):  # children first: re-adding a parent's nodes copies them
-        if is_sorted(g):
-            continue
-        producer = {name: i for i, node in enumerate(g.node) for name in node.output if name}
-        deps = nx.DiGraph()
-        deps.add_nodes_from(range(len(g.node)))
-        deps.add_edges_from((producer[x], i) for i, node in enumerate(g.node) for x in node.input if x in producer)
-        try:
-            order = list(nx.lexicographical_topological_sort(deps))
-        except nx.NetworkXUnfeasible:
-            raise ModelError(f"graph {g.name or '(main)'} has a cycle") from None
-        nodes = [g.node[i] for i in order]
-        del g.node[:]
-        g.node.extend(nodes)
 
 
 def names_in(graph: onnx.GraphProto) -> set[str]:

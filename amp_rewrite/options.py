@@ -1,18 +1,21 @@
 """`RewriteOptions`: everything a rewrite is asked to do, built once (frozen) by the CLI or the API
-and read by the stages that need it; a new option is one field here and one read in its stage,
-never a keyword threaded through every layer.
+and read by the stages that need it; a new option is one field here (its default written only
+here), one read in its stage and, for a flag, one line in cli.OPTION_FLAGS' table.
+Where the model runs (provider, target, dims) is one value, `deployment` (deployment.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from amp_rewrite.analysis import kernels
-from amp_rewrite.analysis.oplists import TARGETS, OpLists, load_op_lists
+from amp_rewrite.analysis.oplists import OpLists, load_op_lists
+from amp_rewrite.deployment import Deployment
 from amp_rewrite.errors import UsageError
 from amp_rewrite.onnx_facts import FLOAT
 
@@ -26,14 +29,17 @@ def _as_tuple(value) -> tuple:
 
 
 PLACEMENTS = ("tf", "cost")
+DEPLOYMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Deployment))  # provider, target, dims
+ALIASES = ("op_block_list", "node_block_list")  # onnxconverter-common's names
 
 
 @dataclass(frozen=True)
 class RewriteOptions:
     """Everything a rewrite is asked to do. Build with `RewriteOptions.of(...)`, which checks the
-    values and accepts onnxconverter-common's names (`op_block_list`, `node_block_list`)."""
+    values and accepts onnxconverter-common's names (`op_block_list`, `node_block_list`) and the
+    deployment's fields (`provider`, `target`, `dims`) as options of their own."""
 
-    target: str = "float16"
+    deployment: Deployment = Deployment()  # where the model runs: provider, target, dims
     keep_io_types: bool = True
     low_precision_io: tuple = ()  # full-match regexes: main-graph inputs/outputs that take the target type
     op_lists: tuple = ()  # YAML files of user overrides
@@ -47,27 +53,38 @@ class RewriteOptions:
     force_fp32: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> reason: deny roots
     calibration: object = None  # a checks.calibrate.CalibrationResult: measured deny roots
     annotate: bool = False  # each node's precision and reason written into the result (Netron shows them)
-    provider: str = "cuda"  # where the model runs: groups without a target-type kernel there stay float32
     placement: str = "cost"  # free infer/clear ops: one minimum cut of bytes moved, or "tf" (TF's between-allow rule)
     scale_activations: bool = True  # with calibration: linear regions over the limit run on values x 2^-k
     relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
-    dims: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # symbolic dim -> size: size estimates only
     pointwise_check: bool = True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
     fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
     opset: int | None = None  # convert the model to this default-domain opset first (onnx.version_converter)
 
+    @property
+    def target(self) -> str:
+        return self.deployment.target
+
+    @property
+    def provider(self) -> str:
+        return self.deployment.provider
+
+    @property
+    def dims(self) -> MappingProxyType:
+        return self.deployment.dims
+
     @classmethod
     def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
-        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise UsageError(f"unknown rewrite option(s): {', '.join(sorted(unknown))}")
+        check_names(fields)
+        placed = {name: fields.pop(name) for name in DEPLOYMENT_FIELDS if name in fields}
+        if placed:
+            base = fields.get("deployment") or Deployment()
+            fields["deployment"] = dataclasses.replace(base, **placed)
         for name in ("op_lists", "allow", "deny", "infer", "clear", "keep_fp32_nodes", "low_precision_io"):
             if name in fields:
                 fields[name] = _as_tuple(fields[name])
         fields["deny"] = fields.get("deny", ()) + _as_tuple(op_block_list)
         fields["keep_fp32_nodes"] = fields.get("keep_fp32_nodes", ()) + _as_tuple(node_block_list)
         fields["force_fp32"] = MappingProxyType(dict(fields.get("force_fp32") or {}))
-        fields["dims"] = MappingProxyType(dict(fields.get("dims") or {}))
         options = cls(**fields)
         options.check_values()
         return options
@@ -76,18 +93,15 @@ class RewriteOptions:
         return RewriteOptions.of(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
 
     def check_values(self) -> None:
-        if self.target not in TARGETS:
-            raise UsageError(f"unknown target {self.target!r}: choose one of {', '.join(TARGETS)}")
-        kernels.colouring_provider(self.provider)
+        """Provider, target and dims are checked by `Deployment`; the rest here."""
+        if not isinstance(self.deployment, Deployment):
+            raise UsageError(f"deployment {self.deployment!r}: expected a Deployment")
         if self.relax_margin < 0 or (0 < self.relax_margin < 1):
             raise UsageError(f"relax margin {self.relax_margin:g} must be 0 (off) or at least 1")
         if self.placement not in PLACEMENTS:
             raise UsageError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < 1):
             raise UsageError(f"opset {self.opset!r} must be a whole number of at least 1")
-        for name, size in self.dims.items():
-            if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise UsageError(f"dim {name!r}={size!r}: a symbolic dim's size must be a whole number of at least 1")
         for option in ("keep_fp32_nodes", "low_precision_io"):
             for pattern in getattr(self, option):
                 try:
@@ -117,8 +131,8 @@ class RewriteOptions:
                              deny=list(self.deny), infer=list(self.infer), clear=list(self.clear))
 
     def kernel_check(self):
-        """The provider's kernel check for graph.build (None for provider "any")."""
-        return kernels.check_for(self.provider, self.target)
+        """The deployment's kernel check for graph.build (None for provider "any")."""
+        return kernels.check_for(self.deployment.kernels, self.target)
 
     def relaxed_deny(self) -> dict:
         """Node name -> reason for deny ops calibration measured far inside the range (0 margin: none)."""
@@ -136,3 +150,17 @@ class RewriteOptions:
         if scaling is not None:
             forced = {**scaling.forced, **forced}
         return forced
+
+
+def option_names() -> tuple:
+    """Every keyword `RewriteOptions.of` and `rewrite()` take."""
+    return (*(f.name for f in dataclasses.fields(RewriteOptions)), *DEPLOYMENT_FIELDS, *ALIASES)
+
+
+def check_names(fields) -> None:
+    """An unknown option is a UsageError, with "did you mean" where a known one is close."""
+    known = option_names()
+    for name in sorted(set(fields) - set(known)):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
+        raise UsageError(f"unknown rewrite option {name!r}{hint}")

@@ -61,9 +61,10 @@ import exported  # noqa: E402
 import synthetic  # noqa: E402
 from amp_rewrite.checks import calibrate as cal  # noqa: E402
 from amp_rewrite.checks import validate as val  # noqa: E402
-from amp_rewrite.checks.sessions import open_session  # noqa: E402
+from amp_rewrite.runtime import open_session  # noqa: E402
+from amp_rewrite.deployment import Deployment  # noqa: E402
 from amp_rewrite.io.skeleton import inference_skeleton  # noqa: E402
-from amp_rewrite.onnx_facts import sort_graphs  # noqa: E402
+from amp_rewrite.ir import sort_graphs  # noqa: E402
 
 ELEM_BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.DOUBLE: 8,
               TensorProto.INT64: 8, TensorProto.INT32: 4, TensorProto.BOOL: 1, TensorProto.INT8: 1,
@@ -102,7 +103,7 @@ class Case:
         """amp-rewrite's calibration on the samples (as `--calibrate` runs it on CPU), run once."""
         if self._calibration is None:
             started = time.perf_counter()
-            self._calibration = cal.calibrate(self.model, self.samples, target="float16", provider="cpu")
+            self._calibration = cal.calibrate(self.model, self.samples, deployment=Deployment(provider="cpu"))
             self.calibration_seconds = time.perf_counter() - started
         return self._calibration
 
@@ -363,7 +364,7 @@ def measure(model: onnx.ModelProto, shapes: dict) -> dict:
 
 def expected_outputs(case: Case):
     """(output names, float32 outputs per sample) of the original on ONNX Runtime CPU."""
-    names, outputs, _ = val.reference_outputs(case.model, case.samples, "cpu")
+    names, outputs, _ = val.reference_outputs(case.model, case.samples, Deployment(provider="cpu"))
     return names, outputs
 
 

@@ -32,7 +32,8 @@ import bench_placement  # sibling script: the bench's seeded samples
 import bench_rewrite
 from amp_rewrite.analysis.oplists import load_op_lists
 from amp_rewrite.checks import validate
-from amp_rewrite.checks.sessions import open_session
+from amp_rewrite.deployment import Deployment
+from amp_rewrite.runtime import open_session
 
 LOW_DTYPE = {"float16": np.float16}
 
@@ -125,7 +126,7 @@ def evidence(path: Path, ops: list | None, dims: dict, target: str) -> list:
     feeds = feeds_for(model, dims)
     by_type = {op: [n for n in model.graph.node if n.op_type == op] for op in candidates}
     values = capture(model, [n for nodes in by_type.values() for n in nodes], feeds)
-    expected = validate.reference_outputs(model, [feeds], "cpu")
+    expected = validate.reference_outputs(model, [feeds], Deployment(provider="cpu"))
     opsets = list(model.opset_import)
     versions = {o.domain or "": o.version for o in opsets}
     casts_before = bench_rewrite.count_casts(model)

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amp_rewrite
 from amp_rewrite.analysis.oplists import load_op_lists
-from amp_rewrite.checks.sessions import open_session
+from amp_rewrite.runtime import open_session
 from amp_rewrite.checks.validate import synthesise
 
 F32, F16, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL

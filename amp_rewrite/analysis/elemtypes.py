@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from amp_rewrite.analysis import schemas
-from amp_rewrite.analysis.graph import read_scopes
+from amp_rewrite.ir import read_scopes
 from amp_rewrite.io.skeleton import inference_skeleton
 from amp_rewrite import onnx_facts
 from amp_rewrite.errors import UsageError
@@ -45,7 +45,7 @@ def _single_choice(sig: schemas.Signature, type_param: str) -> int | None:
 
 def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
     """Fill `types` (name -> element type) in node order; True when every node output is typed.
-    `scopes`: `analysis.graph.read_scopes(model.graph)` when the caller has it already."""
+    `scopes`: `ir.read_scopes(model.graph)` when the caller has it already."""
     opsets = onnx_facts.opsets(model)
     templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups, or None without a schema
     complete = True
@@ -138,7 +138,7 @@ def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None,
     Types come from the declarations and the schemas (`elemtypes.propagate`); ONNX shape
     inference, on a skeleton so models of any size work, adds shapes and any type the schemas
     could not give. `shape_inference=None` runs it for models up to SHAPE_INFERENCE_NODE_LIMIT
-    nodes, and beyond only when a type is missing. `scopes`: `analysis.graph.read_scopes(model.graph)`
+    nodes, and beyond only when a type is missing. `scopes`: `ir.read_scopes(model.graph)`
     when the caller has it already. `dims` (name -> size, `sizes_dims` models only): the inputs'
     symbolic dims of those names are sized for inference, so shapes are concrete (sizes only; the
     model's declarations are not touched).

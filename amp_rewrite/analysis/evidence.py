@@ -228,3 +228,4 @@ def _note(tensors: int, proven: int, failed: int, seconds: float, why_not: str |
                 f"and were not measured ({why_not}); they stay float32")
     return (f"range check: {tensors} tensors of ops low by cost placement but float32 by TF's rule measured on "
             f"synthesised inputs in {seconds:.2f} s: {proven} within {MEASURED_LIMIT:g} stay low, {failed} stay float32")
+

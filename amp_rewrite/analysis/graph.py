@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import networkx as nx
 import onnx
@@ -22,51 +21,8 @@ import onnx
 from amp_rewrite.analysis import schemas
 from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite import onnx_facts
+from amp_rewrite.ir import Found, Scope, read_scopes, record_uses, resolve
 from amp_rewrite.onnx_facts import FLOAT, LOW_ELEM
-
-
-class Def(NamedTuple):
-    """Where a tensor is defined in its graph."""
-
-    kind: str  # "input" | "initializer" | "node"
-    node: int  # the node's index, -1 for inputs and initializers
-    slot: int  # the output slot, -1 for inputs and initializers
-
-
-class Use(NamedTuple):
-    """One reading of a tensor: an input slot of a node, or a graph output (node -1)."""
-
-    scope: int
-    node: int
-    slot: int
-
-
-class Found(NamedTuple):
-    """A tensor visible from a scope: the scope that defines it and the definition."""
-
-    scope: int
-    definition: Def
-
-
-_INPUT, _INITIALIZER = Def("input", -1, -1), Def("initializer", -1, -1)
-# Def/Use made in the hot loops as tuple.__new__(Def, (...)): the same NamedTuple, without the
-# Python-level __new__ a call of the class runs (half the cost, 300k of them at 100k nodes).
-_new = tuple.__new__
-
-
-@dataclass
-class Scope:
-    """One graph: the main graph (index 0) or a subgraph held by a node of its parent scope."""
-
-    graph: onnx.GraphProto
-    parent: int | None
-    owner: tuple[int, int] | None  # (scope, node index) of the If/Loop/Scan holding it
-    defs: dict = field(default_factory=dict)  # tensor name -> Def
-    io: list = field(default_factory=list)  # per node: (inputs, outputs) as tuples (cheaper than lists from upb), read once
-    names: list = field(default_factory=list)  # per node: its name, read once
-    op_types: list = field(default_factory=list)  # per node: its op type, read once
-    domains: list = field(default_factory=list)  # per node: its domain, read once
-    initializers: dict = field(default_factory=dict)  # name -> its TensorProto in this graph, read once
 
 
 @dataclass(slots=True)
@@ -123,92 +79,11 @@ class ColouringGraph:
 
     def resolve(self, scope: int, name: str) -> Found | None:
         """Where a tensor visible from `scope` is defined, or None if undefined."""
-        s = scope
-        while s is not None:
-            found = self.scopes[s].defs.get(name)
-            if found is not None:
-                return Found(s, found)
-            s = self.scopes[s].parent
-        return None
-
-
-def collect_scopes(graph: onnx.GraphProto) -> list[Scope]:
-    """The main graph and every subgraph, parents before children."""
-    scopes = [Scope(graph, None, None)]
-    i = 0
-    while i < len(scopes):
-        for n, node in enumerate(scopes[i].graph.node):
-            for attr in node.attribute:
-                subgraphs = [attr.g] if attr.HasField("g") else list(attr.graphs)
-                for sub in subgraphs:
-                    scopes.append(Scope(sub, i, (i, n)))
-        i += 1
-    return scopes
-
-
-def read_scopes(graph: onnx.GraphProto, nested: bool = True) -> list[Scope]:
-    """`collect_scopes` with every scope's defs and node io read: one walk that type propagation
-    and the colouring graph share. `nested=False`: the caller knows no node holds a subgraph
-    (validation walked the attributes already), so they are not walked again."""
-    scopes = collect_scopes(graph) if nested else [Scope(graph, None, None)]
-    for scope in scopes:
-        _record_defs(scope)
-    return scopes
-
-
-def _record_defs(scope: Scope) -> None:
-    scope.initializers = {tensor.name: tensor for tensor in scope.graph.initializer}
-    defs = scope.defs
-    defs.update(dict.fromkeys(scope.initializers, _INITIALIZER))
-    for value in scope.graph.input:  # an input that is also an initializer can be fed: an input
-        defs[value.name] = _INPUT
-    # one visit a node; a slice of a upb container is read in one call, tuple() iterates it (0.06 s at 100k nodes)
-    rows = [(tuple(node.input[:]), tuple(node.output[:]), node.name, node.op_type, node.domain)
-            for node in scope.graph.node]
-    scope.io = [row[:2] for row in rows]
-    scope.names = [row[2] for row in rows]
-    scope.op_types = [row[3] for row in rows]
-    scope.domains = [row[4] for row in rows]
-    for n, (_, outputs) in enumerate(scope.io):
-        for slot, name in enumerate(outputs):
-            if name:
-                defs[name] = _new(Def, ("node", n, slot))
+        return resolve(self.scopes, scope, name)
 
 
 def _label(node: onnx.NodeProto, s: int, n: int) -> str:
     return f"{node.op_type} '{node.name}'" if node.name else f"{node.op_type} (graph {s} #{n})"
-
-
-def _record_uses(scopes: list[Scope], cg_resolve) -> tuple[dict, bool]:
-    """(def scope, name) -> readers, and whether some node reads a tensor made after it."""
-    uses: dict = {}
-    unsorted = False
-    for s, scope in enumerate(scopes):
-        defs = scope.defs
-        for n, (inputs, _) in enumerate(scope.io):
-            for slot, name in enumerate(inputs):
-                if not name:
-                    continue
-                found = defs.get(name)
-                if found is not None:  # the common case: defined in the same graph
-                    key = (s, name)
-                    if found.node >= n:
-                        unsorted = True
-                else:
-                    found = cg_resolve(s, name)
-                    if found is None:
-                        continue
-                    key = (found.scope, name)
-                readers = uses.get(key)  # not setdefault: no empty list made per use
-                if readers is None:
-                    uses[key] = [_new(Use, (s, n, slot))]
-                else:
-                    readers.append(_new(Use, (s, n, slot)))
-        for slot, value in enumerate(scope.graph.output):
-            found = cg_resolve(s, value.name)
-            if found is not None:
-                uses.setdefault((found.scope, value.name), []).append(Use(s, -1, slot))
-    return uses, unsorted
 
 
 def _keep_fp32_matcher(patterns):
@@ -246,7 +121,7 @@ def build(
     scopes = scopes if scopes is not None else read_scopes(model.graph)
     cg = ColouringGraph(target, scopes, [], [], [], [[None] * len(scope.io) for scope in scopes],
                         [[None] * len(scope.io) for scope in scopes], {}, types, shapes or {}, [], dict(borrowed or {}))
-    cg.uses, cg.unsorted = _record_uses(scopes, cg.resolve)
+    cg.uses, cg.unsorted = record_uses(scopes)
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)
     owners = {scope.owner for scope in scopes[1:]}

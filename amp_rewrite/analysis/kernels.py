@@ -11,33 +11,17 @@ Per group (op, opset, type parameter):
   target type: blocked, "no float16 kernel on CUDA at opset N";
 - the row declares no types, or not this parameter: unknown, no change, one report note.
 
-`provider`: "cuda" (the default: where mixed precision pays), "cpu", or "any" (no check).
-"auto", the checks' old default ("CUDA when it really loads"), colours for CUDA.
+Which table: `Deployment.kernels` ("cuda", "cpu", or None for no check), passed in by options.
 """
 
 from __future__ import annotations
 
 import functools
 
-from amp_rewrite.errors import UsageError
 from amp_rewrite.analysis.oplists import shipped_table
 
-PROVIDERS = ("cuda", "cpu", "any", "auto")
 _NAMES = {"cuda": "CUDA", "cpu": "CPU"}
 REASON_PREFIX = "no {target} kernel on "
-
-
-def colouring_provider(provider: str | None) -> str:
-    """The provider whose kernels the colouring respects: 'cuda', 'cpu' or 'any'."""
-    provider = "cuda" if provider in (None, "auto") else provider
-    if provider not in PROVIDERS:
-        raise UsageError(f"unknown provider {provider!r}: choose one of cuda, cpu, any")
-    return provider
-
-
-def session_provider(provider: str | None) -> str:
-    """The ONNX Runtime provider checks run on (validate.session's names): 'any' runs where it can."""
-    return {"any": "auto", None: "auto"}.get(provider, provider)
 
 
 @functools.cache
@@ -94,9 +78,8 @@ class KernelCheck:
 
 
 def check_for(provider: str | None, target: str) -> KernelCheck | None:
-    """The check graph.build applies, or None for provider 'any'."""
-    provider = colouring_provider(provider)
-    return None if provider == "any" else KernelCheck(provider, target)
+    """The check graph.build applies for `provider`'s table ("cuda", "cpu"), or None for no check."""
+    return None if provider is None else KernelCheck(provider, target)
 
 
 def newer_opset_advice(cg, check: KernelCheck, opsets: dict) -> list[str]:

@@ -17,25 +17,11 @@ explained as a chain. Every pass is one breadth-first walk (or one sweep) over t
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from amp_rewrite.analysis import ties
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.reasons import Reason, Step  # noqa: F401  (re-exported: callers read them here)
-
-LOW, FP32 = "low", "float32"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The frozen result: colour and reason of every vertex."""
-
-    colour: MappingProxyType  # vertex -> LOW | FP32
-    reason: MappingProxyType  # vertex -> Reason
-
-    def is_low(self, v: int) -> bool:
-        return self.colour.get(v) == LOW
+from amp_rewrite.plan import FP32, LOW, Plan, Reason, Step
 
 
 def reach(adjacencies, roots, enter) -> dict:

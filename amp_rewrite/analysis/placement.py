@@ -22,7 +22,7 @@ import networkx as nx
 from networkx.algorithms.flow import boykov_kolmogorov
 
 from amp_rewrite.analysis.graph import FLOAT, ColouringGraph, group_names
-from amp_rewrite.analysis.reasons import Reason, Step
+from amp_rewrite.plan import Reason, Step
 
 LOW_BYTES, FP32_BYTES = 2, 4
 CAST_BYTES = LOW_BYTES + FP32_BYTES  # a Cast reads one type and writes the other

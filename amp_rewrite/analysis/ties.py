@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amp_rewrite.analysis.reasons import Reason, Step
+from amp_rewrite.plan import Reason, Step
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..errors import GradientError
-from ..report.flops import estimate_flops
+from amp_rewrite.flops import estimate_flops
 
 ELEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.FLOAT16: 2,
               onnx.TensorProto.BFLOAT16: 2}

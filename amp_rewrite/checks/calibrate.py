@@ -39,8 +39,9 @@ from onnx import TensorProto
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
-from amp_rewrite.checks.sessions import open_session
+from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.io import load
+from amp_rewrite.runtime import open_session
 from amp_rewrite.transform.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
@@ -208,12 +209,13 @@ def _measured_tensors(model: onnx.ModelProto, types: dict):
     return producers
 
 
-def calibrate(model, samples=None, *, target: str = "float16", safety: float = DEFAULT_SAFETY,
-              provider: str = "auto", progress=None, dims=None) -> CalibrationResult:
-    """Run the float32 `model` on `samples` (synthesised if None) and measure every float tensor."""
+def calibrate(model, samples=None, *, deployment: Deployment = DEFAULT, safety: float = DEFAULT_SAFETY,
+              progress=None) -> CalibrationResult:
+    """Run the float32 `model` on `samples` (synthesised if None, at the deployment's dims) on the
+    deployment's device and measure every float tensor against its target's range."""
     model = load(model).model if not isinstance(model, onnx.ModelProto) else model
     if samples is None:
-        samples = val.synthesise(model, dims=dims)
+        samples = val.synthesise(model, dims=deployment.dims)
     types, _ = tensor_types(model)
     producers = _measured_tensors(model, types)
     consumers: dict = {}
@@ -222,9 +224,10 @@ def calibrate(model, samples=None, *, target: str = "float16", safety: float = D
             if name in producers:
                 consumers.setdefault(name, []).append((_node_key(node), node.op_type))
     exposed = val.expose(model, list(producers))
-    sess, used = open_session(exposed, provider)
+    sess, used = open_session(exposed, deployment.device)
     names = [o.name for o in sess.get_outputs() if o.name in producers]
     ranges = {n: TensorRange(n, *producers[n]) for n in names}
+    target = deployment.target
     flush = FLUSH[target]
     with val.Progress(len(samples), "calibrate", progress) as bar:
         for feeds in samples:
@@ -265,25 +268,3 @@ def _accumulate(r: TensorRange, array: np.ndarray, flush: float) -> None:
         r.nonzero += int(nonzero.sum())
         r.flushed += int((nonzero & (values < flush)).sum())
 
-
-def largest_values(model: onnx.ModelProto, names, *, dims=None) -> dict | None:
-    """{name: largest |value|} of main-graph tensors `names` in one float32 run of `model` on one
-    synthesised sample (inf where a value is not finite; absent where the tensor cannot be
-    exposed, as in a body), or None when the run fails. CPU: ranges do not depend on where it runs."""
-    wanted = set(names)
-    try:
-        feeds = val.synthesise(model, dims=dims)[0]
-        sess, _ = open_session(val.expose(model, names), "cpu")
-        outputs = [o.name for o in sess.get_outputs() if o.name in wanted]
-        arrays = sess.run(outputs, feeds)
-    except Exception:  # noqa: BLE001 - any failure: no evidence, said in the report
-        return None
-    found = {}
-    for name, array in zip(outputs, arrays):
-        a = np.abs(np.asarray(array, dtype=np.float32)).reshape(-1)
-        if not np.isfinite(a).all():
-            found[name] = float("inf")
-            continue
-        a = a[a != SENTINEL]  # a mask sentinel (finfo.min x 1) becomes float16's largest, as calibrate reads it
-        found[name] = float(a.max()) if a.size else 0.0
-    return found

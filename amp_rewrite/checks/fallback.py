@@ -1,4 +1,4 @@
-"""Accuracy-guided fallback, and the one call that runs calibrate -> rewrite -> validate -> fallback.
+"""Accuracy-guided fallback (`fit`); the driver (driver.py) runs it after calibration for --tolerance.
 
 `fit` rewrites, runs the candidate once per sample with every main-graph float tensor exposed
 (ONNX Runtime on the chosen provider and, on CPU, `onnx.reference`, which keeps float16 as
@@ -24,14 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from amp_rewrite.analysis import kernels
-from amp_rewrite.analysis.elemtypes import check_dims, tensor_types
+from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
-from amp_rewrite.checks.sessions import open_session
-from amp_rewrite.errors import UsageError
 from amp_rewrite.io import load
+from amp_rewrite.runtime import open_session
 
 HUGE = 1e30
 LOW_MAX = cal_mod.LIMITS["float16"]  # bfloat16's is larger: a low type's sentinel is at least this
@@ -118,11 +116,11 @@ def _unscaled(result: RewriteResult, tensors: dict) -> dict:
                   for t, arrays in per_run.items()} for run, per_run in tensors.items()}
 
 
-def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, provider: str, reference,
+def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, device: str, reference,
               progress) -> tuple[dict, dict]:
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
     exposed = val.expose(candidate, measured)
-    sess, used = open_session(exposed, provider)
+    sess, used = open_session(exposed, device)
     available = [o.name for o in sess.get_outputs()]
     inter = [m for m in measured if m in available and m not in names]
     got = val.run_samples(sess, samples, outputs=names + inter, progress=progress, label="fallback: validate")
@@ -145,34 +143,32 @@ def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, 
     return outputs, tensors
 
 
-def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider: str = "auto",
-        calibration=None, max_runs: int = 10, reference="auto", progress=None, dims=None,
-        options: RewriteOptions | None = None, **rewrite_kwargs) -> FallbackResult:
+def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, calibration=None, max_runs: int = 10,
+        reference="auto", progress=None, options: RewriteOptions | None = None, **fields) -> FallbackResult:
     """Rewrite `model`, then pin a few nodes float32 until it validates within rtol/atol.
 
-    `calibration` (a CalibrationResult) is applied to every candidate; `options` (or
-    `rewrite_kwargs`, to build them) are the rewrite's. At most `max_runs` validation runs, the final clean check included.
+    `calibration` (a CalibrationResult) is applied to every candidate; `options` (changed by
+    `fields`, RewriteOptions' own) are the rewrite's, their deployment where the runs go. At most
+    `max_runs` validation runs, the final clean check included.
     """
-    colour_for, explicit = kernels.colouring_provider(provider), provider != "auto"
-    provider = kernels.session_provider(provider)
+    options = options.replace(**fields) if options is not None and fields else options or RewriteOptions.of(**fields)
+    deployment = options.deployment
+    device = deployment.device
     loaded = _shared(load(model))
     model = loaded.model
     if samples is None:
-        samples = val.synthesise(model, dims=dims)
+        samples = val.synthesise(model, dims=deployment.dims)
     types, _ = tensor_types(model)
     measured = cal_mod._measured_tensors(model, types)
     st = _structure(model, measured)
     names = [o.name for o in model.graph.output]
     measured_names = [t for t in measured if t not in names] + [t for t in names if t in measured]
-    ref_sess, ref_used = open_session(val.expose(model, measured_names), provider)
+    ref_sess, ref_used = open_session(val.expose(model, measured_names), device)
     ref_available = [o.name for o in ref_sess.get_outputs()]
     ref_rows = val.run_samples(ref_sess, samples, outputs=ref_available, progress=progress,
                                label="fallback: original")
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
-    options = options or RewriteOptions.of(**rewrite_kwargs)
-    if explicit:  # named here: where the model runs decides its kernels too
-        options = options.replace(provider=colour_for)
     base_force = dict(options.force_fp32)
 
     history: list = []
@@ -189,7 +185,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
         """One run of the rewrite with `pins`, every tensor exposed for the ranking: (result, passed, tensors)."""
         nonlocal runs
         candidate = rewritten(pins)
-        outputs, tensors = _evaluate(candidate.model, samples, names, measured_names, provider, reference, progress)
+        outputs, tensors = _evaluate(candidate.model, samples, names, measured_names, device, reference, progress)
         runs += 1
         stats = [s for run, got in outputs.items() for s in val._compare_all(names, ref_out, got, rtol, atol)]
         passed = all(s["passed"] for s in stats)
@@ -201,7 +197,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, provider
         """The outputs alone, as the final check runs them (exposing every tensor, as `attempt`
         does, stops ORT's fusions and moves the numbers: a prefix found at the edge must pass here)."""
         nonlocal runs
-        validation = val.validate(model, candidate.model, samples, provider=provider, rtol=rtol, atol=atol,
+        validation = val.validate(model, candidate.model, samples, deployment=deployment, rtol=rtol, atol=atol,
                                   reference=reference, progress=progress, expected=(names, ref_out, ref_used))
         runs += 1
         record(pins, validation.passed, validation.worst("max_rel"), validation.worst("max_abs"), **extra)
@@ -292,101 +288,3 @@ def _shared(loaded):
     if getattr(loaded, "owned", False):
         return dataclasses.replace(loaded, owned=False)
     return loaded
-
-
-@dataclass
-class CheckedResult:
-    """What `check` did: the rewrite, and calibration / validation / fallback when asked."""
-
-    result: RewriteResult
-    calibration: object = None
-    validation: object = None
-    fallback: FallbackResult | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.validation is None or self.validation.passed
-
-
-def check_values(*, samples_count, safety, rtol, atol, max_runs, checks: bool) -> None:
-    """Numbers a check cannot run with are usage errors, before any work (no ZeroDivisionError
-    from --safety 0, no PASSED from comparing zero samples)."""
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    if not number(safety) or safety <= 0:
-        raise UsageError(f"safety {safety!r} must be a positive number (the limit is max/safety)")
-    for name, value in (("rtol", rtol), ("atol", atol)):
-        if not number(value) or value < 0:
-            raise UsageError(f"{name} {value!r} must be a number of at least 0")
-    if not isinstance(max_runs, int) or isinstance(max_runs, bool) or max_runs < 1:
-        raise UsageError(f"max runs {max_runs!r} must be a whole number of at least 1")
-    if not isinstance(samples_count, int) or isinstance(samples_count, bool) or samples_count < (1 if checks else 0):
-        raise UsageError(f"samples {samples_count!r} must be a whole number of at least 1 to validate or calibrate")
-
-
-def check(model, *, samples=None, inputs=None, dims=None, samples_count: int = 1, validate: bool = False,
-          calibrate: bool = False, tolerance: bool = False, provider: str = "auto", rtol: float = 1e-2,
-          atol: float = 1e-3, reference="auto", safety: float = cal_mod.DEFAULT_SAFETY, progress=None,
-          max_runs: int = 10, keep_original: bool = True, options: RewriteOptions | None = None,
-          **rewrite_kwargs) -> CheckedResult:
-    """calibrate (optional) -> rewrite -> validate (optional) -> fallback (when `tolerance`).
-
-    A model the caller loaded from a file is rewritten in place (no second copy) only when no
-    check needs the original and `keep_original` is False.
-    """
-    check_values(samples_count=samples_count, safety=safety, rtol=rtol, atol=atol, max_runs=max_runs,
-                  checks=validate or calibrate or tolerance)
-    loaded = load(model)
-    if keep_original or validate or calibrate or tolerance:
-        loaded = _shared(loaded)
-    model = loaded.model
-    options = options or RewriteOptions.of(**rewrite_kwargs)
-    check_dims(model.graph, options.dims)  # a typo fails now, not after calibrating
-    dims = dict(options.dims) if dims is None else dims  # one size per dim: samples as estimates
-    if samples is not None and not len(samples) and (validate or calibrate or tolerance):
-        raise UsageError("no samples: a check on nothing would pass anything")
-    if samples is None and (validate or calibrate or tolerance):
-        samples = (val.load_samples(inputs, model) if inputs is not None
-                   else val.synthesise(model, dims=dims, count=samples_count))
-    # `provider` is where the model runs: the rewrite respects its kernels and the checks run on it
-    if provider != "auto":
-        options = options.replace(provider=kernels.colouring_provider(provider))
-    runs_on = kernels.session_provider(provider)
-    target = options.target
-    calibration = None
-    if calibrate:
-        calibration = cal_mod.calibrate(model, samples, target=target, safety=safety, provider=runs_on,
-                                        progress=progress)
-    if tolerance:
-        fb = fit(loaded, samples, rtol=rtol, atol=atol, provider=provider, calibration=calibration,
-                 max_runs=max_runs, reference=reference, progress=progress, options=options)
-        out = CheckedResult(fb.result, calibration, fb.validation, fb)
-    else:
-        result = rewrite(loaded, options.replace(calibration=calibration))
-        validation = None
-        if validate:
-            validation = val.validate(model, result.model, samples, provider=runs_on, rtol=rtol, atol=atol,
-                                      reference=reference, progress=progress)
-            result.report.sections["validation"] = validation.to_dict()
-        out = CheckedResult(result, calibration, validation)
-    if calibration is not None:
-        exempt = frozenset(out.result.report.sections.get("scaling", {}).get("exempt", ()))
-        out.result.report.sections["calibration"] = calibration.to_dict(target, exempt=exempt,
-                                                                        relax_margin=options.relax_margin)
-    return out
-
-
-def explain_text(report, name: str) -> str:
-    """Every type group's sentence and chain for node `name`; a UsageError naming close names."""
-    lines = report.explain(name)
-    if not lines:
-        import difflib
-
-        from amp_rewrite.errors import UsageError
-
-        names = [n["name"] for n in report.nodes if n["name"]]
-        close = difflib.get_close_matches(name, names, n=3)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise UsageError(f"--explain: no float node named {name!r}{hint}")
-    return "\n".join(lines)

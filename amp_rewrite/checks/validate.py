@@ -1,6 +1,6 @@
 """Run the original and the rewritten model and compare them, per output.
 
-`validate(original, rewritten, samples)` runs both in ONNX Runtime on the chosen provider (CUDA
+`validate(original, rewritten, samples)` runs both in ONNX Runtime on the deployment's device (CUDA
 when it really loads) and, on CPU, also runs the rewritten model in `onnx.reference` (which keeps
 float16 tensors float16, as a GPU does; ORT's CPU provider computes most float16 ops in float32
 and drops the casts in between, so it hides overflow). The float32 original on ORT is the
@@ -9,7 +9,7 @@ for class scores, top-1 agreement. `passed` needs every run within `rtol`/`atol`
 `allclose` rule) and no non-finite value where the original is finite.
 
 Samples are dicts {input name: array}: from an .npz (`load_samples`) or synthesised from the
-declared input types (`synthesise`, symbolic dims from `dims` or 1).
+declared input types (`synthesise`, symbolic dims from the deployment's `dims` or 1).
 """
 
 from __future__ import annotations
@@ -22,19 +22,15 @@ import onnx
 from onnx import helper
 
 from amp_rewrite.analysis.elemtypes import tensor_types
-from amp_rewrite.checks.sessions import CPU, CUDA, open_session
+from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import load
 from amp_rewrite.io.npz import read_npz
+from amp_rewrite.io.samples import feed_inputs, synthesise  # noqa: F401  (the checks' names for them)
 from amp_rewrite.progress import Progress
+from amp_rewrite.runtime import CPU, CUDA, open_session
 
 REFERENCE_NODE_LIMIT = 2000  # the reference evaluator is slow: automatic only for small models
-
-def feed_inputs(model: onnx.ModelProto) -> list:
-    """Graph inputs that must be fed (inputs that are also initializers are optional)."""
-    initializers = {i.name for i in model.graph.initializer}
-    return [v for v in model.graph.input if v.name not in initializers]
-
 
 def parse_dims(items) -> dict:
     """['batch=8', 'seq=128'] -> {'batch': 8, 'seq': 128}."""
@@ -45,38 +41,6 @@ def parse_dims(items) -> dict:
             raise UsageError(f"--dim {item!r}: expected NAME=SIZE, e.g. batch=8")
         dims[match.group(1)] = int(match.group(2))
     return dims
-
-
-def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int = 0, scale: float = 1.0,
-               default_dim: int = 1) -> list:
-    """`count` random samples from the declared input types; symbolic dims from `dims`, else `default_dim`.
-
-    Floats are standard normal x `scale`, integers in [0, 3) (safe as indices), bools random.
-    """
-    dims = dims or {}
-    rng = np.random.default_rng(seed)
-    samples = []
-    for _ in range(count):
-        feeds = {}
-        for value in feed_inputs(model):
-            t = value.type.tensor_type
-            if not value.type.HasField("tensor_type"):
-                raise UsageError(f"input {value.name!r} is not a tensor; pass samples with --inputs")
-            shape = []
-            for d in t.shape.dim:
-                if d.HasField("dim_value"):
-                    shape.append(d.dim_value)
-                else:
-                    shape.append(dims.get(d.dim_param, default_dim))
-            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-            if np.issubdtype(dtype, np.floating):
-                feeds[value.name] = (rng.standard_normal(shape) * scale).astype(dtype)
-            elif dtype == np.bool_:
-                feeds[value.name] = rng.integers(0, 2, shape).astype(bool)
-            else:
-                feeds[value.name] = rng.integers(0, 3, shape).astype(dtype)
-        samples.append(feeds)
-    return samples
 
 
 def load_samples(path, model: onnx.ModelProto) -> list:
@@ -258,15 +222,15 @@ def use_reference(model: onnx.ModelProto, provider_used: str, reference) -> bool
     return bool(reference)
 
 
-def reference_outputs(original: onnx.ModelProto, samples, provider: str = "auto", progress=None):
+def reference_outputs(original: onnx.ModelProto, samples, deployment: Deployment = DEFAULT, progress=None):
     """(float32 outputs per sample, provider used): the original run once on ORT."""
-    sess, used = open_session(original, provider)
+    sess, used = open_session(original, deployment.device)
     names = [o.name for o in sess.get_outputs()]
     return names, run_samples(sess, samples, progress=progress, label="validate: original"), used
 
 
-def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol: float = 1e-2, atol: float = 1e-3,
-             reference="auto", progress=None, dims=None, expected=None) -> ValidationResult:
+def validate(original, rewritten, samples=None, *, deployment: Deployment = DEFAULT, rtol: float = 1e-2,
+             atol: float = 1e-3, reference="auto", progress=None, expected=None) -> ValidationResult:
     """Compare `rewritten` with `original` (paths or ModelProtos) on `samples` (synthesised if None).
 
     `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU for
@@ -275,15 +239,15 @@ def validate(original, rewritten, samples=None, *, provider: str = "auto", rtol:
     original = load(original).model if not isinstance(original, onnx.ModelProto) else original
     rewritten = load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
     if samples is None:
-        samples = synthesise(original, dims=dims)
+        samples = synthesise(original, dims=deployment.dims)
     if not len(samples):
         raise UsageError("no samples to validate on: comparing nothing would pass anything")
-    names, ref, used = expected or reference_outputs(original, samples, provider, progress)
+    names, ref, used = expected or reference_outputs(original, samples, deployment, progress)
     result = ValidationResult(rtol, atol, used, len(samples))
-    if provider == "cuda" and used != CUDA:
+    if deployment.provider == "cuda" and used != CUDA:
         result.notes.append("CUDA provider did not load; validated on CPU")
     samples = as_declared(rewritten, samples)  # float16 inputs (low_precision_io, keep_io_types=False)
-    sess, used_new = open_session(rewritten, provider)
+    sess, used_new = open_session(rewritten, deployment.device)
     got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
     result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)
     if use_reference(rewritten, used_new, reference):

@@ -19,8 +19,8 @@ from onnx import TensorProto
 from amp_rewrite.errors import ModelError
 from amp_rewrite.io import tensordata
 from amp_rewrite.io.skeleton import CHECK_IN_FULL_LIMIT, checker_skeleton
-from amp_rewrite.onnx_facts import (ELEMENT_SIZE, FLOAT_TYPES, KNOWN_TYPES, TYPED_FIELD, all_graphs, all_tensors,
-                                    sort_graphs, walk)
+from amp_rewrite.ir import sort_graphs
+from amp_rewrite.onnx_facts import ELEMENT_SIZE, FLOAT_TYPES, KNOWN_TYPES, TYPED_FIELD, all_graphs, all_tensors, walk
 
 # What ONNX Runtime accepts, by its version: (max IR version, max ai.onnx opset). Measured for the
 # installed release; an unknown release uses the newest entry not above it, capped by the opsets

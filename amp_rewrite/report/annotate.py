@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx
 
-from amp_rewrite.analysis.graph import collect_scopes
+from amp_rewrite.ir import collect_scopes
 
 PRECISION_KEY = "amp-rewrite.precision"
 REASON_KEY = "amp-rewrite.reason"

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from amp_rewrite.analysis.paint import Step
+from amp_rewrite import ir
+from amp_rewrite.plan import Step
 
 KINDS = ("low", "mixed", "float32", "other")  # index = the kind code used in the page data
 LOW, MIXED, FLOAT32, OTHER = range(4)
@@ -67,30 +68,6 @@ class PictureGraph:
     islands: list = field(default_factory=list)  # per island: (size, reason)
     casts: list = field(default_factory=list)  # (producer or None, first reader or None, to elem type)
     inner_casts: Counter = field(default_factory=Counter)  # node -> casts inside its subgraphs
-
-
-def _topological(inputs: list, producer: dict) -> list[int]:
-    """Node indices in topological order: the given order when it is one (the usual case)."""
-    get = producer.get
-    if all(get(x, -1) < i for i, ins in enumerate(inputs) for x in ins):
-        return list(range(len(inputs)))
-    deps = [[producer[x] for x in ins if x in producer] for ins in inputs]
-    waiting = [len(set(ps)) for ps in deps]
-    readers: list = [[] for _ in inputs]
-    for i, ps in enumerate(deps):
-        for p in set(ps):
-            readers[p].append(i)
-    ready = [i for i, w in enumerate(waiting) if w == 0]
-    order = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for r in readers[i]:
-            waiting[r] -= 1
-            if waiting[r] == 0:
-                ready.append(r)
-    seen = set(order)  # a cycle cannot be sorted: its nodes follow in file order
-    return order + [i for i in range(len(inputs)) if i not in seen]
 
 
 def _kind(entry, target: str) -> int:
@@ -161,10 +138,10 @@ def build(report, model: onnx.ModelProto) -> PictureGraph:
     """The picture graph of `model` (the original, unrewritten) with `report`'s decisions."""
     inputs, outputs, names, places, by_index = _read(report, model)
     ops = [n.op_type for n in model.graph.node]
-    producer = {o: i for i, outs in enumerate(outputs) for o in outs if o}
+    producer = ir.producers(outputs)
     constants = {t.name for t in model.graph.initializer}
     order = []
-    for i in _topological(inputs, producer):
+    for i in ir.topological_order(inputs, producer):
         if ops[i] == "Constant" or (ops[i] == "Identity" and inputs[i] and inputs[i][0] in constants):
             constants.update(outputs[i])  # exporters share a weight through an Identity of it
         else:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 from amp_rewrite.analysis import kernels
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import LOW, Plan, Step
+from amp_rewrite.plan import LOW, Plan, Step
 
 from amp_rewrite.report import picture_graph
-from amp_rewrite.report.flops import HEAVY
+from amp_rewrite.flops import HEAVY
 from amp_rewrite.report.sentences import explain, removed, sentence
 
 

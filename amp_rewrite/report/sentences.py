@@ -8,7 +8,7 @@ the chain, e.g. "Add 'a1' float32: downstream of deny through Reshape 'r1' from 
 from __future__ import annotations
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import LOW, Plan, Step
+from amp_rewrite.plan import LOW, Plan, Step
 
 MAX_CHAIN = 32
 

@@ -18,13 +18,19 @@ import onnx
 from onnx import helper
 import onnxruntime as ort
 
-from amp_rewrite.checks.sessions import CUDA, open_session, session_options
-from amp_rewrite.errors import TrainingError
+from amp_rewrite.deployment import Deployment
+from amp_rewrite.errors import TrainingError, UsageError
 from amp_rewrite.onnx_facts import reads
+from amp_rewrite.runtime import CUDA, open_session, session_options
 from amp_rewrite.training.feeds import ort_message
 from amp_rewrite.training.step_graph import LR_INPUT, SKIPPED_OUTPUT, StepGraph
 
-PROVIDERS = ("auto", "cuda", "cpu")
+def deployment_for(provider: str) -> Deployment:
+    """The Trainer's `provider` as a Deployment (deployment.py's vocabulary); a bad one is a TrainingError."""
+    try:
+        return Deployment(provider=provider)
+    except UsageError as error:
+        raise TrainingError(f"provider: {error}") from None
 
 
 def open_step_session(model: onnx.ModelProto, provider: str, precision: str, device_id: int = 0, threads: int = 0):
@@ -32,11 +38,10 @@ def open_step_session(model: onnx.ModelProto, provider: str, precision: str, dev
     `threads`: CPU intra-op threads (0: ONNX Runtime's default). ONNX Runtime's memory pattern is
     off: it plans one block for every intermediate of the step, which on a BERT 4Lx256H at batch 16
     raised the peak above the floor from 2010 to 3280 MB at no measured gain in speed."""
-    if provider not in PROVIDERS:
-        raise TrainingError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+    device = deployment_for(provider).device
     try:
         options = session_options(intra_op_num_threads=threads, enable_mem_pattern=False)
-        session, used = open_session(model.SerializeToString(), provider, options=options, device_id=device_id,
+        session, used = open_session(model.SerializeToString(), device, options=options, device_id=device_id,
                                      error=TrainingError, what="the step graph")
         if provider == "cuda" and used != CUDA:
             raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from amp_rewrite.checks.sessions import open_session
 from amp_rewrite.errors import TrainingError
+from amp_rewrite.runtime import open_session
 
 PATIENCE = 10
 SHOWN = 6

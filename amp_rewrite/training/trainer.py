@@ -18,10 +18,8 @@ import sys
 import numpy as np
 import onnx
 from onnx import numpy_helper
-import onnxruntime as ort
 
 from amp_rewrite.api import rewrite
-from amp_rewrite.checks.sessions import CUDA
 from amp_rewrite.errors import AmpRewriteError, TrainingError
 from amp_rewrite.io import atomic_write, load
 from amp_rewrite.progress import Progress
@@ -30,7 +28,7 @@ from amp_rewrite.training.checkpoint import read_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
-from amp_rewrite.training.runner import SessionRunner, open_step_session
+from amp_rewrite.training.runner import SessionRunner, deployment_for
 from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, apply_precision, build_step_graph
 
 PRECISIONS = ("float16", "bfloat16", "float32")
@@ -391,10 +389,8 @@ def _check_optimizer(optimizer) -> Optimizer:
 
 
 def _device_for(model: onnx.ModelProto, provider: str, precision: str) -> str:
-    """'cuda' or 'cpu': without CUDA in this ONNX Runtime build, no session is needed to know."""
-    if provider == "cpu" or CUDA not in ort.get_available_providers():
-        return "cpu"
-    return open_step_session(model, provider, precision)[1]
+    """'cuda' or 'cpu': where the Deployment resolves `provider` (CUDA probed once per process)."""
+    return deployment_for(provider).device
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

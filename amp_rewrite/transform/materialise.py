@@ -21,7 +21,7 @@ import onnx
 from onnx import helper
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import Plan
+from amp_rewrite.plan import Plan
 from amp_rewrite.io import restore_borrowed
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT
 from amp_rewrite.transform.casts import place_casts

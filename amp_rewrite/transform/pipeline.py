@@ -14,15 +14,20 @@ import gc
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
+from onnx import helper
 
+from amp_rewrite import flops, ir
 from amp_rewrite.analysis import evidence, graph, paint, pointwise
 from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.options import RewriteOptions
+from amp_rewrite.runtime import open_session
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
-from amp_rewrite.onnx_facts import opsets, sort_graphs
-from amp_rewrite.report import flops, report as report_mod
+from amp_rewrite.io.samples import synthesise
+from amp_rewrite.onnx_facts import opsets
+from amp_rewrite.report import flops as report_flops, report as report_mod
 from amp_rewrite.transform import materialise as materialise_mod, scaling as scaling_mod, weights
 from amp_rewrite.transform.recompute_colours import follow_originals, report_section
 
@@ -89,7 +94,7 @@ def inline_local_functions(w: Work) -> None:
 
 
 def read_scopes(w: Work) -> None:
-    w.scopes = graph.read_scopes(w.model.graph, w.nested)
+    w.scopes = ir.read_scopes(w.model.graph, w.nested)
 
 
 def infer_types(w: Work) -> None:
@@ -153,14 +158,42 @@ def _over_budget(w: Work) -> str | None:
 def _largest_values(w: Work, names):
     """The float32 model's largest values on a synthesised sample: the caller's model where the
     working copy borrowed its weights (neither has changed yet), else the working copy."""
-    from amp_rewrite.checks.calibrate import largest_values
+    return largest_values(w.loaded.model if w.borrowed else w.model, names, w.types, dims=w.options.dims)
 
-    return largest_values(w.loaded.model if w.borrowed else w.model, names, dims=w.options.dims)
+
+def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
+    """{name: largest |value|} of main-graph tensors `names` in one float32 run of `model` (CPU) on
+    one synthesised sample, their types from `types`: inf where a value is not finite, a mask
+    sentinel (float32's largest) left out as the constant scan reads it; absent where the tensor
+    is not the main graph's (a body's). None when the run fails."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    present = {o.name for o in exposed.graph.output}
+    main = {x for n in model.graph.node for x in n.output} | {i.name for i in model.graph.input}
+    wanted = [x for x in names if x in main and types.get(x) == onnx.TensorProto.FLOAT]
+    for name in wanted:
+        if name not in present:
+            exposed.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    try:
+        feeds = synthesise(model, dims=dims)[0]
+        sess, _ = open_session(exposed, "cpu")
+        arrays = sess.run(wanted, feeds)
+    except Exception:  # noqa: BLE001 - any failure: no evidence, said in the report
+        return None
+    found = {}
+    for name, array in zip(wanted, arrays):
+        a = np.abs(np.asarray(array, dtype=np.float32)).reshape(-1)
+        if not np.isfinite(a).all():
+            found[name] = float("inf")
+            continue
+        a = a[a != evidence.SENTINEL]
+        found[name] = float(a.max()) if a.size else 0.0
+    return found
 
 
 def estimate_flops(w: Work) -> None:
     """Before materialising, which moves nodes."""
-    w.flops = flops.flops_by_node(w.cg)
+    w.flops = report_flops.flops_by_node(w.cg)
     if w.weights_before is None:
         w.weights_before = flops.weight_bytes(scope.graph for scope in w.cg.scopes)
 
@@ -174,7 +207,7 @@ def materialise(w: Work) -> None:
 def sort(w: Work) -> None:
     """Casts go right after their producers, so a sorted input stays sorted: only an unsorted one is sorted."""
     if w.cg.unsorted:
-        sort_graphs(w.model)
+        ir.sort_graphs(w.model)
 
 
 def check(w: Work) -> None:

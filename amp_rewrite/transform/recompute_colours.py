@@ -14,7 +14,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import Plan, Reason, Step
+from amp_rewrite.plan import Plan, Reason, Step
 
 PLAN_KEY = "amp_rewrite.recompute"  # autodiff.recompute.PLAN_KEY (no import: a lower layer)
 COPY_SUFFIX = "/recompute"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.analysis.paint import LOW, Plan
+from amp_rewrite.plan import LOW, Plan
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.onnx_facts import ELEM, FLOAT
 from amp_rewrite.transform.weights import Scan, is_constant

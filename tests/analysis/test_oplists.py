@@ -77,5 +77,5 @@ def test_list_evidence_measures_each_candidate_op_in_float16(tmp_path, capsys):
     shifted.graph.node[-1].output[0] = "y0"
     shifted.graph.node.append(node("Add", ["y0", "delta"], ["y"], "shift"))
     shifted.graph.initializer.append(init("delta", delta))
-    expected = tool.validate.reference_outputs(model, [feeds], "cpu")
+    expected = tool.validate.reference_outputs(model, [feeds], tool.Deployment(provider="cpu"))
     assert tool.model_error(shifted, expected, feeds)[2] == "5/64"

@@ -16,10 +16,11 @@ import onnx
 from onnx import TensorProto
 
 import amp_rewrite
+from amp_rewrite import ir
 from amp_rewrite.analysis import graph, paint
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import load_op_lists
-from amp_rewrite.analysis.paint import FP32, LOW, Step
+from amp_rewrite.plan import FP32, LOW, Step
 from amp_rewrite.options import RewriteOptions
 from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
 
@@ -37,7 +38,7 @@ def colours(model, target="float16", keep_io_types=True):
     """{node name: Painted} for the first float group of each node; also keyed
     `(node name, type parameter)` for nodes with several groups, and `("out", tensor name)` for
     each output of a group."""
-    scopes = graph.read_scopes(model.graph)
+    scopes = ir.read_scopes(model.graph)
     types, shapes = tensor_types(model, scopes=scopes)
     cg = graph.build(model, load_op_lists(target), types=types, shapes=shapes, scopes=scopes)
     plan = paint.colour(cg, low_io=RewriteOptions(keep_io_types=keep_io_types).low_io_names(model.graph))

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 
-from amp_rewrite import rewrite
+from amp_rewrite import ir, rewrite
 from amp_rewrite.checks import fallback
 from amp_rewrite.analysis import graph, kernels, paint, placement
 from amp_rewrite.analysis.elemtypes import tensor_types
@@ -18,7 +18,7 @@ random_models = load_tool("strategies").random_models  # the DAG strategy of the
 
 
 def _colouring_graph(model, target="float16"):
-    scopes = graph.read_scopes(model.graph)
+    scopes = ir.read_scopes(model.graph)
     types, shapes = tensor_types(model, scopes=scopes)
     return graph.build(model, load_op_lists(target), types=types, shapes=shapes, scopes=scopes,
                        kernel_check=kernels.check_for("cuda", target))

@@ -18,7 +18,7 @@ from helpers import (
     tensor,
 )
 
-from amp_rewrite import rewrite
+from amp_rewrite import ir, rewrite
 from amp_rewrite.analysis import graph, pointwise
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.cli import main
@@ -179,7 +179,7 @@ def test_the_check_fails_where_float16_disagrees_and_says_where():
                              extra_inits=[_scalar("two", 2.0), _scalar("tiny", 2.0 ** -16)])
     result = rewrite(model)
     assert _entry(result, "pow")["precision"] == "float32"
-    scopes = graph.read_scopes(model.graph)
+    scopes = ir.read_scopes(model.graph)
     types, _ = tensor_types(model, scopes=scopes)
     view = pointwise._ScopeView(scopes[0], None, set())
     chain = pointwise._chain(view, "h")

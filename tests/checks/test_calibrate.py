@@ -10,7 +10,7 @@ import pytest
 
 from accuracy_models import hazard_samples, hazards, naive_lists
 from amp_rewrite.checks import calibrate, validate
-from amp_rewrite.checks import fallback as accuracy
+from amp_rewrite import driver
 from amp_rewrite.cli import main
 from amp_rewrite import rewrite
 from helpers import assert_close, run_ort, run_reference
@@ -70,7 +70,7 @@ def test_default_lists_miss_the_overflowing_matmul_calibration_catches_it(hazard
     with np.errstate(all="ignore"):
         plain_ref = [run_reference(plain.model, f) for f in samples]
     assert any(not np.isfinite(out[0]).all() for out in plain_ref)  # 'act' overflows
-    checked = accuracy.check(model, samples=samples, calibrate=True, validate=True, rtol=RTOL, atol=ATOL,
+    checked = driver.check(model, samples=samples, calibrate=True, validate=True, rtol=RTOL, atol=ATOL,
                              reference=True)
     assert checked.passed, checked.validation.to_text()
     section = checked.result.report.to_dict()["calibration"]

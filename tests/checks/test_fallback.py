@@ -9,6 +9,7 @@ import onnx
 
 from accuracy_models import cancellation
 from amp_rewrite.checks import calibrate, validate
+from amp_rewrite import driver
 from amp_rewrite.checks import fallback as accuracy
 from amp_rewrite.cli import main
 from amp_rewrite import rewrite

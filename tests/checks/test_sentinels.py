@@ -13,6 +13,7 @@ from helpers import assert_close, init, make_model, node, run_ort, run_reference
 
 from amp_rewrite import rewrite
 from amp_rewrite.checks import calibrate
+from amp_rewrite import driver
 from amp_rewrite.checks import fallback as accuracy
 
 F32 = np.float32
@@ -136,14 +137,14 @@ def test_check_validates_and_the_fallback_does_not_blame_the_mask():
     """calibrate -> rewrite -> validate passes; the fallback's per-tensor error takes float16's -inf
     for float32's sentinel, so it has nothing to pin."""
     model, feeds = attention(guard=True), samples()
-    checked = accuracy.check(model, samples=feeds, calibrate=True, validate=True, reference=True)
+    checked = driver.check(model, samples=feeds, calibrate=True, validate=True, reference=True)
     assert checked.passed, checked.validation.to_text()
     assert checked.result.report.node("softmax")["precision"] == "float16"
     assert [s["tensor"] for s in checked.result.report.to_dict()["calibration"]["sentinels"]] == ["mask", "masked"]
     assert ("2 tensor(s) held +-finfo(float32).max sentinels, not counted as overflow: 'mask', 'masked'"
             in checked.result.report.to_text())
     # a tolerance float16 cannot meet: the fallback pins where rounding enters, never the masked sum
-    fitted = accuracy.check(model, samples=feeds, calibrate=True, tolerance=True, reference=True, rtol=1e-6,
+    fitted = driver.check(model, samples=feeds, calibrate=True, tolerance=True, reference=True, rtol=1e-6,
                             atol=1e-7, max_runs=3)
     # (k grows fast enough to reach every node the ranking blames within max_runs: the second
     # search pins all of them, so the first pin is the one that shows the ranking)

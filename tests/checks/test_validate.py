@@ -5,6 +5,7 @@ import pytest
 
 from accuracy_models import cancellation
 from amp_rewrite.checks import validate
+from amp_rewrite.deployment import Deployment
 
 
 def test_samples_dims_provider_and_figures():
@@ -13,7 +14,7 @@ def test_samples_dims_provider_and_figures():
     assert len(samples) == 3 and samples[0]["x"].shape == (5, 16)
     with pytest.raises(Exception, match="NAME=SIZE"):
         validate.parse_dims(["batch:5"])
-    result = validate.validate(model, model, samples, provider="cuda", reference=False)
+    result = validate.validate(model, model, samples, deployment=Deployment(provider="cuda"), reference=False)
     assert result.provider == "CPUExecutionProvider" and result.passed  # CUDA does not load here
     assert result.runs["ort:CPUExecutionProvider"][0]["max_abs"] == 0.0
     assert any("CUDA" in n for n in result.notes)

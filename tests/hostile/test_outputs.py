@@ -265,10 +265,11 @@ def test_a_file_system_without_hard_links_still_gets_the_pair(tmp_path, monkeypa
 
 def test_validating_on_no_samples_is_a_usage_error():
     """Finding 7's API side: zero samples compared nothing and reported PASSED."""
-    from amp_rewrite.checks import fallback, validate
+    from amp_rewrite import driver
+    from amp_rewrite.checks import validate
 
     model = make_corpus.valid_model()
     with pytest.raises(errors.UsageError, match="no samples"):
         validate.validate(model, model, [])
     with pytest.raises(errors.UsageError, match="no samples"):
-        fallback.check(model, samples=[], validate=True)
+        driver.check(model, samples=[], validate=True)

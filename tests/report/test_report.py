@@ -32,7 +32,7 @@ def test_summary_figures():
     assert s["weight_bytes_before"] == (16 * 32 + 32 * 8) * 4 and s["weight_bytes_after"] == (16 * 32 + 32 * 8) * 2
     assert s["casts_inserted"] >= 2
     from amp_rewrite import io as model_io
-    from amp_rewrite.report import flops
+    from amp_rewrite import flops
 
     assert model_io.load(model).float_bytes == flops.weight_bytes([model.graph])  # counted while validating
     feeds = random_feeds(model)

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from amp_rewrite import rewrite
-from amp_rewrite.analysis.paint import Step
+from amp_rewrite.plan import Step
 from amp_rewrite.report import html, picture_graph
 from helpers import assert_close, check_both, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
 

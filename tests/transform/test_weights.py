@@ -64,7 +64,7 @@ def test_out_of_range_constant_keeps_consumer_float32_unless_clamped():
 
 
 def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
-    from amp_rewrite.analysis import graph
+    from amp_rewrite import ir
     from amp_rewrite.transform import weights
 
     rng = np.random.default_rng(1)
@@ -74,7 +74,7 @@ def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
         array[17] = value
         tensors[i].CopyFrom(onnx.numpy_helper.from_array(array, f"w{i}"))
     g = helper.make_graph([], "g", [], [], tensors)
-    scopes = graph.read_scopes(g)
+    scopes = ir.read_scopes(g)
     scan = weights.scan(scopes, {}, "float16", convert_to=F16)
     assert scan.out_of_range == {(0, "w3"): 7e4, (0, "w400"): 1e9}
     values = {t.name: onnx.numpy_helper.to_array(t).reshape(-1) for t in tensors}

@@ -1,10 +1,16 @@
-"""Why a vertex got its colour: the steps and the reason record that paint and cost placement
-both write (a module of its own, so neither imports the other to make one)."""
+"""The plan: the colour of every vertex of the colouring graph and why, as the colouring passes
+decide it (analysis/paint.py, analysis/placement.py) and the materialiser, the report and the
+picture read it. Data only: it imports nothing of the package, so every stage can reach it.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 from typing import NamedTuple
+
+LOW, FP32 = "low", "float32"
 
 
 class Step(Enum):
@@ -41,3 +47,14 @@ class Reason(NamedTuple):
     def text(self) -> str:
         """The reason in words: the detail where the step has one, else the step's name."""
         return self.detail or self.step.value
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The frozen result: colour and reason of every vertex."""
+
+    colour: MappingProxyType  # vertex -> LOW | FP32
+    reason: MappingProxyType  # vertex -> Reason
+
+    def is_low(self, v: int) -> bool:
+        return self.colour.get(v) == LOW

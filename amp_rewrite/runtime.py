@@ -1,0 +1,126 @@
+"""ONNX Runtime, asked once: whether its CUDA provider really loads, and the one session factory
+(validation, calibration, the fallback search and training all open their sessions here).
+
+onnxruntime-gpu lists CUDA as available even where its libraries fail to load, and then falls
+back to CPU after printing a red error; plain onnxruntime lists no CUDA at all. So CUDA counts only
+when a session really runs on it: probed once per process on a one-node model, with ORT's spew
+silenced, and remembered. An onnxruntime that does not import (or imports as an empty shell) is
+one clear line, not an AttributeError.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from amp_rewrite.errors import RuntimeUnavailableError, ValidationError
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+DEVICES = {"cuda": CUDA, "cpu": CPU}  # where a session runs -> ORT's provider name
+TWO_GB = 2**31
+_ORT_DEFAULT_SEVERITY = 2
+_QUIET = 3  # errors only: ORT's warnings about our own graphs are not the user's business
+_FATAL_ONLY = 4
+
+log = logging.getLogger("amp_rewrite")
+
+
+@functools.cache
+def ort():
+    """The onnxruntime module; a missing or broken install is one RuntimeUnavailableError line."""
+    try:
+        import onnxruntime
+    except Exception as exc:  # ImportError, or a shared library that fails to load
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RuntimeUnavailableError(f"ONNX Runtime does not import ({first}): pip install onnxruntime "
+                                      "(or onnxruntime-gpu for CUDA)") from None
+    if not hasattr(onnxruntime, "InferenceSession"):
+        raise RuntimeUnavailableError("ONNX Runtime is installed only in part (onnxruntime has no InferenceSession; "
+                                      "two packages fighting over it?): reinstall one of onnxruntime or "
+                                      "onnxruntime-gpu")
+    return onnxruntime
+
+
+def lists_cuda() -> bool:
+    """Whether this onnxruntime build names CUDA at all (plain onnxruntime does not)."""
+    available = getattr(ort(), "get_available_providers", None)
+    return available is not None and CUDA in available()
+
+
+@functools.cache
+def cuda_loads() -> bool:
+    """Whether a session really runs on CUDA here: probed once per process on a one-node model."""
+    if not lists_cuda():
+        return False
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    probe = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=8)
+    try:
+        _, used = _open(probe.SerializeToString(), "cuda", session_options(), 0)
+    except Exception:  # a CUDA build that cannot even make a session: no CUDA
+        return False
+    return used == CUDA
+
+
+@functools.cache
+def say_cpu_fallback_once() -> None:
+    log.warning("amp-rewrite: ONNX Runtime's CUDA provider did not load; running on CPU")
+
+
+def session_options(**settings):
+    """SessionOptions with ORT's log quietened; `settings` set as attributes."""
+    options = ort().SessionOptions()
+    options.log_severity_level = _QUIET
+    for name, value in settings.items():
+        setattr(options, name, value)
+    return options
+
+
+def _session_source(model, keep_alive: list):
+    """Bytes, or for a model over 2 GB a temporary file with external data (kept in `keep_alive`)."""
+    if isinstance(model, (bytes, str)):
+        return model
+    if model.ByteSize() < TWO_GB:
+        return model.SerializeToString()
+    folder = tempfile.TemporaryDirectory()
+    keep_alive.append(folder)
+    path = Path(folder.name) / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data")
+    return str(path)
+
+
+def _open(source, device: str, options, device_id: int):
+    """(session, ORT provider used); ORT's load-failure spew silenced while CUDA is tried."""
+    runtime = ort()
+    cuda = device == "cuda"
+    runtime.set_default_logger_severity(_FATAL_ONLY if cuda else _QUIET)
+    try:
+        sess = runtime.InferenceSession(source, options,
+                                        providers=[(CUDA, {"device_id": str(device_id)}), CPU] if cuda else [CPU])
+    finally:
+        runtime.set_default_logger_severity(_ORT_DEFAULT_SEVERITY)
+    return sess, (CUDA if CUDA in sess.get_providers() else CPU)
+
+
+def open_session(model, device: str, *, options=None, error=ValidationError, what: str = "the model",
+                 device_id: int = 0):
+    """(session, ORT provider used). `model`: a ModelProto or its bytes; `device`: "cuda" or "cpu",
+    as a `Deployment` resolved it (`Deployment.device`); a model ORT refuses is `error`."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: a Deployment resolves it to cuda or cpu")
+    keep_alive: list = []
+    source = _session_source(model, keep_alive)
+    try:
+        sess, used = _open(source, device, options or session_options(), device_id)
+    except RuntimeUnavailableError:
+        raise
+    except Exception as exc:  # ORT raises its own untyped errors for invalid graphs
+        raise error(f"ONNX Runtime refused {what}: {str(exc).strip().splitlines()[0]}") from None
+    sess._amp_keep_alive = keep_alive  # external data lives as long as the session
+    return sess, used
