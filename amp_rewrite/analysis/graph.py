@@ -13,6 +13,7 @@ edges is built only when asked for, `ColouringGraph.graph`: its per-edge dicts c
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -57,6 +58,8 @@ class ColouringGraph:
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
     constant_nodes: set = field(default_factory=set)  # (scope, node) of Constant nodes: sources, not vertices
     tied_tensors: list = field(default_factory=list)  # (scope, name) of tensors no Cast may split: sequences (ties.py)
+    carried_in: dict = field(default_factory=dict)  # (body scope, body input name) -> its Loop/Scan's carried vertex
+    carried_out: dict = field(default_factory=dict)  # (body scope, body output slot) -> its carried vertex
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
 
@@ -125,6 +128,7 @@ def build(
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)
     owners = {scope.owner for scope in scopes[1:]}
+    body_of = {scope.owner: i for i, scope in enumerate(scopes) if scope.owner is not None}  # Loop/Scan: one body
     local_functions = {(f.domain, f.name) for f in model.functions}
 
     op_info: dict = {}  # (domain, op type) -> (signature, list entry, why it is skipped)
@@ -166,6 +170,12 @@ def build(
             if sig.containers and entry is not None and not holds_body:
                 template = _tie_containers(sig, entry, template, inputs, outputs, types, target,
                                            _kernel_of(kernel_check, sig, opsets, cg.notes))
+            carried = ()
+            if holds_body and entry is not None and sig.domain == "" and key[1] in _CARRYING:
+                carried = _carried_slots(key[1], sig, nodes[n], inputs, outputs)
+                if carried:
+                    template = _carrying_template(sig, template, carried, target,
+                                                  _kernel_of(kernel_check, sig, opsets, cg.notes))
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
             relaxed = None
@@ -197,7 +207,7 @@ def build(
                 if blocked is None:
                     if kept:
                         blocked = "kept float32 by the user (keep_fp32_nodes)"
-                    elif holds_body:
+                    elif holds_body and not group.type_param.startswith("V["):
                         blocked = f"{key[1]} boundary keeps the declared types of its bodies (inside is coloured)"
                     else:
                         blocked = late
@@ -220,6 +230,8 @@ def build(
                     reads[n][i] = v
                 for i in group.outputs:
                     writes[n][i] = v
+                if carried and group.type_param.startswith("V["):
+                    _bind_carried(cg, body_of[(s, n)], carried[int(group.type_param[2:-1])], v)
     cg.has_constant_nodes = any(op_type == "Constant" for _, op_type in op_info)
     if maybe:  # a value a sequence-only slot reads or writes is a sequence wherever it is read
         known = {name for _, name in cg.tied_tensors}
@@ -316,6 +328,57 @@ def _sequences(sig, group, s: int, inputs, outputs, params=None):
     return [(s, inputs[i]) for i in ins if inputs[i]] + [(s, outputs[i]) for i in outs if outputs[i]]
 
 
+_CARRYING = ("Loop", "Scan")
+
+
+class Carried(NamedTuple):
+    """One loop-carried value: the node's input and output slots, the body's input and output."""
+
+    node_input: int
+    node_output: int
+    body_input: int
+    body_output: int
+
+
+def _carried_slots(op_type: str, sig, node, inputs, outputs) -> tuple:
+    """The loop-carried values of a Loop (v_initial -> body input -> body output -> v_final) or a
+    Scan (state likewise); () for Scan-8, whose first input is sequence_lens."""
+    if op_type == "Loop":
+        return tuple(Carried(2 + k, k, 2 + k, 1 + k) for k in range(min(len(inputs) - 2, len(outputs))))
+    if sig.since_version < 9:
+        return ()
+    scanned = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+    return tuple(Carried(k, k, k, k) for k in range(min(len(inputs) - scanned, len(outputs))))
+
+
+def _carrying_template(sig, template, carried, target: str, kernel) -> list:
+    """A Loop's or Scan's groups with one group per carried value (`V[k]`: its node input and
+    output), coloured like a clear op; the rest (scan inputs and outputs) keep the boundary."""
+    in_carried = {c.node_input for c in carried}
+    out_carried = {c.node_output for c in carried}
+    target_string = onnx_facts.TYPE_STRING[target]
+    fixed = None if sig.admits("V", target_string) else f"schema {sig.op_type}-{sig.since_version} does not allow {target}"
+    if fixed is None and kernel is not None:
+        fixed = kernel("V")
+    out = [(schemas.TypeGroup(f"V[{k}]", (c.node_input,), (c.node_output,)), fixed, None) for k, c in enumerate(carried)]
+    for group, group_fixed, late in template:
+        rest = schemas.TypeGroup(group.type_param, tuple(i for i in group.inputs if i not in in_carried),
+                                 tuple(i for i in group.outputs if i not in out_carried))
+        if rest.inputs or rest.outputs:
+            out.append((rest, group_fixed, late))
+    return out
+
+
+def _bind_carried(cg: ColouringGraph, body: int, c: Carried, v: int) -> None:
+    """The carried value's vertex `v` is the producer of the body's input and the reader of its
+    output: their types follow its colour (edges in _add_edges, casts in the materialiser)."""
+    graph = cg.scopes[body].graph
+    if c.body_input < len(graph.input) and cg.types.get(graph.input[c.body_input].name) == FLOAT:
+        cg.carried_in[(body, graph.input[c.body_input].name)] = v
+    if c.body_output < len(graph.output) and cg.types.get(graph.output[c.body_output].name) == FLOAT:
+        cg.carried_out[(body, c.body_output)] = v
+
+
 def _read_as_float32(sig, group) -> str | None:
     """Why ONNX Runtime's kernels read one of the group's inputs as float32 whatever the schema
     allows (op_lists/kernel_float32_inputs.yaml: Resize's roi), or None."""
@@ -350,3 +413,17 @@ def _add_edges(cg: ColouringGraph) -> None:
                 if reader is not None:
                     succ[producer].append(reader)
                     pred[reader].append(producer)
+    for (body, name), v in cg.carried_in.items():  # a carried value -> what the body reads of it
+        for use in cg.uses.get((body, name), ()):
+            reader = cg.input_vertex(*use) if use.node >= 0 else cg.carried_out.get((use.scope, use.slot))
+            if reader is not None:
+                succ[v].append(reader)
+                pred[reader].append(v)
+    for (body, slot), v in cg.carried_out.items():  # what the body hands on -> the carried value
+        found = cg.resolve(body, cg.scopes[body].graph.output[slot].name)
+        if found is not None and found.definition.kind == "node":
+            row = writes[found.scope][found.definition.node]
+            producer = row[found.definition.slot] if row else None
+            if producer is not None:
+                succ[producer].append(v)
+                pred[v].append(producer)

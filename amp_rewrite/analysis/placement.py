@@ -61,7 +61,7 @@ def _term(cg: ColouringGraph, key, low_io: frozenset, cache: dict) -> Term | Non
     if cg.types.get(name) != FLOAT:
         return None
     kind, n, slot = cg.scopes[s].defs[name]
-    producer = None
+    producer = cg.carried_in.get(key) if kind == "input" and s > 0 else None  # a loop-carried body input
     if kind == "initializer":
         return None
     if kind == "node":
@@ -72,7 +72,10 @@ def _term(cg: ColouringGraph, key, low_io: frozenset, cache: dict) -> Term | Non
     readers, fp32_reader, low_reader = set(), False, False
     for use_scope, node, use_slot in cg.uses.get(key, ()):
         if node < 0:
-            if use_scope == 0 and name in low_io:
+            carried = cg.carried_out.get((use_scope, use_slot)) if use_scope > 0 else None
+            if carried is not None:
+                readers.add(carried)
+            elif use_scope == 0 and name in low_io:
                 low_reader = True
             else:
                 fp32_reader = True
@@ -177,6 +180,10 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
     to_s, to_t, out_edges, in_edges = net.to_s, net.to_t, net.out, net.into
     to_s.update(dict.fromkeys(free, 0))  # every free vertex has an edge from s, in `free`'s order
     inputs_seen: set = set()
+    carried_made: dict = {}  # a Loop/Scan's carried vertex -> the body inputs it makes
+    for key, v in cg.carried_in.items():
+        carried_made.setdefault(v, []).append(key)
+    carried_out = cg.carried_out
     for v in free:
         vertex = vertices[v]
         s = vertex.scope
@@ -184,20 +191,21 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
         inputs, outputs = scope.io[vertex.node]
         group = vertex.group
         total = 0
-        for i in group.outputs:  # made here: the producer is v, free
-            x = outputs[i]
-            if not x:
-                continue
+        made = [(s, outputs[i]) for i in group.outputs if outputs[i]]
+        if carried_made:
+            made += carried_made.get(v, ())  # a carried value's body input: v makes it too
+        for ms, x in made:  # made here: the producer is v, free
             size = cache_get(x)
             if size is None:  # elements(), inlined
                 shape = shapes_get(x)
                 size = cache[x] = 1 if shape is None else math.prod(d.dim_value if d.dim_value > 0 else 1
                                                                     for d in shape.dim)
-            total += size
-            key = (s, x)
+            if ms == s:
+                total += size
+            key = (ms, x)
             tensor_uses = uses_get(key, ())
             c = size * CAST_BYTES
-            if len(tensor_uses) == 1:  # the common case: one reader (_readers, inlined)
+            if len(tensor_uses) == 1 and not carried_out:  # the common case: one reader (_readers, inlined)
                 use_scope, node, use_slot = tensor_uses[0]
                 if node < 0:
                     if use_scope > 0 or x not in low_io:
@@ -217,7 +225,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
                 else:
                     to_t[v] = to_t.get(v, 0) + c
                 continue
-            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, x in low_io)
+            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, x in low_io, carried_out)
             if fixed_low:  # a cast up whenever v is float32
                 to_s[v] += c
             elif len(loose) == 1:
@@ -256,6 +264,10 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
             if kind == "initializer":
                 continue
             p = None
+            if kind == "input" and ds > 0:
+                p = cg.carried_in.get((ds, x))  # a loop-carried body input: its Loop's vertex makes it
+                if p in free_set:  # charged with that vertex's tensors
+                    continue
             if kind == "node":
                 row = writes[ds][n]
                 p = row[slot] if row else None
@@ -267,7 +279,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
             if key in inputs_seen:
                 continue
             inputs_seen.add(key)
-            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, x in low_io)
+            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, x in low_io, carried_out)
             c = size * CAST_BYTES
             if (p is not None and is_low(p)) or (kind == "input" and ds == 0 and x in low_io):
                 # a low source: a cast down, when some reader is float32
@@ -291,20 +303,24 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
         to_s[v] += total * saving
 
 
-def _readers(tensor_uses, reads, free: set, is_low, low_output: bool) -> tuple:
+def _readers(tensor_uses, reads, free: set, is_low, low_output: bool, carried_out=None) -> tuple:
     """(free readers in first-use order, some reader fixed low, some reader fixed float32);
-    `low_output`: the tensor, where it is a main-graph output, is one in the target type."""
+    `low_output`: the tensor, where it is a main-graph output, is one in the target type;
+    `carried_out`: a body output a Loop/Scan carries is read by that node's carried vertex."""
     loose = []
     fixed_low = fixed_fp32 = False
     for use_scope, node, use_slot in tensor_uses:
         if node < 0:
-            if use_scope == 0 and low_output:
-                fixed_low = True
-            else:
-                fixed_fp32 = True
-            continue
-        row = reads[use_scope][node]
-        r = row[use_slot] if row else None
+            r = carried_out.get((use_scope, use_slot)) if carried_out and use_scope > 0 else None
+            if r is None:
+                if use_scope == 0 and low_output:
+                    fixed_low = True
+                else:
+                    fixed_fp32 = True
+                continue
+        else:
+            row = reads[use_scope][node]
+            r = row[use_slot] if row else None
         if r is None:
             fixed_fp32 = True
         elif r in free:

@@ -24,6 +24,15 @@ def retype_io_and_value_info(m: Materialisation) -> None:
     for value in lowered:
         if value.type.tensor_type.elem_type == FLOAT:
             value.type.tensor_type.elem_type = m.low
+    for (s, name), v in m.cg.carried_in.items():  # a body's carried input and output: their Loop's colour
+        if v in m.low_vertices:
+            for value in m.cg.scopes[s].graph.input:
+                if value.name == name and value.type.tensor_type.elem_type == FLOAT:
+                    value.type.tensor_type.elem_type = m.low
+    for (s, slot), v in m.cg.carried_out.items():
+        value = m.cg.scopes[s].graph.output[slot]
+        if v in m.low_vertices and value.type.tensor_type.elem_type == FLOAT:
+            value.type.tensor_type.elem_type = m.low
     for s, scope in enumerate(m.cg.scopes):
         for value in scope.graph.value_info:
             found = m.cg.resolve(s, value.name)

@@ -32,11 +32,6 @@ FLOAT, F16, BF16, BOOL, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorPr
 L, F = "low", "float32"
 N = 4  # the matrices' size (TF's tests use 32)
 
-_LOOP_BOUNDARY = ("a Loop's carried value keeps its declared float32 across the boundary (loop colouring "
-                  "is not done: ARCHITECTURE.md), so TF's path through the back edge to the next "
-                  "iteration's allow op is not seen")
-_OUT_OF_LOOP = "reads the Loop's output, which stays float32 (loop colouring is not done)"
-_INTO_LOOP = "feeds the Loop's carried input, which stays float32 (loop colouring is not done)"
 _FETCH = ("TF never converts a fetched node (NodesToPreserve); here a graph output keeps its declared "
           "type with a Cast and its producer is coloured like any node")
 _NO_BF16_SEQUENCES = "the sequence ops' schemas at opset 17 admit no seq(tensor(bfloat16)) (the schema decides)"
@@ -64,24 +59,6 @@ DIFFERENCES = {
     ("Mkl.TensorListSetGet", "infer1"): _NO_BF16_SEQUENCES + ": Mul reads tl1r1, so it is no longer between allow ops",
     **{("test_multi_paths", name): _GRADIENT for name in ("Relu_1", "Relu_3", "Relu_5", "MaxPool_1", "MaxPool_3",
                                                            "MaxPool_5", "concat")},
-    ("test_propagation_through_simple_loop_1", "while/body_0"): _LOOP_BOUNDARY,
-    ("test_propagation_through_simple_loop_1", "output_0"): _OUT_OF_LOOP,
-    ("test_propagation_through_simple_loop_2", "input_0"): _INTO_LOOP,
-    ("test_propagation_through_simple_loop_2", "while/body_0"): _LOOP_BOUNDARY,
-    ("test_propagation_through_simple_loop_3", "while/body_0"): _LOOP_BOUNDARY,
-    ("test_propagation_through_simple_loop_6", "while/body_3"): _LOOP_BOUNDARY,
-    ("test_propagation_through_simple_loop_6", "output_0"): _OUT_OF_LOOP,
-    ("test_propagation_through_simple_loop_7", "input_0"): _INTO_LOOP,
-    ("test_propagation_through_simple_loop_7", "while/body_0"): _LOOP_BOUNDARY,
-    ("test_propagation_through_simple_loop_7", "while/body_3"): _LOOP_BOUNDARY,
-    ("test_propagation_through_simple_loop_7", "output_0"): _OUT_OF_LOOP,
-    ("test_propagation_through_simple_loop_8", "input_0"): _INTO_LOOP,
-    ("test_propagation_through_simple_loop_8", "while/body_0"): _LOOP_BOUNDARY,
-    ("test_recurrent_lstm", "Sigmoid"): _LOOP_BOUNDARY,
-    ("test_recurrent_lstm", "Sigmoid_1"): _LOOP_BOUNDARY,
-    ("test_recurrent_lstm", "Sigmoid_2"): _LOOP_BOUNDARY,
-    ("test_recurrent_lstm", "Tanh"): _LOOP_BOUNDARY,
-    ("test_recurrent_lstm", "Tanh_1"): _LOOP_BOUNDARY,
 }
 
 
@@ -209,9 +186,9 @@ def _loop_model(pre, body_nodes, post, carried=("h",), trip=2, extra_inputs=(), 
         [node("Identity", ["cond_in"], ["cond_out"], "loop_cond"), *body_nodes], "body",
         [tensor("i", [], INT64), tensor("cond_in", [], BOOL), *[tensor(f"{c}_in", [N, N]) for c in carried]],
         [tensor("cond_out", [], BOOL), *[tensor(f"{c}_out", [N, N]) for c in carried]])
-    loop = node("Loop", ["trip", "", *[f"{c}0" for c in carried]], [f"{c}_final" for c in carried], "loop", body=body)
+    loop = node("Loop", ["trip", "keep_going", *[f"{c}0" for c in carried]], [f"{c}_final" for c in carried], "loop", body=body)
     return make_model([*pre, loop, *post], [tensor("x", [N, N]), tensor("trip", [], INT64), *extra_inputs],
-                      [tensor("y", [N, N])], list(initializers), opset=opset)
+                      [tensor("y", [N, N])], [*initializers, init("keep_going", np.array(True))], opset=opset)
 
 
 def recurrent_edge_color_mismatch():
@@ -503,8 +480,8 @@ def test_tf_case(case):
             differences[name] = (got, want)
     listed = {name for (c, name) in DIFFERENCES if c == case}
     assert set(differences) == listed, (f"{case}: differs from TF at {differences}, the table lists {sorted(listed)}")
-    # each runtime against its own float32 run (onnx.reference's Loop counts iterations its own way);
-    # ONNX Runtime's CPU provider has no bfloat16 kernels for most of these ops: reference only
+    # each runtime against its own float32 run; ONNX Runtime's CPU provider has no bfloat16 kernels
+    # for most of these ops: reference only
     feeds = _feeds(model)
     tolerance = 5e-2 if options.get("target") == "bfloat16" else 2e-2
     runtimes = (run_reference,) if options.get("target") == "bfloat16" else (run_ort, run_reference)

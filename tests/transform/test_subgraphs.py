@@ -1,9 +1,10 @@
 """If / Loop / Scan bodies, sequences and model-local functions.
 
-Decision under test: control-flow boundaries (the If/Loop/Scan node and its bodies' declared
-inputs/outputs) keep their declared float32 types; the ops inside a body are coloured with the
-same passes, and every cast lands in the graph that uses it. Loop-carried state therefore crosses
-the boundary in float32 and is cast inside the body. Model-local functions are inlined first.
+Decision under test: a Loop's or Scan's carried value (initial value -> body input -> body
+output -> result) takes one colour, coloured with the body and the outer graph together as TF
+colours its while loops (a clear op per carried value); If outputs and scan inputs/outputs keep
+their declared types; every cast lands in the graph that uses it. Model-local functions are
+inlined first.
 Every test runs the original and the rewritten model in ONNX Runtime and compares the numbers.
 """
 
@@ -52,30 +53,35 @@ def test_loop_with_float_carried_state_and_matmul_inside():
     )
     model = make_model(
         [node("MatMul", ["x", "W0"], ["h0"], name="pre"),
-         node("Loop", ["trip", "", "h0"], ["h", "hs"], name="loop", body=body)],
+         node("Loop", ["trip", "go", "h0"], ["h", "hs"], name="loop", body=body)],
         [tensor("x", [2, 4]), tensor("trip", [], INT64)],
         [tensor("h", [2, 4]), tensor("hs", [None, 2, 4])],
-        [init("W0", weights(rng, 4, 4)), init("W", weights(rng, 4, 4))],
+        [init("W0", weights(rng, 4, 4)), init("W", weights(rng, 4, 4)), init("go", np.array(True))],
     )
-    result = rewrite(model, target="float16")
-    g = result.model.graph
-    loop = _ops(g, "Loop")[0]
-    inner = loop.attribute[0].g
-    # The MatMul inside the body is float16; the carried state crosses the boundary in float32.
-    assert result.report.node("body_mm")["precision"] == "float16"
-    assert result.report.node("loop")["precision"] == "float32"
-    # (body outputs bind by position: the carried output may be a renamed Cast)
-    assert _elem(inner, inner.input[2].name) == FLOAT and _elem(inner, inner.output[1].name) == FLOAT
-    # Its casts are inside the body, and W (captured from the outer scope) is read there as float16.
-    assert _cast_targets(inner).get("h_in") == F16
-    assert any(t.name.startswith("W") and t.data_type == F16 for t in g.initializer)
-    feeds = {"x": weights(rng, 2, 4), "trip": np.array(3, np.int64)}
-    _check_both(model, result, feeds)
+    for placement in ("tf", "cost"):
+        result = rewrite(model, target="float16", placement=placement)
+        g = result.model.graph
+        inner = _ops(g, "Loop")[0].attribute[0].g
+        # The MatMul and Tanh inside the body are float16, and so is the carried state on all four
+        # ends (h0 as the Loop reads it, h_in, h_out, h): the body casts nothing it carries.
+        assert result.report.node("body_mm")["precision"] == "float16"
+        groups = result.report.node("loop")["groups"]
+        assert groups["V[0]"]["precision"] == "float16", placement
+        assert _elem(inner, inner.input[2].name) == F16 and _elem(inner, inner.output[1].name) == F16
+        assert "h_in" not in _cast_targets(inner) and not any(n.op_type == "Cast" and n.output[0] == inner.output[1].name
+                                                            for n in inner.node)
+        # the scan output keeps its declared float32 (a Cast inside the body), W is read as float16
+        assert _elem(inner, inner.output[2].name) == FLOAT
+        assert any(t.name.startswith("W") and t.data_type == F16 for t in g.initializer)
+        feeds = {"x": weights(rng, 2, 4), "trip": np.array(3, np.int64)}
+        _check_both(model, result, feeds)
+        assert_close(run_reference(result.model, feeds), run_reference(model, feeds), rtol=2e-2, atol=2e-2)
 
 
-def test_scan_forced_allow_keeps_boundary_types():
-    """Regression: with Add in allow, the Scan node's group became float16 while its body kept
-    float32 inputs/outputs ("Inferred elem type differs ... (10) vs (1)")."""
+def test_scan_state_takes_one_colour_and_scan_inputs_keep_their_types():
+    """The Scan's state (s0 -> s_in -> s_out -> s) is one colour with the Add that makes it; the
+    scanned input and output keep their declared float32 (regression: the Scan's group once went
+    float16 while its body kept float32, "Inferred elem type differs ... (10) vs (1)")."""
     rng = np.random.default_rng(0)
     body = helper.make_graph(
         [node("Add", ["s_in", "x_t"], ["s_out"], name="acc"), node("Identity", ["s_out"], ["y_t"], name="copy")],
@@ -87,10 +93,14 @@ def test_scan_forced_allow_keeps_boundary_types():
     )
     result = rewrite(model, target="float16", allow=["Add", "Scan", "Identity"])
     assert result.report.node("acc")["precision"] == "float16"
-    scan = result.report.node("scan")
-    assert scan["precision"] == "float32"
-    assert "boundary" in next(iter(scan["groups"].values()))["reason"]
-    _check_both(model, result, {"s0": weights(rng, 2), "xs": weights(rng, 3, 2)})
+    groups = result.report.node("scan")["groups"]
+    assert groups["V[0]"]["precision"] == "float16"
+    assert all("boundary" in g["reason"] and g["precision"] == "float32" for k, g in groups.items() if k != "V[0]")
+    body = _ops(result.model.graph, "Scan")[0].attribute[0].g
+    assert _elem(body, body.input[0].name) == F16 and _elem(body, body.input[1].name) == FLOAT
+    feeds = {"s0": weights(rng, 2), "xs": weights(rng, 3, 2)}
+    _check_both(model, result, feeds)
+    assert_close(run_reference(result.model, feeds), run_reference(model, feeds), rtol=2e-2, atol=2e-2)
 
 
 def test_if_branches_with_outer_scope_capture():
