@@ -13,13 +13,12 @@ edges is built only when asked for, `ColouringGraph.graph`: its per-edge dicts c
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
 from dataclasses import dataclass, field
 
 import networkx as nx
 import onnx
 
-from amp_rewrite.analysis import schemas
+from amp_rewrite.analysis import loops, schemas
 from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite import onnx_facts
 from amp_rewrite.ir import Found, Scope, read_scopes, record_uses, resolve
@@ -171,11 +170,11 @@ def build(
                 template = _tie_containers(sig, entry, template, inputs, outputs, types, target,
                                            _kernel_of(kernel_check, sig, opsets, cg.notes))
             carried = ()
-            if holds_body and entry is not None and sig.domain == "" and key[1] in _CARRYING:
-                carried = _carried_slots(key[1], sig, nodes[n], inputs, outputs)
+            if holds_body and entry is not None and sig.domain == "" and key[1] in loops.CARRYING:
+                carried = loops.carried_slots(key[1], sig, nodes[n], inputs, outputs)
                 if carried:
-                    template = _carrying_template(sig, template, carried, target,
-                                                  _kernel_of(kernel_check, sig, opsets, cg.notes))
+                    template = loops.carrying_template(sig, template, carried, target,
+                                                       _kernel_of(kernel_check, sig, opsets, cg.notes))
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
             relaxed = None
@@ -231,7 +230,7 @@ def build(
                 for i in group.outputs:
                     writes[n][i] = v
                 if carried and group.type_param.startswith("V["):
-                    _bind_carried(cg, body_of[(s, n)], carried[int(group.type_param[2:-1])], v)
+                    loops.bind_carried(cg, body_of[(s, n)], carried[int(group.type_param[2:-1])], v)
     cg.has_constant_nodes = any(op_type == "Constant" for _, op_type in op_info)
     if maybe:  # a value a sequence-only slot reads or writes is a sequence wherever it is read
         known = {name for _, name in cg.tied_tensors}
@@ -326,57 +325,6 @@ def _sequences(sig, group, s: int, inputs, outputs, params=None):
     and readers take one colour (ties.py)."""
     ins, outs = schemas.container_slots(sig, group, params)
     return [(s, inputs[i]) for i in ins if inputs[i]] + [(s, outputs[i]) for i in outs if outputs[i]]
-
-
-_CARRYING = ("Loop", "Scan")
-
-
-class Carried(NamedTuple):
-    """One loop-carried value: the node's input and output slots, the body's input and output."""
-
-    node_input: int
-    node_output: int
-    body_input: int
-    body_output: int
-
-
-def _carried_slots(op_type: str, sig, node, inputs, outputs) -> tuple:
-    """The loop-carried values of a Loop (v_initial -> body input -> body output -> v_final) or a
-    Scan (state likewise); () for Scan-8, whose first input is sequence_lens."""
-    if op_type == "Loop":
-        return tuple(Carried(2 + k, k, 2 + k, 1 + k) for k in range(min(len(inputs) - 2, len(outputs))))
-    if sig.since_version < 9:
-        return ()
-    scanned = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
-    return tuple(Carried(k, k, k, k) for k in range(min(len(inputs) - scanned, len(outputs))))
-
-
-def _carrying_template(sig, template, carried, target: str, kernel) -> list:
-    """A Loop's or Scan's groups with one group per carried value (`V[k]`: its node input and
-    output), coloured like a clear op; the rest (scan inputs and outputs) keep the boundary."""
-    in_carried = {c.node_input for c in carried}
-    out_carried = {c.node_output for c in carried}
-    target_string = onnx_facts.TYPE_STRING[target]
-    fixed = None if sig.admits("V", target_string) else f"schema {sig.op_type}-{sig.since_version} does not allow {target}"
-    if fixed is None and kernel is not None:
-        fixed = kernel("V")
-    out = [(schemas.TypeGroup(f"V[{k}]", (c.node_input,), (c.node_output,)), fixed, None) for k, c in enumerate(carried)]
-    for group, group_fixed, late in template:
-        rest = schemas.TypeGroup(group.type_param, tuple(i for i in group.inputs if i not in in_carried),
-                                 tuple(i for i in group.outputs if i not in out_carried))
-        if rest.inputs or rest.outputs:
-            out.append((rest, group_fixed, late))
-    return out
-
-
-def _bind_carried(cg: ColouringGraph, body: int, c: Carried, v: int) -> None:
-    """The carried value's vertex `v` is the producer of the body's input and the reader of its
-    output: their types follow its colour (edges in _add_edges, casts in the materialiser)."""
-    graph = cg.scopes[body].graph
-    if c.body_input < len(graph.input) and cg.types.get(graph.input[c.body_input].name) == FLOAT:
-        cg.carried_in[(body, graph.input[c.body_input].name)] = v
-    if c.body_output < len(graph.output) and cg.types.get(graph.output[c.body_output].name) == FLOAT:
-        cg.carried_out[(body, c.body_output)] = v
 
 
 def _read_as_float32(sig, group) -> str | None:

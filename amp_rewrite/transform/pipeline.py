@@ -26,7 +26,7 @@ from amp_rewrite.options import RewriteOptions
 from amp_rewrite.runtime import open_session
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.io.samples import synthesise
-from amp_rewrite.onnx_facts import opsets
+from amp_rewrite.onnx_facts import opsets, reads
 from amp_rewrite.report import flops as report_flops, report as report_mod
 from amp_rewrite.transform import materialise as materialise_mod, scaling as scaling_mod, weights
 from amp_rewrite.transform.recompute_colours import follow_originals, report_section
@@ -162,21 +162,33 @@ def _largest_values(w: Work, names):
 
 
 def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
-    """{name: largest |value|} of main-graph tensors `names` in one float32 run of `model` (CPU) on
-    one synthesised sample, their types from `types`: inf where a value is not finite, a mask
-    sentinel (float32's largest) left out as the constant scan reads it; absent where the tensor
-    is not the main graph's (a body's). None when the run fails."""
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    present = {o.name for o in exposed.graph.output}
-    main = {x for n in model.graph.node for x in n.output} | {i.name for i in model.graph.input}
-    wanted = [x for x in names if x in main and types.get(x) == onnx.TensorProto.FLOAT]
-    for name in wanted:
-        if name not in present:
-            exposed.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    """{name: largest |value|} of main-graph tensors `names` in one float32 run (CPU) on one
+    synthesised sample of the part of `model` that computes them (their cone: the run costs what
+    it needs, often the embeddings only): inf where a value is not finite, a mask sentinel
+    (float32's largest) left out as the constant scan reads it; absent where the tensor is not the
+    main graph's (a body's). None when the run fails."""
+    producers = {out: node for node in model.graph.node for out in node.output if out}
+    wanted = [x for x in names if x in producers and types.get(x) == onnx.TensorProto.FLOAT]
+    cone, seen, stack = set(), set(), list(wanted)
+    while stack:  # every tensor and node the wanted ones depend on: one visit each
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        node = producers.get(x)
+        if node is not None and id(node) not in cone:
+            cone.add(id(node))
+            stack.extend(reads(node))
+    graph = helper.make_graph(
+        [node for node in model.graph.node if id(node) in cone], "range_check",
+        [v for v in model.graph.input if v.name in seen],
+        [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in wanted],
+        [t for t in model.graph.initializer if t.name in seen])
+    part = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
+                             functions=model.functions)
     try:
-        feeds = synthesise(model, dims=dims)[0]
-        sess, _ = open_session(exposed, "cpu")
+        feeds = {k: v for k, v in synthesise(part, dims=dims)[0].items()}
+        sess, _ = open_session(part, "cpu")
         arrays = sess.run(wanted, feeds)
     except Exception:  # noqa: BLE001 - any failure: no evidence, said in the report
         return None
