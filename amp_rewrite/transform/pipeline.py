@@ -130,7 +130,7 @@ def scan_constants(w: Work) -> None:
 
 
 # Above these, cost placement's extra low ops are not measured on synthesised inputs (evidence.settle)
-RANGE_CHECK_NODES, RANGE_CHECK_BYTES = 20_000, 2**30
+RANGE_CHECK_NODES, RANGE_CHECK_BYTES = 20_000, 256 << 20  # a run costs about its bytes: GPT-2 (474 MiB) 20 s loaded
 
 
 def colour(w: Work) -> None:
