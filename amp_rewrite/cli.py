@@ -22,22 +22,20 @@ from amp_rewrite.checks import validate
 from amp_rewrite.deployment import PROVIDERS
 from amp_rewrite.errors import AmpRewriteError, UsageError, one_line
 from amp_rewrite.io import OutputPlan, atomic_write_bytes, save
-from amp_rewrite.options import PLACEMENTS, RewriteOptions
-
-DEFAULT = RewriteOptions()  # every option's default is written once, in options.py
-# RewriteOptions field -> the argparse dest of its flag; the flag's default is None (not given),
-# so an option the user did not name keeps RewriteOptions' default. A test checks this table
-# against the fields and the parser.
-OPTION_FLAGS = {
-    "target": "target", "provider": "provider", "dims": "dim", "keep_io_types": "keep_io_types",
-    "low_precision_io": "low_precision_io", "op_lists": "op_lists", "allow": "allow", "deny": "deny",
-    "infer": "infer", "clear": "clear", "keep_fp32_nodes": "keep_fp32_node", "clamp": "clamp",
-    "annotate": "annotate", "placement": "placement", "scale_activations": "scale_activations",
-    "relax_margin": "relax_margin", "pointwise_check": "pointwise_check", "opset": "opset",
-}
-API_ONLY = ("deployment", "check", "force_fp32", "calibration", "fold_noop_casts")  # options without a flag
+from amp_rewrite.options import ALIASES, PLACEMENTS, RewriteOptions, option_names
 
 SUFFIX = {"float16": "fp16", "bfloat16": "bf16"}
+DEFAULT = RewriteOptions()  # every option's default is written once, in options.py
+API_ONLY = ("deployment", "check", "force_fp32", "calibration", "fold_noop_casts")  # options without a flag
+FLAG_DESTS = {"keep_fp32_nodes": "keep_fp32_node", "dims": "dim"}  # where a flag's name is not its field's
+
+
+def option_flags() -> dict:
+    """RewriteOptions field -> the argparse dest of its flag: the field's own name unless FLAG_DESTS
+    says otherwise. Each such flag defaults to None (not given), so an option the user did not
+    name keeps RewriteOptions' default; a test checks this against the fields and the parser."""
+    return {name: FLAG_DESTS.get(name, name) for name in option_names()
+            if name not in API_ONLY and name not in ALIASES}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,7 +134,7 @@ def default_output(model_path: Path, target: str) -> Path:
 
 def rewrite_options(args) -> RewriteOptions:
     """The rewrite's options, built once from the flags the user gave (the rest: their defaults)."""
-    given = {field: getattr(args, dest) for field, dest in OPTION_FLAGS.items() if getattr(args, dest) is not None}
+    given = {field: getattr(args, dest) for field, dest in option_flags().items() if getattr(args, dest) is not None}
     if "dims" in given:
         given["dims"] = validate.parse_dims(given["dims"])
     return RewriteOptions.of(**given)

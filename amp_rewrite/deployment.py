@@ -44,8 +44,16 @@ class Deployment:
             raise UsageError(f"unknown target {self.target!r}: choose one of {', '.join(TARGETS)}")
         dims = MappingProxyType(dict(self.dims or {}))
         for name, size in dims.items():
-            if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise UsageError(f"dim {name!r}={size!r}: a symbolic dim's size must be a whole number of at least 1")
+            if (
+                not isinstance(name, str)
+                or not name
+                or isinstance(size, bool)
+                or not isinstance(size, int)
+                or size < 1
+            ):
+                raise UsageError(
+                    f"dim {name!r}={size!r}: a symbolic dim's size must be a whole number of at least 1"
+                )
         object.__setattr__(self, "dims", dims)
 
     @property
@@ -69,12 +77,18 @@ class Deployment:
         """A model coloured for one provider's kernels that the device here cannot run at all is a
         UsageError before any work (bfloat16 coloured for CUDA, run on ORT's CPU provider)."""
         device = self.device
-        if self.kernels in (device, ) or self.target in _RUNS_WITHOUT_KERNELS[device]:
+        if self.kernels in (device,) or self.target in _RUNS_WITHOUT_KERNELS[device]:
             return
-        coloured = f"coloured for {_NAMES[self.kernels]}'s kernels" if self.kernels else "coloured without a kernel check"
-        raise UsageError(f"ONNX Runtime's {_NAMES[device]} provider (the one that loads here) cannot run a {self.target} "
-                         f"model {coloured}: use --provider cpu (provider='cpu'; ops without a CPU {self.target} "
-                         f"kernel stay float32), or run the checks where CUDA loads")
+        coloured = (
+            f"coloured for {_NAMES[self.kernels]}'s kernels"
+            if self.kernels
+            else "coloured without a kernel check"
+        )
+        raise UsageError(
+            f"ONNX Runtime's {_NAMES[device]} provider (the one that loads here) cannot run a {self.target} "
+            f"model {coloured}: use --provider cpu (provider='cpu'; ops without a CPU {self.target} "
+            f"kernel stay float32), or run the checks where CUDA loads"
+        )
 
 
 DEFAULT = Deployment()

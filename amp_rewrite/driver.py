@@ -37,11 +37,22 @@ class CheckedResult:
         return self.validation is None or self.validation.passed
 
 
-def check_values(options: RewriteOptions | None = None, *, samples_count=1, safety=cal_mod.DEFAULT_SAFETY,
-                 rtol=1e-2, atol=1e-3, max_runs=10, validate=False, calibrate=False, tolerance=False) -> None:
+def check_values(
+    options: RewriteOptions | None = None,
+    *,
+    samples_count=1,
+    safety=cal_mod.DEFAULT_SAFETY,
+    rtol=1e-2,
+    atol=1e-3,
+    max_runs=10,
+    validate=False,
+    calibrate=False,
+    tolerance=False,
+) -> None:
     """Numbers a check cannot run with are usage errors, before any work (no ZeroDivisionError
     from --safety 0, no PASSED from comparing zero samples), and so is a rewritten model the
     deployment's device cannot run at all (bfloat16 for CUDA, checked on ORT's CPU)."""
+
     def number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -53,17 +64,39 @@ def check_values(options: RewriteOptions | None = None, *, samples_count=1, safe
     if not isinstance(max_runs, int) or isinstance(max_runs, bool) or max_runs < 1:
         raise UsageError(f"max runs {max_runs!r} must be a whole number of at least 1")
     checks = validate or calibrate or tolerance
-    if not isinstance(samples_count, int) or isinstance(samples_count, bool) or samples_count < (1 if checks else 0):
-        raise UsageError(f"samples {samples_count!r} must be a whole number of at least 1 to validate or calibrate")
+    if (
+        not isinstance(samples_count, int)
+        or isinstance(samples_count, bool)
+        or samples_count < (1 if checks else 0)
+    ):
+        raise UsageError(
+            f"samples {samples_count!r} must be a whole number of at least 1 to validate or calibrate"
+        )
     if options is not None and (validate or tolerance):
         options.deployment.check_runnable()
 
 
-def check(model, *, samples=None, inputs=None, samples_count: int = 1, validate: bool = False,
-          calibrate: bool = False, tolerance: bool = False, rtol: float = 1e-2, atol: float = 1e-3,
-          reference="auto", safety: float = cal_mod.DEFAULT_SAFETY, progress=None, max_runs: int = 10,
-          keep_original: bool = True, lazy_weights: bool = False, outputs=None,
-          options: RewriteOptions | None = None, **fields) -> CheckedResult:
+def check(
+    model,
+    *,
+    samples=None,
+    inputs=None,
+    samples_count: int = 1,
+    validate: bool = False,
+    calibrate: bool = False,
+    tolerance: bool = False,
+    rtol: float = 1e-2,
+    atol: float = 1e-3,
+    reference="auto",
+    safety: float = cal_mod.DEFAULT_SAFETY,
+    progress=None,
+    max_runs: int = 10,
+    keep_original: bool = True,
+    lazy_weights: bool = False,
+    outputs=None,
+    options: RewriteOptions | None = None,
+    **fields,
+) -> CheckedResult:
     """load -> calibrate (optional) -> rewrite -> validate (optional) -> fallback (when `tolerance`).
 
     `options` (changed by `fields`, RewriteOptions' own, e.g. provider="cpu") are the rewrite's;
@@ -71,42 +104,79 @@ def check(model, *, samples=None, inputs=None, samples_count: int = 1, validate:
     place (no second copy) only when no check needs the original and `keep_original` is False;
     `lazy_weights` and `outputs` (an io.OutputPlan) go to `io.load`.
     """
-    options = options.replace(**fields) if options is not None and fields else options or RewriteOptions.of(**fields)
+    options = (
+        options.replace(**fields)
+        if options is not None and fields
+        else options or RewriteOptions.of(**fields)
+    )
     checks = validate or calibrate or tolerance
-    check_values(options, samples_count=samples_count, safety=safety, rtol=rtol, atol=atol, max_runs=max_runs,
-                 validate=validate, calibrate=calibrate, tolerance=tolerance)
+    check_values(
+        options,
+        samples_count=samples_count,
+        safety=safety,
+        rtol=rtol,
+        atol=atol,
+        max_runs=max_runs,
+        validate=validate,
+        calibrate=calibrate,
+        tolerance=tolerance,
+    )
     if samples is not None and not len(samples) and checks:
         raise UsageError("no samples: a check on nothing would pass anything")
     # onnx.checker up front when the original runs in ONNX Runtime, else once, on the rewrite
-    loaded = load(model, lazy_weights=lazy_weights and not checks, checker=checks or not options.check,
-                  outputs=outputs)
+    loaded = load(
+        model, lazy_weights=lazy_weights and not checks, checker=checks or not options.check, outputs=outputs
+    )
     if keep_original or checks:
         loaded = _shared(loaded)
     model = loaded.model
     deployment = options.deployment
     check_dims(model.graph, deployment.dims)  # a typo fails now, not after calibrating
     if samples is None and checks:
-        samples = (val.load_samples(inputs, model) if inputs is not None
-                   else val.synthesise(model, dims=deployment.dims, count=samples_count))
+        samples = (
+            val.load_samples(inputs, model)
+            if inputs is not None
+            else val.synthesise(model, dims=deployment.dims, count=samples_count)
+        )
     calibration = None
     if calibrate or tolerance:
-        calibration = cal_mod.calibrate(model, samples, deployment=deployment, safety=safety, progress=progress)
+        calibration = cal_mod.calibrate(
+            model, samples, deployment=deployment, safety=safety, progress=progress
+        )
     if tolerance:
-        fb = fit(loaded, samples, rtol=rtol, atol=atol, calibration=calibration, max_runs=max_runs,
-                 reference=reference, progress=progress, options=options)
+        fb = fit(
+            loaded,
+            samples,
+            rtol=rtol,
+            atol=atol,
+            calibration=calibration,
+            max_runs=max_runs,
+            reference=reference,
+            progress=progress,
+            options=options,
+        )
         out = CheckedResult(fb.result, calibration, fb.validation, fb, loaded)
     else:
         result = rewrite(loaded, options.replace(calibration=calibration))
         validation = None
         if validate:
-            validation = val.validate(model, result.model, samples, deployment=deployment, rtol=rtol, atol=atol,
-                                      reference=reference, progress=progress)
+            validation = val.validate(
+                model,
+                result.model,
+                samples,
+                deployment=deployment,
+                rtol=rtol,
+                atol=atol,
+                reference=reference,
+                progress=progress,
+            )
             result.report.sections["validation"] = validation.to_dict()
         out = CheckedResult(result, calibration, validation, None, loaded)
     if calibration is not None:
         exempt = frozenset(out.result.report.sections.get("scaling", {}).get("exempt", ()))
-        out.result.report.sections["calibration"] = calibration.to_dict(deployment.target, exempt=exempt,
-                                                                        relax_margin=options.relax_margin)
+        out.result.report.sections["calibration"] = calibration.to_dict(
+            deployment.target, exempt=exempt, relax_margin=options.relax_margin
+        )
     return out
 
 

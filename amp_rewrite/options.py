@@ -1,6 +1,6 @@
 """`RewriteOptions`: everything a rewrite is asked to do, built once (frozen) by the CLI or the API
 and read by the stages that need it; a new option is one field here (its default written only
-here), one read in its stage and, for a flag, one line in cli.OPTION_FLAGS' table.
+here), one read in its stage and, for a flag, one `add_argument` line in cli.py (dest = the field).
 Where the model runs (provider, target, dims) is one value, `deployment` (deployment.py).
 """
 
@@ -73,9 +73,10 @@ class RewriteOptions:
         return self.deployment.dims
 
     @classmethod
-    def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> "RewriteOptions":
+    def of(cls, *, op_block_list=None, node_block_list=None, **fields) -> RewriteOptions:
         check_names(fields)
         placed = {name: fields.pop(name) for name in DEPLOYMENT_FIELDS if name in fields}
+        placed = {name: value for name, value in placed.items() if value is not None}  # None: not given
         if placed:
             base = fields.get("deployment") or Deployment()
             fields["deployment"] = dataclasses.replace(base, **placed)
@@ -89,7 +90,7 @@ class RewriteOptions:
         options.check_values()
         return options
 
-    def replace(self, **changes) -> "RewriteOptions":
+    def replace(self, **changes) -> RewriteOptions:
         return RewriteOptions.of(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
 
     def check_values(self) -> None:

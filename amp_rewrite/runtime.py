@@ -37,12 +37,15 @@ def ort():
         import onnxruntime
     except Exception as exc:  # ImportError, or a shared library that fails to load
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RuntimeUnavailableError(f"ONNX Runtime does not import ({first}): pip install onnxruntime "
-                                      "(or onnxruntime-gpu for CUDA)") from None
+        raise RuntimeUnavailableError(
+            f"ONNX Runtime does not import ({first}): pip install onnxruntime (or onnxruntime-gpu for CUDA)"
+        ) from None
     if not hasattr(onnxruntime, "InferenceSession"):
-        raise RuntimeUnavailableError("ONNX Runtime is installed only in part (onnxruntime has no InferenceSession; "
-                                      "two packages fighting over it?): reinstall one of onnxruntime or "
-                                      "onnxruntime-gpu")
+        raise RuntimeUnavailableError(
+            "ONNX Runtime is installed only in part (onnxruntime has no InferenceSession; "
+            "two packages fighting over it?): reinstall one of onnxruntime or "
+            "onnxruntime-gpu"
+        )
     return onnxruntime
 
 
@@ -101,15 +104,17 @@ def _open(source, device: str, options, device_id: int):
     cuda = device == "cuda"
     runtime.set_default_logger_severity(_FATAL_ONLY if cuda else _QUIET)
     try:
-        sess = runtime.InferenceSession(source, options,
-                                        providers=[(CUDA, {"device_id": str(device_id)}), CPU] if cuda else [CPU])
+        sess = runtime.InferenceSession(
+            source, options, providers=[(CUDA, {"device_id": str(device_id)}), CPU] if cuda else [CPU]
+        )
     finally:
         runtime.set_default_logger_severity(_ORT_DEFAULT_SEVERITY)
     return sess, (CUDA if CUDA in sess.get_providers() else CPU)
 
 
-def open_session(model, device: str, *, options=None, error=ValidationError, what: str = "the model",
-                 device_id: int = 0):
+def open_session(
+    model, device: str, *, options=None, error=ValidationError, what: str = "the model", device_id: int = 0
+):
     """(session, ORT provider used). `model`: a ModelProto or its bytes; `device`: "cuda" or "cpu",
     as a `Deployment` resolved it (`Deployment.device`); a model ORT refuses is `error`."""
     if device not in DEVICES:

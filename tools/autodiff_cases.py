@@ -314,6 +314,10 @@ CASES += [
     resize("linear-half-pixel-down", [N, 2, 5, 6], "linear", "half_pixel", scales=[1, 1, 0.6, 0.5]),
     resize("linear-align-corners-sizes", [2, 2, 3, 4], "linear", "align_corners", sizes=[2, 2, 5, 7]),
     resize("linear-asymmetric-1d", [N, 2, 4], "linear", "asymmetric", scales=[1, 1, 2.5]),
+    resize("cubic-half-pixel", [N, 2, 4, 5], "cubic", "half_pixel", scales=[1, 1, 2, 1.5]),
+    resize("cubic-exclude-outside-down", [N, 1, 6, 7], "cubic", "asymmetric", scales=[1, 1, 0.5, 2],
+           cubic_coeff_a=-0.5, exclude_outside=1),
+    resize("cubic-align-corners-sizes", [2, 2, 3, 4], "cubic", "align_corners", sizes=[2, 2, 5, 7]),
     OpCase("Resize-linear-runtime-sizes", "Resize", resize_to_runtime_size(), {"x": [N, 2, 3, 4]}),
 ]
 

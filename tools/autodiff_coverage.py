@@ -49,9 +49,10 @@ LIMITS = [
     "(mark their outputs stop-gradient): 'no gradient rule for op Loop', also when only a body capture needs one.",
     "Pad: constant mode with constant, non-negative pads. MaxPool/AveragePool: ceil_mode=0; MaxPool "
     "storage_order=0. Conv/AveragePool auto_pad=SAME_* needs static spatial sizes; AveragePool a static channel count.",
-    "Resize: modes nearest (every nearest_mode) and linear with coordinate_transformation_mode half_pixel, "
-    "pytorch_half_pixel, asymmetric or align_corners; cubic, antialias, tf_half_pixel_for_nn, tf_crop_and_resize "
-    "and keep_aspect_ratio_policy other than stretch are refused with one line naming the attribute.",
+    "Resize: modes nearest (every nearest_mode), linear and cubic (cubic_coeff_a, exclude_outside) with "
+    "coordinate_transformation_mode half_pixel, pytorch_half_pixel, asymmetric or align_corners; antialias, "
+    "tf_half_pixel_for_nn, tf_crop_and_resize and keep_aspect_ratio_policy other than stretch are refused with one "
+    "line naming the attribute.",
     "LSTM/GRU: default activations only; clip, peepholes (a non-zero P), input_forget=1 and layout=1 are "
     "refused with one line. Backpropagation runs in ONNX Scan ops (any sequence length); onnx.reference "
     "cannot run a reverse-time Scan, so their cases check ORT's float32 gradient against the differences.",

@@ -32,6 +32,7 @@ class LoadedModel:
     float_bytes: int | None = None  # bytes of float weights, counted while validating
     nested: bool = True  # some node holds a subgraph (False: validation saw none)
     checked: bool = True  # False: loaded with checker=False, onnx.checker has not seen it yet
+    notes: tuple = ()  # what loading changed in the working model (never in the input)
 
     def validate_in_full(self) -> None:
         """After a stage failed: run the checks `load(checker=False)` left out and those only worth
@@ -99,9 +100,13 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
             raise ModelError("model has no graph")
         if any(external.is_external(t) for t in external.model_tensors(source)):
             raise ModelError("model refers to external data but came in memory: pass its path instead")
+        notes = ()
+        if _repeated_node_names(all_graphs(source.graph)):  # rare: renamed on a copy, the caller's stays
+            source = _copied(source)
+            notes = (unique_node_names(all_graphs(source.graph)),)
         found = validate(source, "model", in_memory=True, checker=checker)
         return LoadedModel(source, None, False, data_bytes=found.data_bytes, float_bytes=found.float_bytes,
-                           nested=found.nested, checked=checker)
+                           nested=found.nested, checked=checker, notes=notes)
     if not isinstance(source, (str, os.PathLike)):
         raise ModelError(f"expected a path or an onnx.ModelProto, got {type(source).__name__}")
     path = Path(source)
@@ -130,8 +135,49 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
     sparse: list = []
     walked = walk(model.graph, sparse)  # one walk, shared by the external-data check and validation
     data_files, lazy = _load_external_data(model, path, lazy_weights, outputs, walked, sparse)
+    notes = (unique_node_names(walked[0]),) if _repeated_node_names(walked[0]) else ()
     found = validate(model, path, skeleton=lazy, checker=checker, walked=walked)
     return LoadedModel(model, path, bool(data_files), data_files, owned=True, lazy=lazy, data_bytes=found.data_bytes,
-                       float_bytes=found.float_bytes, nested=found.nested, checked=checker)
+                       float_bytes=found.float_bytes, nested=found.nested, checked=checker, notes=notes)
+
+
+def _repeated_node_names(graphs) -> bool:
+    for graph in graphs:
+        names = [node.name for node in graph.node if node.name]
+        if len(names) != len(set(names)):
+            return True
+    return False
+
+
+def unique_node_names(graphs) -> str:
+    """Give each node whose name an earlier node of its graph holds a fresh one, `name_1`,
+    `name_2`, ... in graph order (deterministic), unused anywhere in the model; returns the note.
+    ONNX requires unique node names; some exporters repeat one (OpenVINO's 'F0::anon'), and
+    ONNX Runtime loads them anyway, so this is a fix of the working copy, not a refusal."""
+    taken = {node.name for graph in graphs for node in graph.node}
+    renamed = {}
+    for graph in graphs:
+        seen = set()
+        for node in graph.node:
+            if not node.name:
+                continue
+            if node.name in seen:
+                k = 1
+                while f"{node.name}_{k}" in taken:
+                    k += 1
+                renamed.setdefault(node.name, []).append(f"{node.name}_{k}")
+                node.name = f"{node.name}_{k}"
+                taken.add(node.name)
+            seen.add(node.name)
+    count = sum(len(v) for v in renamed.values())
+    shown = ", ".join(f"{old!r} x{len(new) + 1}" for old, new in list(renamed.items())[:3])
+    return (f"renamed {count} nodes whose names repeat ({shown}{' ...' if len(renamed) > 3 else ''}): ONNX requires "
+            f"unique node names; the later ones became name_1, name_2, ... (the input is unchanged)")
+
+
+def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
 
 

@@ -84,7 +84,8 @@ def attach_loss(model: onnx.ModelProto, loss, emitter: Emitter) -> tuple[str, li
         loss_name, one_hot = _cross_entropy(graph, emitter, loss)
         return _attach(graph, loss_name, extra_input=_labels_input(graph)), [one_hot]
     if loss == "mse":
-        return _attach(graph, _mean_squared_error(graph, emitter), extra_input=_targets_input(graph)), [TARGETS_INPUT]
+        targets = _targets_input(model)  # before the loss nodes read it
+        return _attach(graph, _mean_squared_error(graph, emitter), extra_input=targets), [TARGETS_INPUT]
     outputs = {o.name: o for o in graph.output}
     if loss not in outputs:
         raise TrainingError(
@@ -147,12 +148,38 @@ def _labels_input(graph: onnx.GraphProto):
     return helper.make_tensor_value_info(LABELS_INPUT, TensorProto.INT64, [_dim(d, i) for i, d in enumerate(dims)])
 
 
-def _targets_input(graph: onnx.GraphProto):
-    """targets: float32, the prediction's shape."""
-    first = graph.output[0]
+def _targets_input(model: onnx.ModelProto):
+    """targets: float32, the prediction's shape as the graph computes it. A declared output shape
+    with free dims is checked against shape inference (declaration left out), which wins where they
+    disagree: ddddocr declares [1, seqlen] and computes [T, 1, C]. Fully fixed declarations stand."""
+    first = model.graph.output[0]
     _check_float(first, "mse")
-    dims = list(first.type.tensor_type.shape.dim)
-    return helper.make_tensor_value_info(TARGETS_INPUT, TensorProto.FLOAT, [_dim(d, i) for i, d in enumerate(dims)])
+    tensor = first.type.tensor_type
+    declared = list(tensor.shape.dim) if tensor.HasField("shape") else None
+    dims = None if declared is None else [_dim(d, i) for i, d in enumerate(declared)]
+    if declared is None or not all(d.HasField("dim_value") for d in declared):
+        computed = _computed_dims(model, first)
+        if computed is not None and (dims is None or _disagree(dims, computed)):
+            dims = [d if d is not None else f"loss_dim_{i}" for i, d in enumerate(computed)]
+    return helper.make_tensor_value_info(TARGETS_INPUT, TensorProto.FLOAT, dims)
+
+
+def _computed_dims(model: onnx.ModelProto, output: onnx.ValueInfoProto) -> list | None:
+    """The output's dims (None where unknown) by shape inference and rank propagation, without its declaration."""
+    from amp_rewrite.autodiff.graphinfo import TypeInfo
+
+    declared = onnx.TypeProto()
+    declared.CopyFrom(output.type)
+    output.type.tensor_type.ClearField("shape")
+    try:
+        return TypeInfo.of(model).dims.get(output.name)
+    finally:
+        output.type.CopyFrom(declared)
+
+
+def _disagree(declared: list, computed: list) -> bool:
+    return len(declared) != len(computed) or any(
+        isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(declared, computed))
 
 
 def _dim(d, index: int):

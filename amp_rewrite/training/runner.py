@@ -25,6 +25,7 @@ from amp_rewrite.runtime import CUDA, open_session, session_options
 from amp_rewrite.training.feeds import ort_message
 from amp_rewrite.training.step_graph import LR_INPUT, SKIPPED_OUTPUT, StepGraph
 
+
 def deployment_for(provider: str) -> Deployment:
     """The Trainer's `provider` as a Deployment (deployment.py's vocabulary); a bad one is a TrainingError."""
     try:

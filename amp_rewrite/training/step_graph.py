@@ -21,7 +21,7 @@ from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.training.loss_scale import SCALE_STATE, GOOD_STEPS_STATE, emit_scale_update, initial_scale_state
 from amp_rewrite.training.losses import attach_loss
-from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm, zero_slots
+from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm, emit_warmup, zero_slots
 
 LR_INPUT = "opt/lr"
 STEP_STATE = "opt/step"
@@ -136,10 +136,11 @@ def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, g
         unscaled = emit_clip_by_global_norm(body, unscaled, optimizer.max_grad_norm)
     next_step = body.op("Add", [STEP_STATE, body.const(1, np.int64, "one")], "next_step")
     step_float = body.op("Cast", [next_step], "step_float", to=TensorProto.FLOAT)
+    lr = emit_warmup(body, LR_INPUT, step_float, optimizer.warmup_steps) if optimizer.warmup_steps else LR_INPUT
     updated = {}
     for (weight, _), grad in zip(grads.items(), unscaled):
         slots = {s: slot_name(weight, s) for s in optimizer.slots}
-        new_weight, new_slots = optimizer.emit_update(body.scoped(f"opt/{weight}/"), weight, grad, slots, LR_INPUT,
+        new_weight, new_slots = optimizer.emit_update(body.scoped(f"opt/{weight}/"), weight, grad, slots, lr,
                                                       step_float)
         updated[weight] = new_weight
         updated.update({slots[slot]: new_value for slot, new_value in new_slots.items()})

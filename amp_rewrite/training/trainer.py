@@ -53,7 +53,7 @@ class Trainer:
 
     `loss`: "cross_entropy" (first output = logits, feed `labels`; `losses.CrossEntropy(ignore_index,
     label_smoothing)` for torch's options), "mse" (feed `targets`), or the name of a scalar model
-    output. `optimizer`: default AdamW(lr=1e-4) (torch's AdamW with a fine-tuning rate). `loss_scale`: "dynamic", a number, or a DynamicLossScale /
+    output. `optimizer`: default AdamW(lr=1e-4, warmup_steps=10) (torch's AdamW at a fine-tuning rate, warmed up). `loss_scale`: "dynamic", a number, or a DynamicLossScale /
     FixedLossScale; "auto" (the default) is dynamic in float16/bfloat16 and none (a fixed 1) in
     float32. `on_nonfinite`: "skip" the update, or "retry" the batch at half the scale until
     finite or the scale is 1. `trainable` / `frozen`: names or full-match regexes over the float
@@ -77,7 +77,7 @@ class Trainer:
         _check_distributed(distributed, distributed_options)
         _check_threads(threads)
         say = _say if verbose else (lambda line: None)
-        self._model, found = prepare(_load_model(model), say)
+        self._model, found = prepare(_load_model(model, say), say)
         self.optimizer = _check_optimizer(optimizer)
         if loss_scale == "auto":
             loss_scale = 1.0 if precision == "float32" else "dynamic"
@@ -364,12 +364,15 @@ def _length(batches) -> int | None:
         return None
 
 
-def _load_model(model) -> onnx.ModelProto:
+def _load_model(model, say) -> onnx.ModelProto:
     """Through the one loader (external data containment, input checks), as a TrainingError."""
     try:
-        return load(model).model
+        loaded = load(model)
     except AmpRewriteError as error:
         raise TrainingError(f"cannot load model: {error}") from None
+    for note in loaded.notes:
+        say(f"amp-rewrite: {note}")
+    return loaded.model
 
 
 _LOSS_SCALING_MARKERS = ("loss_scale", "get_scale", "loss_scale_factor", "_loss_scale")

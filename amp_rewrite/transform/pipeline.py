@@ -235,6 +235,7 @@ def report(w: Work) -> None:
                            weights_after=w.weights_before + delta, node_flops=w.flops,
                            moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model),
                                                    w.low_io))
+    rep.notes.extend(w.loaded.notes)
     if w.options.dims and not sizes_dims(w.model):
         rep.notes.append(f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
                          f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates")

@@ -94,6 +94,10 @@ RESIZE = {  # id: (ONNX attributes, scales, torch interpolate kwargs)
                       [1, 1, 0.5, 0.75], dict(scale_factor=(0.5, 0.75), mode="bilinear", align_corners=False)),
     "bilinear-align-corners": (dict(mode="linear", coordinate_transformation_mode="align_corners"),
                                [1, 1, 2, 3], dict(scale_factor=(2, 3), mode="bilinear", align_corners=True)),
+    "bicubic": (dict(mode="cubic", coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75),
+                [1, 1, 2, 1.5], dict(scale_factor=(2, 1.5), mode="bicubic", align_corners=False)),
+    "bicubic-align-corners": (dict(mode="cubic", coordinate_transformation_mode="align_corners", cubic_coeff_a=-0.75),
+                              [1, 1, 2, 2], dict(scale_factor=2, mode="bicubic", align_corners=True)),
 }
 
 
@@ -231,7 +235,6 @@ def _flip(x, lengths):
     ("LSTM", {"clip": 1.0}, "clip is not supported"),
     ("LSTM", {"activations": ["Relu", "Tanh", "Tanh"]}, "only the default activations"),
     ("GRU", {"layout": 1}, "layout=1"),
-    ("Resize", {"mode": "cubic"}, "mode='cubic' has no gradient rule"),
     ("Resize", {"coordinate_transformation_mode": "tf_crop_and_resize"}, "tf_crop_and_resize"),
 ])
 def test_unsupported_attributes_are_one_line(op, attrs, words):

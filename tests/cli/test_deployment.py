@@ -36,29 +36,61 @@ def fresh_runtime():
 
 def _mlp() -> onnx.ModelProto:
     rng = np.random.default_rng(5)
-    return make_model([node("MatMul", ["x", "w1"], ["h"], name="mm1"), node("Relu", ["h"], ["r"], name="relu"),
-                       node("MatMul", ["r", "w2"], ["y"], name="mm2")],
-                      [tensor("x", ["batch", 8])], [tensor("y", ["batch", 4])],
-                      [init("w1", rng.standard_normal((8, 8)).astype(np.float32) / 3),
-                       init("w2", rng.standard_normal((8, 4)).astype(np.float32) / 3)])
+    return make_model(
+        [
+            node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+            node("Relu", ["h"], ["r"], name="relu"),
+            node("MatMul", ["r", "w2"], ["y"], name="mm2"),
+        ],
+        [tensor("x", ["batch", 8])],
+        [tensor("y", ["batch", 4])],
+        [
+            init("w1", rng.standard_normal((8, 8)).astype(np.float32) / 3),
+            init("w2", rng.standard_normal((8, 4)).astype(np.float32) / 3),
+        ],
+    )
 
 
 def test_every_option_has_one_flag_or_is_api_only_and_defaults_come_from_options():
-    fields = {f.name for f in dataclasses.fields(RewriteOptions)} | {f.name for f in dataclasses.fields(Deployment)}
-    assert set(cli.OPTION_FLAGS) | set(cli.API_ONLY) == fields and not set(cli.OPTION_FLAGS) & set(cli.API_ONLY)
+    fields = {f.name for f in dataclasses.fields(RewriteOptions)} | {
+        f.name for f in dataclasses.fields(Deployment)
+    }
+    flags = cli.option_flags()
+    assert set(flags) | set(cli.API_ONLY) == fields and not set(flags) & set(cli.API_ONLY)
     parser = cli.build_parser()
     actions = {a.dest: a for a in parser._actions}
-    assert set(cli.OPTION_FLAGS.values()) <= set(actions)
+    assert set(flags.values()) <= set(actions)  # every option not API-only has its flag
+    assert not set(cli.API_ONLY) & set(actions)  # and an API-only option none
     args = parser.parse_args(["m.onnx"])
-    assert all(getattr(args, dest) is None for dest in cli.OPTION_FLAGS.values())  # no second default
+    assert all(getattr(args, dest) is None for dest in flags.values())  # no second default
     assert cli.rewrite_options(args) == RewriteOptions()
     assert tuple(actions["target"].choices) == TARGETS and tuple(actions["provider"].choices) == PROVIDERS
     assert tuple(actions["placement"].choices) == PLACEMENTS
-    given = parser.parse_args(["m.onnx", "--provider", "cpu", "--placement", "tf", "--dim", "batch=2",
-                               "--no-pointwise-check", "--relax-margin", "0", "--clamp", "--no-keep-io-types"])
-    assert cli.rewrite_options(given) == RewriteOptions.of(provider="cpu", placement="tf", dims={"batch": 2},
-                                                           pointwise_check=False, relax_margin=0.0, clamp=True,
-                                                           keep_io_types=False)
+    given = parser.parse_args(
+        [
+            "m.onnx",
+            "--provider",
+            "cpu",
+            "--placement",
+            "tf",
+            "--dim",
+            "batch=2",
+            "--no-pointwise-check",
+            "--relax-margin",
+            "0",
+            "--clamp",
+            "--no-keep-io-types",
+        ]
+    )
+    assert cli.rewrite_options(given) == RewriteOptions.of(
+        provider="cpu",
+        placement="tf",
+        dims={"batch": 2},
+        pointwise_check=False,
+        relax_margin=0.0,
+        clamp=True,
+        keep_io_types=False,
+    )
 
 
 def test_rewrite_takes_options_fields_and_says_did_you_mean():
@@ -72,7 +104,10 @@ def test_rewrite_takes_options_fields_and_says_did_you_mean():
     changed = amp_rewrite.rewrite(model, base, target="bfloat16", provider="any")  # fields change the options
     by_keywords = amp_rewrite.rewrite(model, deny=["Relu"], target="bfloat16", provider="any")
     assert changed.model.SerializeToString() == by_keywords.model.SerializeToString()
-    assert changed.report.node("relu")["precision"] == "float32" and changed.report.node("mm1")["precision"] == "bfloat16"
+    assert (
+        changed.report.node("relu")["precision"] == "float32"
+        and changed.report.node("mm1")["precision"] == "bfloat16"
+    )
 
 
 def test_the_deployment_is_one_frozen_value_in_one_vocabulary():
@@ -84,14 +119,18 @@ def test_the_deployment_is_one_frozen_value_in_one_vocabulary():
         options.deployment.provider = "cuda"
     assert [Deployment(provider=p).kernels for p in PROVIDERS] == ["cuda", "cuda", "cpu", None]
     assert Deployment(provider="cpu").device == "cpu"
-    for bad, message in [({"provider": "tpu"}, "unknown provider 'tpu': choose one of auto, cuda, cpu, any"),
-                         ({"target": "float8"}, "unknown target"), ({"dims": {"b": 0}}, "at least 1")]:
+    for bad, message in [
+        ({"provider": "tpu"}, "unknown provider 'tpu': choose one of auto, cuda, cpu, any"),
+        ({"target": "float8"}, "unknown target"),
+        ({"dims": {"b": 0}}, "at least 1"),
+    ]:
         with pytest.raises(UsageError, match=message):
             Deployment(**bad)
 
 
-def test_a_target_the_device_cannot_run_is_a_usage_error_before_any_work(tmp_path, capsys, monkeypatch,
-                                                                          fresh_runtime):
+def test_a_target_the_device_cannot_run_is_a_usage_error_before_any_work(
+    tmp_path, capsys, monkeypatch, fresh_runtime
+):
     """bfloat16 coloured for CUDA, validated on ORT's CPU provider (NOT_IMPLEMENTED Gemm, exit 6
     before): exit 2 naming the provider to use, before the model is even read."""
     monkeypatch.setattr(runtime, "cuda_loads", lambda: False)
@@ -104,8 +143,24 @@ def test_a_target_the_device_cannot_run_is_a_usage_error_before_any_work(tmp_pat
     with pytest.raises(UsageError, match="use --provider cpu"):
         driver.check(_mlp(), target="bfloat16", provider="any", validate=True)
     out = tmp_path / "cnn.onnx"  # the provider named: CPU's bfloat16 kernels decide, and it validates
-    assert cli.main([str(TINY_CNN), "-o", str(out), "--target", "bfloat16", "--provider", "cpu", "--validate",
-                     "--reference", "never", "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                str(TINY_CNN),
+                "-o",
+                str(out),
+                "--target",
+                "bfloat16",
+                "--provider",
+                "cpu",
+                "--validate",
+                "--reference",
+                "never",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert cli.main([str(TINY_CNN), "--target", "bfloat16", "--calibrate", "--dry-run", "--quiet"]) == 0
 
 
@@ -144,12 +199,16 @@ def test_plain_onnxruntime_without_cuda_or_its_provider_list(tmp_path, capsys, m
     feeds = random_feeds(model, seed=1)
     got = driver.check(model, samples=[feeds], validate=True, provider="cuda", reference=False)
     assert any("CUDA provider did not load" in n for n in got.validation.notes)
-    np.testing.assert_allclose(run_ort(got.result.model, feeds)[0], run_ort(model, feeds)[0], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        run_ort(got.result.model, feeds)[0], run_ort(model, feeds)[0], rtol=2e-2, atol=2e-2
+    )
 
 
-@pytest.mark.parametrize("broken, message", [(None, "ONNX Runtime does not import"),
-                                             (types.ModuleType("onnxruntime"), "installed only in part")],
-                         ids=["import-fails", "empty-shell"])
+@pytest.mark.parametrize(
+    "broken, message",
+    [(None, "ONNX Runtime does not import"), (types.ModuleType("onnxruntime"), "installed only in part")],
+    ids=["import-fails", "empty-shell"],
+)
 def test_a_broken_onnxruntime_is_one_clear_line(broken, message, capsys, monkeypatch, fresh_runtime):
     monkeypatch.setitem(sys.modules, "onnxruntime", broken)
     assert cli.main([str(TINY_CNN), "--validate", "--dry-run"]) == 1

@@ -287,8 +287,6 @@ CASES: list[Case] = [
             else_branch=helper.make_graph([_n("Relu", ["x"], ["e"], "er")], "else", [], [_vi("e")]))]))),
     Case("duplicate_tensor_name", MODEL, "defined twice", _model_case(lambda: _model(
         [_n("Relu", ["x"], ["y"], "a"), _n("Sigmoid", ["x"], ["y"], "b")]))),
-    Case("duplicate_node_name", MODEL, "used twice", _model_case(lambda: _model(
-        [_n("Relu", ["x"], ["h"], "same"), _n("Sigmoid", ["h"], ["y"], "same")]))),
     Case("duplicate_initializer", MODEL, "defined twice", _model_case(_with(_dup_init))),
     Case("duplicate_graph_input", MODEL, "defined twice", _model_case(_with(_dup_input))),
     Case("graph_without_outputs", MODEL, "no outputs", _model_case(_with(lambda m: m.graph.ClearField("output")))),

@@ -39,10 +39,12 @@ def torch_forward(params, x):
     return x
 
 
-def torch_reference(model, make_optimizer, batches, max_grad_norm=None):
-    """Loss and weights after each step of the same model trained by torch eager."""
+def torch_reference(model, make_optimizer, batches, max_grad_norm=None, factor=None):
+    """Loss and weights after each step of the same model trained by torch eager (`factor`: a
+    LambdaLR multiplier of the step index)."""
     params = {t.name: torch.tensor(numpy_helper.to_array(t).copy(), requires_grad=True) for t in model.graph.initializer}
     optimizer = make_optimizer(list(params.values()))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor) if factor else None
     history = []
     for batch in batches:
         optimizer.zero_grad()
@@ -52,6 +54,8 @@ def torch_reference(model, make_optimizer, batches, max_grad_norm=None):
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
         history.append((loss.item(), {k: v.detach().numpy().copy() for k, v in params.items()}))
     return history
 
@@ -98,6 +102,17 @@ def test_global_norm_clipping_matches_torch_clip_grad_norm():
     expected = torch_reference(model, lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.5), batches, max_grad_norm=0.05)
     actual = ours(model, SGD(0.5, momentum=0.5, max_grad_norm=0.05), batches, gradient_builder=None)
     assert_same_history(actual, expected)
+
+
+def test_warmup_matches_torch_adamw_with_a_linear_warmup_schedule():
+    """warmup_steps=3: the rate is lr/3, 2lr/3, then lr, as torch's LambdaLR(min(1, (i + 1) / 3))."""
+    model = mlp(sizes=(6, 16, 4))
+    batches = classification_batches(features=6, classes=4, count=5)
+    expected = torch_reference(model, lambda p: torch.optim.AdamW(p, lr=0.05), batches,
+                               factor=lambda i: min(1.0, (i + 1) / 3))
+    actual = ours(model, AdamW(0.05, warmup_steps=3), batches, gradient_builder=None)
+    assert_same_history(actual, expected)
+    assert AdamW(0.05, warmup_steps=3).config()["warmup_steps"] == 3 and "warmup_steps" not in AdamW(0.05).config()
 
 
 def test_fixed_loss_scale_changes_nothing_in_float32():

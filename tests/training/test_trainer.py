@@ -153,6 +153,7 @@ def test_without_an_optimizer_the_trainer_uses_adamw_at_a_fine_tuning_rate():
 
     default = inspect.signature(Trainer.__init__).parameters["optimizer"].default
     assert isinstance(default, AdamW) and default.lr == 1e-4 and default.weight_decay == 0.01
+    assert default.warmup_steps == 10  # Adam's first steps overshoot a fine-tune without it (tests/corpus.py)
     trainer = Trainer(softmax_regression(), precision="float32", provider="cpu", verbose=False)
     assert isinstance(trainer.optimizer, AdamW) and trainer.optimizer.lr == 1e-4
     assert trainer.optimizer is not default

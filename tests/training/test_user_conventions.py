@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 from helpers import init, make_model, node, tensor
-from onnx import TensorProto
+from onnx import TensorProto, helper
 from training_models import softmax_regression
 
 from amp_rewrite.errors import TrainingError
@@ -177,3 +177,43 @@ def _tensor(array):
     from onnx import numpy_helper
 
     return numpy_helper.from_array(array)
+
+
+def test_batch_norm_running_statistics_are_never_parameters():
+    """Inference-mode BatchNormalization: scale and bias train, the running mean and variance are
+    statistics (torch's buffers, not parameters) and stay constants."""
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    nodes = [node("Conv", ["x", "k"], ["c"], name="conv"),
+             node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["y"], name="bn")]
+    model = make_model(nodes, [tensor("x", ["N", 1, 4, 4])], [tensor("y", ["N", 2, 2, 2])],
+                       [init("k", w(2, 1, 3, 3)), init("gamma", w(2)), init("beta", w(2)), init("mean", w(2)),
+                        init("var", np.abs(w(2)))])
+    found = parameters.find(model.graph)
+    assert set(found.names) == {"k", "gamma", "beta"} and set(found.frozen) == {"mean", "var"}
+
+
+def test_mse_targets_follow_the_computed_output_shape_not_a_wrong_declaration():
+    """ddddocr declares its output [1, seqlen] and computes [T, 1, C]: the targets feed is held to
+    what the graph computes (shape inference), and a feed of the declared shape is refused."""
+    rng = np.random.default_rng(0)
+    shape_nodes = [node("Shape", ["x"], ["x_shape"], name="shape"),
+                   node("Slice", ["x_shape", "zero", "one"], ["n"], name="slice"),
+                   node("Concat", ["n", "two_three"], ["new_shape"], name="concat", axis=0)]
+    nodes = [node("MatMul", ["x", "W"], ["h"], name="mm"), *shape_nodes,
+             node("Reshape", ["h", "new_shape"], ["r"], name="reshape"),
+             node("Transpose", ["r"], ["y"], name="transpose", perm=[1, 0, 2])]
+    graph = helper.make_graph(nodes, "g", [tensor("x", ["N", 4])], [tensor("y", [1, "seqlen"])],
+                              [init("W", rng.standard_normal((4, 6)).astype(np.float32)), init("zero", np.array([0])),
+                               init("one", np.array([1])), init("two_three", np.array([2, 3]))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)  # as exported
+    t = trainer(loss="mse", model=model)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    targets = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    losses = [t.step({"x": x, "targets": targets}).loss for _ in range(3)]
+    assert losses[-1] < losses[0]
+    with pytest.raises(TrainingError, match=r"^feed 'targets': got float32\[1, 30\], needs float32\[2, N, 3\] \(rank 3\)$"):
+        t.step({"x": x, "targets": np.zeros((1, 30), np.float32)})

@@ -29,7 +29,8 @@ def _check(ctx, defaults: list[str]) -> None:
     if ctx.attr("clip") is not None:
         raise ctx.error("clip is not supported")
     if ctx.attr("layout", 0):
-        raise ctx.error("layout=1 (batch first) is not supported")
+        raise ctx.error("layout=1 (batch first) is not supported (ONNX Runtime cannot run it either: export with "
+                        "layout=0, as torch does)")
     if ctx.attr("input_forget", 0):
         raise ctx.error("input_forget=1 is not supported")
     if ctx.attr("hidden_size") is None:

@@ -1,6 +1,6 @@
 """Resize: the gradient of a linear map is its transpose.
 
-Nearest and linear Resize interpolate each resized axis separately, so the forward is
+Nearest, linear and cubic Resize interpolate each resized axis separately, so the forward is
 Y = X x_d A_d (one [out, in] interpolation matrix per axis) and dX = dY x_d A_d^T. Each A_d is built
 at run time from Shape(x) and Shape(y) with ONNX Runtime's own float32 coordinate formulas, so
 dynamic image sizes work and ORT's constant folding removes the work when shapes are static. The
@@ -24,8 +24,8 @@ def _check(ctx) -> tuple[str, str, str]:
     mode = ctx.attr("mode", "nearest")
     coordinates = ctx.attr("coordinate_transformation_mode", "half_pixel")
     nearest = ctx.attr("nearest_mode", "round_prefer_floor")
-    if mode not in ("nearest", "linear"):
-        raise ctx.error(f"mode='{mode}' has no gradient rule (nearest and linear do)")
+    if mode not in ("nearest", "linear", "cubic"):
+        raise ctx.error(f"mode='{mode}' is not supported (nearest, linear and cubic are)")
     if coordinates not in COORDINATE_MODES:
         raise ctx.error(f"coordinate_transformation_mode='{coordinates}' is not supported "
                         f"({', '.join(COORDINATE_MODES)} are)")
@@ -121,6 +121,8 @@ def _matrix(ctx, mode, coordinates, nearest, k, axis) -> str:
             "ceil": lambda: e.op("Ceil", [source]),
         }[nearest]()
         matrix = _one_hot(ctx, _clamped_index(ctx, rounded, in_len), in_len)
+    elif mode == "cubic":
+        matrix = _cubic(ctx, source, in_len)
     else:  # linear: the source clamped to [0, in - 1], weights 1-w and w on its two neighbours
         last = e.cast(e.op("Sub", [in_len, e.ints([1])]), FLOAT)
         clamped = e.op("Max", [e.op("Min", [source, last]), f(0)])
@@ -131,6 +133,35 @@ def _matrix(ctx, mode, coordinates, nearest, k, axis) -> str:
         matrix = e.op("Add", [e.op("Mul", [_one_hot(ctx, i0, in_len), e.op("Sub", [f(1), weight])]),
                               e.op("Mul", [_one_hot(ctx, i1, in_len), weight])])
     return matrix if ctx.dtype(x) == FLOAT else e.cast(matrix, ctx.dtype(x))
+
+
+def _cubic(ctx, source: str, in_len: str) -> str:
+    """Keys' cubic convolution as ORT computes it: taps floor(x) - 1 .. floor(x) + 2 at distances
+    1 + r, r, 1 - r, 2 - r (r = x - floor(x)), indices clamped to the edge; with exclude_outside,
+    taps outside [0, in) weigh 0 and the rest are renormalised."""
+    e = ctx.emit
+    f = lambda v: e.const(np.float32(v), FLOAT)  # noqa: E731
+    a = float(ctx.attr("cubic_coeff_a", -0.75))
+    low = e.op("Floor", [source])
+    r = e.op("Sub", [source, low])
+    near = lambda d: e.op("Add", [e.op("Mul", [e.op("Sub", [e.op("Mul", [f(a + 2), d]), f(a + 3)]),  # noqa: E731
+                                               e.op("Mul", [d, d])]), f(1)])  # |d| <= 1
+    far = lambda d: e.op("Sub", [e.op("Mul", [e.op("Add", [e.op("Mul", [e.op("Sub", [e.op("Mul", [f(a), d]),  # noqa: E731
+                                                                                      f(5 * a)]), d]), f(8 * a)]), d]),
+                                 f(4 * a)])  # 1 < |d| < 2
+    weights = [far(e.op("Add", [r, f(1)])), near(r), near(e.op("Sub", [f(1), r])), far(e.op("Sub", [f(2), r]))]
+    base = e.cast(low, INT64)
+    taps = [e.op("Add", [base, e.ints([offset])]) for offset in (-1, 0, 1, 2)]
+    if ctx.attr("exclude_outside", 0):
+        inside = [e.cast(e.op("And", [e.op("GreaterOrEqual", [t, e.ints([0])]), e.op("Less", [t, in_len])]), FLOAT)
+                  for t in taps]
+        weights = [e.op("Mul", [w, m]) for w, m in zip(weights, inside)]
+        total = e.op("Sum", weights)
+        weights = [e.op("Div", [w, total]) for w in weights]
+    last = e.op("Sub", [in_len, e.ints([1])])
+    rows = [e.op("Mul", [_one_hot(ctx, e.op("Max", [e.op("Min", [t, last]), e.ints([0])]), in_len), e.unsqueeze(w, [1])])
+            for t, w in zip(taps, weights)]
+    return e.op("Sum", rows)
 
 
 def _apply_transpose(ctx, g: str, matrix: str, axis: int, rank: int) -> str:
@@ -150,7 +181,7 @@ def _apply_transpose(ctx, g: str, matrix: str, axis: int, rank: int) -> str:
 
 @register_gradient("Resize", differentiable=(0,))
 def resize_grad(ctx):
-    """dX = dY times each resized axis' interpolation matrix transposed (nearest and linear; the matrices are
+    """dX = dY times each resized axis' interpolation matrix transposed (nearest, linear, cubic; the matrices are
     built at run time with ORT's float32 coordinate formulas, so dynamic sizes work)."""
     mode, coordinates, nearest = _check(ctx)
     rank = ctx.rank(ctx.x(0))
