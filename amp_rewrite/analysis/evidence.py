@@ -144,13 +144,14 @@ def _bounded(b) -> bool:
     return b is not None and b[1] <= 1.0 and b[0] <= LIMIT / SAFETY
 
 
-def settle(cg, colour, measure=None, skipped: str | None = None):
+def settle(cg, colour, measure=None, skipped: str | None = None, low_io: frozenset = frozenset()):
     """(plan, note): cost placement's plan once every extra low op has evidence; the note says
     what was measured or why nothing was (None when no extra op needed it).
 
     `colour(placement)` runs the passes on `cg`; `measure(names)` -> {name: largest |value| on
     synthesised inputs, inf where not finite; absent where not measured} or None when it cannot run; `skipped`: why no
-    measurement may run (over the work budget), or None."""
+    measurement may run (over the work budget), or None; `low_io`: main-graph inputs and outputs in
+    the target type, which fit by the user's word."""
     plan = colour("cost")
     if cg.target != "float16":
         return plan, None
@@ -160,6 +161,7 @@ def settle(cg, colour, measure=None, skipped: str | None = None):
     if not extras:
         return plan, None
     bounds = Bounds(cg, tf_low)
+    bounds.bound.update(dict.fromkeys(low_io, ACCEPTED))  # given or asked for in the target type: they fit
     proven: set = set()
     measured: dict = {}
     count, failed, seconds, why_not = 0, [], 0.0, skipped
@@ -182,8 +184,10 @@ def settle(cg, colour, measure=None, skipped: str | None = None):
             started = time.perf_counter()
             got = measure(wanted)
             seconds += time.perf_counter() - started
-            if got is None:
-                why_not = "the synthesised run failed"
+            if got is None:  # the model does not run on made-up inputs (indices, masks): no verdict
+                return plan, (f"range check: {len(unproven)} ops low by cost placement but float32 by TF's rule "
+                              "are not checked: the model did not run on synthesised inputs (calibrate with "
+                              "samples to check them)")
             else:
                 measured.update({x: got.get(x) for x in wanted})
         pins = {}

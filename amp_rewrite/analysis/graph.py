@@ -171,7 +171,7 @@ def build(
                                            _kernel_of(kernel_check, sig, opsets, cg.notes))
             carried = ()
             if holds_body and entry is not None and sig.domain == "" and key[1] in loops.CARRYING:
-                carried = loops.carried_slots(key[1], sig, nodes[n], inputs, outputs)
+                carried = loops.carried_slots(key[1], sig, nodes[n], inputs, outputs, scopes[body_of[(s, n)]].graph)
                 if carried:
                     template = loops.carrying_template(sig, template, carried, target,
                                                        _kernel_of(kernel_check, sig, opsets, cg.notes))

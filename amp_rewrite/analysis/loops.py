@@ -30,7 +30,17 @@ class Carried(NamedTuple):
     body_output: int
 
 
-def carried_slots(op_type: str, sig, node, inputs, outputs) -> tuple:
+def carried_slots(op_type: str, sig, node, inputs, outputs, body=None) -> tuple:
+    """`_slots`, less the values the body declares as sequences or optionals: those keep the boundary."""
+    found = _slots(op_type, sig, node, inputs, outputs)
+    if body is None:
+        return found
+    return tuple(c for c in found if c.body_input < len(body.input) and c.body_output < len(body.output)
+                 and body.input[c.body_input].type.HasField("tensor_type")
+                 and body.output[c.body_output].type.HasField("tensor_type"))
+
+
+def _slots(op_type: str, sig, node, inputs, outputs) -> tuple:
     """The loop-carried values of a Loop (v_initial -> body input -> body output -> v_final) or a
     Scan (state likewise); () for Scan-8, whose first input is sequence_lens."""
     if op_type == "Loop":
@@ -47,7 +57,7 @@ def carrying_template(sig, template, carried, target: str, kernel) -> list:
     in_carried = {c.node_input for c in carried}
     out_carried = {c.node_output for c in carried}
     target_string = onnx_facts.TYPE_STRING[target]
-    fixed = None if sig.admits("V", target_string) else f"schema {sig.op_type}-{sig.since_version} does not allow {target}"
+    fixed = None if sig.admits("V", target_string) else f"schema {sig.op_type}-{sig.since_version} does not allow {target} for V"
     if fixed is None and kernel is not None:
         fixed = kernel("V")
     out = [(schemas.TypeGroup(f"V[{k}]", (c.node_input,), (c.node_output,)), fixed, None) for k, c in enumerate(carried)]

@@ -23,7 +23,8 @@ from amp_rewrite.analysis import evidence, graph, paint, pointwise
 from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.options import RewriteOptions
-from amp_rewrite.runtime import open_session
+from amp_rewrite.runtime import open_session, session_options
+from amp_rewrite.runtime import ort as ort_module
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.io.samples import synthesise
 from amp_rewrite.onnx_facts import opsets, reads
@@ -143,7 +144,8 @@ def colour(w: Work) -> None:
     if w.options.placement != "cost" or w.options.calibration is not None:
         plan = run(w.options.placement)
     else:
-        plan, w.range_note = evidence.settle(w.cg, run, functools.partial(_largest_values, w), _over_budget(w))
+        plan, w.range_note = evidence.settle(w.cg, run, functools.partial(_largest_values, w), _over_budget(w),
+                                             w.low_io)
     w.plan = follow_originals(w.model, w.cg, plan)
 
 
@@ -168,8 +170,10 @@ def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
     (float32's largest) left out as the constant scan reads it; absent where the tensor is not the
     main graph's (a body's). None when the run fails."""
     producers = {out: node for node in model.graph.node for out in node.output if out}
+    inputs = {v.name for v in model.graph.input}
+    given = [x for x in names if x in inputs and x not in producers]  # measured on the samples themselves
     wanted = [x for x in names if x in producers and types.get(x) == onnx.TensorProto.FLOAT]
-    cone, seen, stack = set(), set(), list(wanted)
+    cone, seen, stack = set(), set(given), list(wanted)
     while stack:  # every tensor and node the wanted ones depend on: one visit each
         x = stack.pop()
         if x in seen:
@@ -187,13 +191,15 @@ def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
     part = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
                              functions=model.functions)
     try:
-        feeds = {k: v for k, v in synthesise(part, dims=dims)[0].items()}
-        sess, _ = open_session(part, "cpu")
-        arrays = sess.run(wanted, feeds)
+        feeds = synthesise(part, dims=dims)[0]
+        quiet = session_options(log_severity_level=4)  # a failed run is said in the report, not by ORT
+        runs = ort_module().RunOptions()
+        runs.log_severity_level = 4
+        arrays = open_session(part, "cpu", options=quiet)[0].run(wanted, feeds, runs) if wanted else []
     except Exception:  # noqa: BLE001 - any failure: no evidence, said in the report
         return None
     found = {}
-    for name, array in zip(wanted, arrays):
+    for name, array in zip(wanted + given, [*arrays, *(feeds[x] for x in given)]):
         a = np.abs(np.asarray(array, dtype=np.float32)).reshape(-1)
         if not np.isfinite(a).all():
             found[name] = float("inf")
