@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="infer/clear ops no deny op reaches: cost (default) colours them by one minimum cut of "
                         "the estimated bytes moved (fewer bytes on every model measured); tf paints them low "
                         "only between allow ops (TensorFlow's rule, a little faster on very large graphs)")
+    p.add_argument("--opset", type=int, metavar="N",
+                   help="convert the model to opset N first (onnx.version_converter): ops whose kernels need a newer "
+                        "opset (CUDA's float16 Clip from 12) then run in the target type; the summary says when it would help")
     p.add_argument("--dim", action="append", metavar="NAME=SIZE",
                    help="size of the inputs' symbolic dim NAME (repeatable): shape inference uses it for the size "
                         "estimates (cost placement, bytes moved, FLOPs) and --validate for synthesised inputs; "

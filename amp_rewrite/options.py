@@ -59,6 +59,7 @@ class RewriteOptions:
     relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
     pointwise_check: bool = True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
     fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
+    opset: int | None = None  # convert the model to this default-domain opset first (onnx.version_converter)
 
     @property
     def target(self) -> str:
@@ -102,6 +103,8 @@ class RewriteOptions:
             raise UsageError(f"relax margin {self.relax_margin:g} must be 0 (off) or at least 1")
         if self.placement not in PLACEMENTS:
             raise UsageError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < 1):
+            raise UsageError(f"opset {self.opset!r} must be a whole number of at least 1")
         for option in ("keep_fp32_nodes", "low_precision_io"):
             for pattern in getattr(self, option):
                 try:

@@ -27,6 +27,7 @@ class Step(Enum):
     ALL_CONSUMERS_LOW = "all consumers low precision"
     BLOCKED = "blocked"  # may never be low precision (no list, schema, user pin, range): `detail`
     NOT_PAINTED = "not painted"  # no pass reached it: `detail` says which rule left it float32
+    TIED = "tied"  # shares one colour with the ops a sequence joins it to (ties.py): `detail` says which
     COST_PLACEMENT = "cost placement"  # free infer/clear op coloured by the minimum cut: `detail` says which
     COLOURED_AS = "coloured as the node it must match"  # RewriteOptions.colour_as (transform/colour_as.py)
     # not a colour: a node entry's step when the model's own Cast was removed as converting nothing

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import onnx
 
-from amp_rewrite.analysis import schemas
-from amp_rewrite.analysis.oplists import OpLists
+from amp_rewrite.analysis import loops, schemas
+from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite import onnx_facts
 from amp_rewrite.ir import Found, Scope, read_scopes, record_uses, resolve
 from amp_rewrite.onnx_facts import FLOAT, LOW_ELEM
@@ -56,6 +56,9 @@ class ColouringGraph:
     has_constant_nodes: bool = False  # some graph holds a Constant node (else the constant scan skips the nodes)
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
     constant_nodes: set = field(default_factory=set)  # (scope, node) of Constant nodes: sources, not vertices
+    tied_tensors: list = field(default_factory=list)  # (scope, name) of tensors no Cast may split: sequences (ties.py)
+    carried_in: dict = field(default_factory=dict)  # (body scope, body input name) -> its Loop/Scan's carried vertex
+    carried_out: dict = field(default_factory=dict)  # (body scope, body output slot) -> its carried vertex
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
 
@@ -124,11 +127,13 @@ def build(
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)
     owners = {scope.owner for scope in scopes[1:]}
+    body_of = {scope.owner: i for i, scope in enumerate(scopes) if scope.owner is not None}  # Loop/Scan: one body
     local_functions = {(f.domain, f.name) for f in model.functions}
 
     op_info: dict = {}  # (domain, op type) -> (signature, list entry, why it is skipped)
     templates: dict = {}  # (domain, op type, #inputs, #outputs) -> its groups with their fixed reasons
     vertices = cg.vertices
+    maybe = []  # groups that hold a sequence or a tensor, as the value is: (sig, group, scope, inputs, outputs)
     for s, scope in enumerate(scopes):
         reads, writes, nodes = cg.reads[s], cg.writes[s], scope.graph.node
         for n, key in enumerate(zip(scope.domains, scope.op_types)):  # as read_scopes read them: one read a node
@@ -161,6 +166,15 @@ def build(
                 tied = schemas.tie(sig, nodes[n], opsets, in_types, groups, float_params, LOW_ELEM[target])
                 if tied is not groups:
                     template = _template(sig, entry, tied, target, _kernel_of(kernel_check, sig, opsets, cg.notes))
+            if sig.containers and entry is not None and not holds_body:
+                template = _tie_containers(sig, entry, template, inputs, outputs, types, target,
+                                           _kernel_of(kernel_check, sig, opsets, cg.notes))
+            carried = ()
+            if holds_body and entry is not None and sig.domain == "" and key[1] in loops.CARRYING:
+                carried = loops.carried_slots(key[1], sig, nodes[n], inputs, outputs, scopes[body_of[(s, n)]].graph)
+                if carried:
+                    template = loops.carrying_template(sig, template, carried, target,
+                                                       _kernel_of(kernel_check, sig, opsets, cg.notes))
             op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
             relaxed = None
@@ -192,7 +206,7 @@ def build(
                 if blocked is None:
                     if kept:
                         blocked = "kept float32 by the user (keep_fp32_nodes)"
-                    elif holds_body:
+                    elif holds_body and not group.type_param.startswith("V["):
                         blocked = f"{key[1]} boundary keeps the declared types of its bodies (inside is coloured)"
                     else:
                         blocked = late
@@ -204,13 +218,25 @@ def build(
                         blocked = f"schema {key[1]}-{sig.since_version} inference refuses {target}: {refused}"
                 v = len(vertices)
                 vertices.append(Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed))
+                if sig.maybe_containers:
+                    if sig.is_container(group.type_param):
+                        cg.tied_tensors.extend(_sequences(sig, group, s, inputs, outputs))
+                    else:  # Identity's V: a sequence or a tensor, as its values are
+                        maybe.append((sig, group, s, inputs, outputs))
                 if reads[n] is None:
                     reads[n], writes[n] = [None] * len(inputs), [None] * len(outputs)
                 for i in group.inputs:
                     reads[n][i] = v
                 for i in group.outputs:
                     writes[n][i] = v
+                if carried and group.type_param.startswith("V["):
+                    loops.bind_carried(cg, body_of[(s, n)], carried[int(group.type_param[2:-1])], v)
     cg.has_constant_nodes = any(op_type == "Constant" for _, op_type in op_info)
+    if maybe:  # a value a sequence-only slot reads or writes is a sequence wherever it is read
+        known = {name for _, name in cg.tied_tensors}
+        for sig, group, s, inputs, outputs in maybe:
+            cg.tied_tensors.extend(t for t in _sequences(sig, group, s, inputs, outputs, sig.maybe_containers)
+                                   if t[1] in known)
     _add_edges(cg)
     return cg
 
@@ -271,12 +297,47 @@ def _template(sig, entry, groups, target: str, kernel=None, check_deny: bool = F
         elif not sig.admits(group.type_param, target_string):
             fixed = (f"schema {sig.op_type}-{sig.since_version} does not allow {target} "
                      f"for {group.type_param.split('@')[0]}")
-        elif sig.containers:
+        elif sig.containers and not sig.is_container(group.type_param):
             late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
         if fixed is None and kernel is not None and (check_deny or entry.list != "deny"):
             fixed = kernel(group.type_param)
+        if fixed is None:
+            fixed = _read_as_float32(sig, group)
         template.append((group, fixed, late))
     return template
+
+
+def _tie_containers(sig, entry, template, inputs, outputs, types, target, kernel) -> list:
+    """A sequence op's template with its float tensor and sequence groups tied into one
+    (schemas.tie_containers); a sequence not typed yet counts as float beside a float tensor."""
+    groups = tuple(group for group, _, _ in template)
+    float_groups = set()
+    for g in groups:
+        kind = first_type(group_names(inputs, outputs, g), types)
+        if kind == FLOAT or (kind is None and g.type_param in sig.container_params):
+            float_groups.add(g)
+    tied = schemas.tie_containers(sig, groups, float_groups)
+    return template if tied is groups else _template(sig, entry, tied, target, kernel)
+
+
+def _sequences(sig, group, s: int, inputs, outputs, params=None):
+    """(scope, name) of the group's sequence tensors: no Cast can convert one, so their producer
+    and readers take one colour (ties.py)."""
+    ins, outs = schemas.container_slots(sig, group, params)
+    return [(s, inputs[i]) for i in ins if inputs[i]] + [(s, outputs[i]) for i in outs if outputs[i]]
+
+
+def _read_as_float32(sig, group) -> str | None:
+    """Why ONNX Runtime's kernels read one of the group's inputs as float32 whatever the schema
+    allows (op_lists/kernel_float32_inputs.yaml: Resize's roi), or None."""
+    inputs = shipped_table("kernel_float32_inputs.yaml").get(sig.op_type) if sig.domain == "" else None
+    if not inputs:
+        return None
+    for i in group.inputs:
+        formal = schemas.formal_at(sig.inputs, i)
+        if formal is not None and formal.name in inputs:
+            return inputs[formal.name]
+    return None
 
 
 def _add_edges(cg: ColouringGraph) -> None:
@@ -300,3 +361,17 @@ def _add_edges(cg: ColouringGraph) -> None:
                 if reader is not None:
                     succ[producer].append(reader)
                     pred[reader].append(producer)
+    for (body, name), v in cg.carried_in.items():  # a carried value -> what the body reads of it
+        for use in cg.uses.get((body, name), ()):
+            reader = cg.input_vertex(*use) if use.node >= 0 else cg.carried_out.get((use.scope, use.slot))
+            if reader is not None:
+                succ[v].append(reader)
+                pred[reader].append(v)
+    for (body, slot), v in cg.carried_out.items():  # what the body hands on -> the carried value
+        found = cg.resolve(body, cg.scopes[body].graph.output[slot].name)
+        if found is not None and found.definition.kind == "node":
+            row = writes[found.scope][found.definition.node]
+            producer = row[found.definition.slot] if row else None
+            if producer is not None:
+                succ[producer].append(v)
+                pred[v].append(producer)

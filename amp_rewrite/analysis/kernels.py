@@ -66,12 +66,13 @@ class KernelCheck:
         if row is None:
             return reason, None
         types = row[2]
-        params = type_param.split("+")  # a tied group (schemas.tie) needs every part
-        unknown = [p for p in params if p not in types]
-        if unknown:
+        params = type_param.split("+")  # a tied group (schemas.tie) needs every part the row declares
+        declared = [p for p in params if p in types]
+        if not declared:
             return None, (f"{_NAMES[self.provider]} kernel of {op_type} at opset {opset} declares no types for "
-                          f"{', '.join(unknown)}: its {self.target} support is unknown; colour unchanged")
-        if all(self.target in types[p] for p in params):
+                          f"{', '.join(params)}: its {self.target} support is unknown; colour unchanged")
+        sequence = f"seq(tensor({self.target}))"  # a sequence parameter runs the target as its element type
+        if all(self.target in types[p] or sequence in types[p] for p in declared):
             return None, None
         return reason, None
 
@@ -79,3 +80,32 @@ class KernelCheck:
 def check_for(provider: str | None, target: str) -> KernelCheck | None:
     """The check graph.build applies for `provider`'s table ("cuda", "cpu"), or None for no check."""
     return None if provider is None else KernelCheck(provider, target)
+
+
+def newer_opset_advice(cg, check: KernelCheck, opsets: dict) -> list[str]:
+    """One line per op type whose nodes stay float32 only because the provider has no target-type
+    kernel at the model's opset, naming the first newer opset whose kernel runs them ("18 Clip
+    nodes stay float32 at opset 11: --opset 12 runs them in float16"). One pass over the vertices."""
+    import onnx.defs
+
+    from amp_rewrite.analysis import schemas
+
+    latest = onnx.defs.onnx_opset_version()
+    blocked: dict = {}  # op type -> set of nodes
+    for vertex in cg.vertices:
+        if is_kernel_reason(vertex.blocked) and cg.scopes[vertex.scope].domains[vertex.node] in ("", "ai.onnx"):
+            blocked.setdefault(vertex.op_type, set()).add((vertex.scope, vertex.node))
+    here = opsets.get("", 0)
+    lines = []
+    for op_type, nodes in blocked.items():
+        for opset in range(here + 1, latest + 1):
+            sig = schemas.signature("", op_type, opset)
+            if sig is None:
+                break
+            params = {f.type_param for f in (*sig.inputs, *sig.outputs)
+                      if "@" not in f.type_param and sig.admits(f.type_param, f"tensor({check.target})")}
+            if params and all(check.blocked("", op_type, opset, p)[0] is None for p in params):
+                lines.append(f"{len(nodes)} {op_type} node{'s' if len(nodes) > 1 else ''} stay float32 at opset "
+                             f"{here}: --opset {opset} runs them in {check.target}")
+                break
+    return lines

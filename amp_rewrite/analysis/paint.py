@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from types import MappingProxyType
 
+from amp_rewrite.analysis import ties
 from amp_rewrite.analysis.graph import ColouringGraph
 from amp_rewrite.plan import FP32, LOW, Plan, Reason, Step
 
@@ -47,6 +48,10 @@ class _Masks:
         self.paintable = [vx.blocked is None and not vx.group.output_only for vx in cg.vertices]
         self.succ = cg.succ
         self.pred = cg.pred
+        self.clusters = ties.clusters(cg)  # vertices a sequence joins: one colour each
+        self.pinned = ties.pinned(cg, self.clusters)  # members of clusters that stay float32, with why
+        for v in self.pinned:
+            self.paintable[v] = False
 
     def inside(self, reached: dict, left_out: dict) -> list[bool]:
         """Per vertex: in `reached` and not in `left_out` (a comprehension, not a call per vertex)."""
@@ -137,23 +142,74 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
     m = _Masks(cg)
     allow = paint_allow(cg, m)
     if not allow:  # as TF: without allow ops, casts cannot pay off
-        return _freeze(cg, {}, {})
+        return _freeze(cg, {}, dict(m.pinned))
     deny = propagate_deny(cg, m, allow)
+    ties.spread_deny_and_allow(m.clusters, allow, deny)
     if placement == "cost":
         from amp_rewrite.analysis import placement as cost
 
         low, kept = cost.colour_free(cg, m, allow, deny, low_io)
+        kept.update(drop_regions_without_allow(cg, m, low, low_io))
         graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
-        return _freeze(cg, low, {**deny, **kept, **low})
+        return _freeze(cg, low, {**m.pinned, **deny, **kept, **low})
     low = dict(allow)
     low.update(paint_between_allow(cg, m, low, deny))
     if cg.target == "bfloat16":
         low.update(paint_infer_after_allow(cg, m, low, deny))
     low.update(propagate_allow_through_clear(cg, m, low, deny))
+    low.update(ties.match_low(m.clusters, low))
+    kept = drop_regions_without_allow(cg, m, low, low_io)
     low.update(paint_attribute_typed_outputs(cg, low, _typed_output_keys(cg, low_io)))
-    reasons = {**deny, **low}
+    reasons = {**m.pinned, **deny, **kept, **low}
     return _freeze(cg, low, reasons)
+
+
+def drop_regions_without_allow(cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset()) -> dict:
+    """Regions of low vertices (joined by edges, the groups of one node, ties) with no allow op in
+    them go back to float32, in place: casts pay off only around an allow op (TF: no allow op,
+    nothing to do). Returns their reasons. One walk over the low vertices."""
+    of_node: dict = {}
+    for v in low:
+        vertex = cg.vertices[v]
+        of_node.setdefault((vertex.scope, vertex.node), []).append(v)
+    tied = {v: c for c in m.clusters for v in c.members}  # a sequence's ops are one region too
+    clusters_seen: set = set()
+    seen: set = set()
+    dropped = {}
+    for start in list(low):
+        if start in seen:
+            continue
+        seen.add(start)
+        members, queue = [], [start]
+        while queue:
+            v = queue.pop()
+            members.append(v)
+            vertex = cg.vertices[v]
+            cluster = tied.get(v)
+            partners = () if cluster is None or id(cluster) in clusters_seen else cluster.members
+            if partners:  # each cluster's members once: linear however large it is
+                clusters_seen.add(id(cluster))
+            for w in (*m.succ[v], *m.pred[v], *of_node[(vertex.scope, vertex.node)], *partners):
+                if w in low and w not in seen:
+                    seen.add(w)
+                    queue.append(w)
+        if not any(m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io)) for v in members):
+            for v in members:
+                del low[v]
+                dropped[v] = Reason(Step.NOT_PAINTED, None, "a low-precision region without an allow op: "
+                                                            "its casts cannot pay off")
+    return dropped
+
+
+def _touches(cg: ColouringGraph, v: int, low_io: frozenset) -> bool:
+    """Whether vertex `v` reads or writes a main-graph input or output the user has in the target
+    type: its region is theirs (a Shape of a float16 KV cache), not one the colouring made."""
+    vertex = cg.vertices[v]
+    if vertex.scope != 0:
+        return False
+    inputs, outputs = cg.scopes[0].io[vertex.node]
+    return any(inputs[i] in low_io for i in vertex.group.inputs) or any(outputs[i] in low_io for i in vertex.group.outputs)
 
 
 def _typed_output_keys(cg: ColouringGraph, low_io: frozenset) -> set:

@@ -60,7 +60,7 @@ def _term(cg: ColouringGraph, key, low_io: frozenset, cache: dict) -> Term | Non
     if cg.types.get(name) != FLOAT:
         return None
     kind, n, slot = cg.scopes[s].defs[name]
-    producer = None
+    producer = cg.carried_in.get(key) if kind == "input" and s > 0 else None  # a loop-carried body input
     if kind == "initializer":
         return None
     if kind == "node":
@@ -71,7 +71,10 @@ def _term(cg: ColouringGraph, key, low_io: frozenset, cache: dict) -> Term | Non
     readers, fp32_reader, low_reader = set(), False, False
     for use_scope, node, use_slot in cg.uses.get(key, ()):
         if node < 0:
-            if use_scope == 0 and name in low_io:
+            carried = cg.carried_out.get((use_scope, use_slot)) if use_scope > 0 else None
+            if carried is not None:
+                readers.add(carried)
+            elif use_scope == 0 and name in low_io:
                 low_reader = True
             else:
                 fp32_reader = True
@@ -129,15 +132,20 @@ class Placement:
     regions: int
 
 
-def place(cg: ColouringGraph, free: list, is_low, low_io: frozenset = frozenset()) -> Placement:
+def place(cg: ColouringGraph, free: list, is_low, low_io: frozenset = frozenset(), tied=()) -> Placement:
     """Colour `free` vertices with one minimum cut; `is_low(v)` gives every other vertex's fixed colour,
-    `low_io` the main graph's inputs and outputs in the target type (the rest are float32)."""
+    `low_io` the main graph's inputs and outputs in the target type (the rest are float32); `tied`:
+    lists of free vertices that take one colour (ties.py), joined by infinite edges both ways."""
     if not free:
         return Placement(set(), [], {}, 0)
     net = Network(len(cg.vertices))
     cache = sizes(cg)
     free_set = set(free)
     _build(cg, free, free_set, cache, is_low, low_io, net)
+    for members in tied:
+        for a, b in zip(members, members[1:]):
+            add_edge(net.out, net.into, a, b, INF)
+            add_edge(net.out, net.into, b, a, INF)
     side, flow = min_cut(net)
     low = {v for v in free if side.get(v, True)}
     region, count = cut_regions(flow, free_set)
@@ -162,6 +170,10 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
     to_s, to_t, out_edges, in_edges = net.to_s, net.to_t, net.out, net.into
     to_s.update(dict.fromkeys(free, 0))  # every free vertex has an edge from s, in `free`'s order
     inputs_seen: set = set()
+    carried_made: dict = {}  # a Loop/Scan's carried vertex -> the body inputs it makes
+    for key, v in cg.carried_in.items():
+        carried_made.setdefault(v, []).append(key)
+    carried_out = cg.carried_out
     for v in free:
         vertex = vertices[v]
         s = vertex.scope
@@ -169,20 +181,21 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
         inputs, outputs = scope.io[vertex.node]
         group = vertex.group
         total = 0
-        for i in group.outputs:  # made here: the producer is v, free
-            x = outputs[i]
-            if not x:
-                continue
+        made = [(s, outputs[i]) for i in group.outputs if outputs[i]]
+        if carried_made:
+            made += carried_made.get(v, ())  # a carried value's body input: v makes it too
+        for ms, x in made:  # made here: the producer is v, free
             size = cache_get(x)
             if size is None:  # elements(), inlined
                 shape = shapes_get(x)
                 size = cache[x] = 1 if shape is None else math.prod(d.dim_value if d.dim_value > 0 else 1
                                                                     for d in shape.dim)
-            total += size
-            key = (s, x)
+            if ms == s:
+                total += size
+            key = (ms, x)
             tensor_uses = uses_get(key, ())
             c = size * CAST_BYTES
-            if len(tensor_uses) == 1:  # the common case: one reader (_readers, inlined)
+            if len(tensor_uses) == 1 and not carried_out:  # the common case: one reader (_readers, inlined)
                 use_scope, node, use_slot = tensor_uses[0]
                 if node < 0:
                     if use_scope > 0 or x not in low_io:
@@ -202,7 +215,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
                 else:
                     to_t[v] = to_t.get(v, 0) + c
                 continue
-            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, x in low_io)
+            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, x in low_io, carried_out)
             if fixed_low:  # a cast up whenever v is float32
                 to_s[v] += c
             elif len(loose) == 1:
@@ -241,6 +254,10 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
             if kind == "initializer":
                 continue
             p = None
+            if kind == "input" and ds > 0:
+                p = cg.carried_in.get((ds, x))  # a loop-carried body input: its Loop's vertex makes it
+                if p in free_set:  # charged with that vertex's tensors
+                    continue
             if kind == "node":
                 row = writes[ds][n]
                 p = row[slot] if row else None
@@ -252,7 +269,7 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
             if key in inputs_seen:
                 continue
             inputs_seen.add(key)
-            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, x in low_io)
+            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, x in low_io, carried_out)
             c = size * CAST_BYTES
             if (p is not None and is_low(p)) or (kind == "input" and ds == 0 and x in low_io):
                 # a low source: a cast down, when some reader is float32
@@ -276,20 +293,24 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
         to_s[v] += total * saving
 
 
-def _readers(tensor_uses, reads, free: set, is_low, low_output: bool) -> tuple:
+def _readers(tensor_uses, reads, free: set, is_low, low_output: bool, carried_out=None) -> tuple:
     """(free readers in first-use order, some reader fixed low, some reader fixed float32);
-    `low_output`: the tensor, where it is a main-graph output, is one in the target type."""
+    `low_output`: the tensor, where it is a main-graph output, is one in the target type;
+    `carried_out`: a body output a Loop/Scan carries is read by that node's carried vertex."""
     loose = []
     fixed_low = fixed_fp32 = False
     for use_scope, node, use_slot in tensor_uses:
         if node < 0:
-            if use_scope == 0 and low_output:
-                fixed_low = True
-            else:
-                fixed_fp32 = True
-            continue
-        row = reads[use_scope][node]
-        r = row[use_slot] if row else None
+            r = carried_out.get((use_scope, use_slot)) if carried_out and use_scope > 0 else None
+            if r is None:
+                if use_scope == 0 and low_output:
+                    fixed_low = True
+                else:
+                    fixed_fp32 = True
+                continue
+        else:
+            row = reads[use_scope][node]
+            r = row[use_slot] if row else None
         if r is None:
             fixed_fp32 = True
         elif r in free:
@@ -312,7 +333,9 @@ def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, low_io: frozense
     """(low: allow + the free vertices the cut put low, with reasons; reasons of the free ones it
     kept float32). `m` is paint's masks (lists, paintable)."""
     free = free_vertices(m.lists, m.paintable, allow, deny)
-    done = place(cg, free, allow.__contains__, low_io)
+    free_set = set(free)
+    tied = [[v for v in c.members if v in free_set] for c in m.clusters if c.pinned is None]
+    done = place(cg, free, allow.__contains__, low_io, [t for t in tied if len(t) > 1])
     low = dict(allow)
     kept = {}
     fixed = "cost placement: its own bytes outweigh every cast it can cause (fixed before the cut)"

@@ -131,10 +131,14 @@ def _relieved_in(view: _ScopeView, candidates: list, types: dict, opsets: dict) 
         chain = _chain(view, dynamic[0])
         if chain is None or d not in chain:
             continue
-        ok, detail = _verdict(_describe(view, dynamic[0], chain), _opset_key(opsets))
+        description = _describe(view, dynamic[0], chain)
+        compared = _compared(description, chain)
+        if d not in compared:  # nothing the chain hands on depends on it: there is nothing to compare
+            continue
+        ok, detail = _verdict(description, _opset_key(opsets))
         if ok:
-            for n in chain:  # every range-deny op of the chain is proved by the same run
-                if n in candidate_set:
+            for n in chain:  # every range-deny op of the chain whose value was compared is proved by the same run
+                if n in candidate_set and n in compared:
                     found[nodes[n].name or io[n][1][0]] = (
                         f"checked on every float16 value: the pointwise chain of {len(chain)} ops from "
                         f"'{dynamic[0]}' agrees with float32 ({detail})")
@@ -199,6 +203,19 @@ def _describe(view: _ScopeView, x: str, chain: list) -> tuple:
         if view.leaves_the_graph(out) or any(r not in chain for r in view.readers(out)):
             leaving.append(k)
     return tuple(rows), tuple(leaving)
+
+
+def _compared(description: tuple, chain: list) -> set:
+    """The chain's nodes whose values reach an output that leaves it: only those did the run
+    compare (a node whose output nothing reads, MatMul -> Exp and no reader, proves nothing)."""
+    rows, leaving = description
+    reaching = set(leaving)
+    for k in range(len(rows) - 1, -1, -1):  # rows are in node order: readers come after
+        if k in reaching:
+            continue
+        if any(ref == ("t", k) for j in reaching for ref in rows[j][2]):
+            reaching.add(k)
+    return {chain[k] for k in reaching}
 
 
 def _tensor_key(tensor: onnx.TensorProto) -> tuple:

@@ -25,6 +25,7 @@ class Formal:
 
     type_param: str
     variadic: bool
+    name: str = ""  # the schema's name for it (Resize's `roi`)
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: `signature` returns one object per version
@@ -39,10 +40,20 @@ class Signature:
     allowed: dict  # type_param -> frozenset of type strings
     probe: bool = False  # types are tied beyond the type parameters: ask the schema (see `rejects`)
     containers: bool = False  # a parameter admits sequences/optionals and another tensors
+    container_params: frozenset = frozenset()  # the parameters whose types are sequences/optionals only
+    maybe_containers: frozenset = frozenset()  # the parameters that admit them (Identity's V too)
 
     def admits(self, type_param: str, type_string: str) -> bool:
-        """Tied groups (see `tie`) are named `T1+T2`: each parameter must admit the type."""
-        return all(type_string in self.allowed.get(p, ()) for p in type_param.split("+"))
+        """Tied groups (see `tie`) are named `T1+T2`: each parameter must admit the type (a
+        sequence or optional parameter, as its element type: `seq(tensor(float16))`)."""
+        return all(_admits(self.allowed.get(p, ()), type_string) for p in type_param.split("+"))
+
+    def is_container(self, type_param: str) -> bool:
+        return any(p in self.container_params for p in type_param.split("+"))
+
+
+def _admits(allowed, type_string: str) -> bool:
+    return type_string in allowed or any(f"{wrap}({type_string})" in allowed for wrap in ("seq", "optional"))
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ def _formal(param, fixed_prefix: str) -> Formal:
     # A fixed type ("tensor(float)") is a group of its own, named after the parameter.
     if type_str.startswith(("tensor(", "seq(", "optional(", "map(", "sparse_tensor(")):
         type_str = f"{type_str}@{fixed_prefix}{param.name}"
-    return Formal(type_str, variadic)
+    return Formal(type_str, variadic, param.name)
 
 
 def _signature_of(schema, domain: str, op_type: str) -> Signature:
@@ -85,7 +96,10 @@ def _signature_of(schema, domain: str, op_type: str) -> Signature:
     probe = has_body or tensor_attrs or any(f.type_param not in input_params for f in outputs)
     container_params = {p for p, types in allowed.items() if any(t.startswith(_CONTAINERS) for t in types)}
     containers = bool(container_params) and len(allowed) > len(container_params)
-    return Signature(domain, op_type, schema.since_version, inputs, outputs, allowed, probe, containers)
+    # parameters that are sequences/optionals whatever the node (SequenceInsert's S), not Identity's V
+    only_containers = {p for p in container_params if all(t.startswith(_CONTAINERS) for t in allowed[p])}
+    return Signature(domain, op_type, schema.since_version, inputs, outputs, allowed, probe, containers,
+                     frozenset(only_containers), frozenset(container_params))
 
 
 _CONTAINERS = ("seq(", "optional(", "map(", "sparse_tensor(")
@@ -124,7 +138,7 @@ def signature(domain: str, op_type: str, opset: int) -> Signature | None:
     return _signature_of(candidates[-1], domain, op_type)
 
 
-def _formal_at(formals: tuple[Formal, ...], index: int) -> Formal | None:
+def formal_at(formals: tuple[Formal, ...], index: int) -> Formal | None:
     if index < len(formals):
         return formals[index]
     if formals and formals[-1].variadic:
@@ -138,11 +152,11 @@ def type_groups(sig: Signature, n_inputs: int, n_outputs: int) -> tuple[TypeGrou
     inputs: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
     for i in range(n_inputs):
-        formal = _formal_at(sig.inputs, i)
+        formal = formal_at(sig.inputs, i)
         if formal is not None:
             inputs.setdefault(formal.type_param, []).append(i)
     for i in range(n_outputs):
-        formal = _formal_at(sig.outputs, i)
+        formal = formal_at(sig.outputs, i)
         if formal is not None:
             outputs.setdefault(formal.type_param, []).append(i)
     params = list(dict.fromkeys([*inputs, *outputs]))
@@ -270,3 +284,25 @@ def tie(sig: Signature, node, opsets: dict, in_types: list, groups: tuple, float
     if rejects(sig, node, opsets, in_types, merged, low):
         return groups
     return (merged, *[g for g in groups if g not in candidates])
+
+
+def tie_containers(sig: Signature, groups: tuple, float_groups: set) -> tuple:
+    """A sequence op's float groups as one: SequenceInsert's sequence S and tensor T, SplitToSequence's
+    T and S hold one element type (the schema ties them beyond the type parameters), so they are
+    one unit of colouring, as TensorFlow colours a TensorList with its elements. `float_groups`:
+    the groups of float32 tensors, and container groups whose sequences' type is not known yet.
+    Other groups (SequenceAt's int position) are returned as they are."""
+    tied = [g for g in groups if g in float_groups]
+    if len(tied) < 2 or not any(g.type_param in sig.container_params for g in tied):
+        return groups
+    merged = TypeGroup("+".join(g.type_param for g in tied), tuple(sorted(i for g in tied for i in g.inputs)),
+                       tuple(sorted(i for g in tied for i in g.outputs)))
+    return (merged, *[g for g in groups if g not in tied])
+
+
+def container_slots(sig: Signature, group: TypeGroup, params=None) -> tuple[tuple, tuple]:
+    """(input slots, output slots) of `group` whose parameter is one of `params` (default: the
+    parameters that hold sequences/optionals only)."""
+    params = sig.container_params if params is None else params
+    return (tuple(i for i in group.inputs if (f := formal_at(sig.inputs, i)) and f.type_param in params),
+            tuple(i for i in group.outputs if (f := formal_at(sig.outputs, i)) and f.type_param in params))

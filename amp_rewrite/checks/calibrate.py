@@ -266,3 +266,4 @@ def _accumulate(r: TensorRange, array: np.ndarray, flush: float) -> None:
         nonzero = values > 0
         r.nonzero += int(nonzero.sum())
         r.flushed += int((nonzero & (values < flush)).sum())
+

@@ -27,6 +27,7 @@ from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import load
 from amp_rewrite.io.npz import read_npz
+from amp_rewrite.io.samples import feed_inputs, synthesise  # noqa: F401  (the checks' names for them)
 from amp_rewrite.progress import Progress
 from amp_rewrite.runtime import CPU, CUDA
 
@@ -37,12 +38,6 @@ NODE_WORK = 2000  # its per-node overhead, in the same units (10k-node stack: ab
 CPU_NOTE = ("ORT CPU computes many float16 ops in float32 and can hide overflow; "
             "pass reference=True (--reference) to also run onnx.reference")
 
-def feed_inputs(model: onnx.ModelProto) -> list:
-    """Graph inputs that must be fed (inputs that are also initializers are optional)."""
-    initializers = {i.name for i in model.graph.initializer}
-    return [v for v in model.graph.input if v.name not in initializers]
-
-
 def parse_dims(items) -> dict:
     """['batch=8', 'seq=128'] -> {'batch': 8, 'seq': 128}."""
     dims = {}
@@ -52,38 +47,6 @@ def parse_dims(items) -> dict:
             raise UsageError(f"--dim {item!r}: expected NAME=SIZE, e.g. batch=8")
         dims[match.group(1)] = int(match.group(2))
     return dims
-
-
-def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int = 0, scale: float = 1.0,
-               default_dim: int = 1) -> list:
-    """`count` random samples from the declared input types; symbolic dims from `dims`, else `default_dim`.
-
-    Floats are standard normal x `scale`, integers in [0, 3) (safe as indices), bools random.
-    """
-    dims = dims or {}
-    rng = np.random.default_rng(seed)
-    samples = []
-    for _ in range(count):
-        feeds = {}
-        for value in feed_inputs(model):
-            t = value.type.tensor_type
-            if not value.type.HasField("tensor_type"):
-                raise UsageError(f"input {value.name!r} is not a tensor; pass samples with --inputs")
-            shape = []
-            for d in t.shape.dim:
-                if d.HasField("dim_value"):
-                    shape.append(d.dim_value)
-                else:
-                    shape.append(dims.get(d.dim_param, default_dim))
-            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-            if np.issubdtype(dtype, np.floating):
-                feeds[value.name] = (rng.standard_normal(shape) * scale).astype(dtype)
-            elif dtype == np.bool_:
-                feeds[value.name] = rng.integers(0, 2, shape).astype(bool)
-            else:
-                feeds[value.name] = rng.integers(0, 3, shape).astype(dtype)
-        samples.append(feeds)
-    return samples
 
 
 def load_samples(path, model: onnx.ModelProto) -> list:

@@ -75,6 +75,8 @@ def sentence(cg: ColouringGraph, plan: Plan, v: int) -> str:
         text = f"clear op next to low-precision {root}{through}"
     elif step is Step.INFER_AFTER_ALLOW:
         text = f"infer op fed by low-precision {root}{through}"
+    elif step is Step.TIED and reason.via is not None and reason.via != v:
+        text = f"{reason.detail}: {_label(cg, reason.via)}"
     elif step is Step.ALL_CONSUMERS_LOW:
         text = f"every consumer is low precision (e.g. {root})"
     else:

@@ -68,6 +68,7 @@ class _Folder:
         self.removed = m.removed
         self.done = set()  # Casts settled
         self.dead_inserted = set()  # outputs of inserted Casts nothing reads any more
+        self.rewired = set()  # names that readers of folded Casts were pointed at
 
     # --- what the rewritten model holds ---
 
@@ -204,6 +205,8 @@ class _Folder:
                 # writing a main-graph output is a node of its own whatever it reads)
         for use, reader in readers:
             reader.input[use.slot] = replacement
+        if readers:
+            self.rewired.add(replacement)
         for cast in inserted:
             cast.input[0] = replacement
             i = self.inserted_index[cast.output[0]]
@@ -255,8 +258,8 @@ class _Folder:
     def drop_inserted_if_dead(self, s: int, tensor: str, cast_output: str) -> None:
         """An inserted Cast of `tensor` whose only reader was a folded Cast goes too."""
         found = self.cg.resolve(s, tensor)
-        if found is None or self.inserted_readers.get(cast_output):
-            return
+        if found is None or self.inserted_readers.get(cast_output) or cast_output in self.rewired:
+            return  # (readers of a folded Cast that now read the inserted one are no uses of `tensor`)
         readers = self.readers(found.scope, tensor, cast_output)
         if readers is not None and not readers:
             self.dead_inserted.add(cast_output)

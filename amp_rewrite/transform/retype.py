@@ -24,11 +24,33 @@ def retype_io_and_value_info(m: Materialisation) -> None:
     for value in lowered:
         if value.type.tensor_type.elem_type == FLOAT:
             value.type.tensor_type.elem_type = m.low
+    for (s, name), v in m.cg.carried_in.items():  # a body's carried input and output: their Loop's colour
+        if v in m.low_vertices:
+            for value in m.cg.scopes[s].graph.input:
+                if value.name == name and value.type.tensor_type.elem_type == FLOAT:
+                    value.type.tensor_type.elem_type = m.low
+    for (s, slot), v in m.cg.carried_out.items():
+        value = m.cg.scopes[s].graph.output[slot]
+        if v in m.low_vertices and value.type.tensor_type.elem_type == FLOAT:
+            value.type.tensor_type.elem_type = m.low
     for s, scope in enumerate(m.cg.scopes):
         for value in scope.graph.value_info:
             found = m.cg.resolve(s, value.name)
             if found is not None and _ends_low(m, found, value.name):
-                value.type.tensor_type.elem_type = m.low
+                _element(value.type).elem_type = m.low
+
+
+def _element(type_proto):
+    """The tensor type a value declares: its own, or its sequence's or optional's elements'."""
+    while not type_proto.HasField("tensor_type"):
+        kind = type_proto.WhichOneof("value")
+        if kind == "sequence_type":
+            type_proto = type_proto.sequence_type.elem_type
+        elif kind == "optional_type":
+            type_proto = type_proto.optional_type.elem_type
+        else:
+            return type_proto.tensor_type
+    return type_proto.tensor_type
 
 
 def _ends_low(m: Materialisation, found, name: str) -> bool:

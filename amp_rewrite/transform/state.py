@@ -79,7 +79,10 @@ def source_elem(m: Materialisation, s: int, name: str, d) -> int | None:
     if kind == "initializer":
         return None
     if kind == "input":
-        return m.low if s == 0 and name in m.low_io else FLOAT
+        if s > 0:  # a loop-carried body input has its Loop's carried colour
+            carried = m.cg.carried_in.get((s, name))
+            return m.low if carried is not None and carried in m.low_vertices else FLOAT
+        return m.low if name in m.low_io else FLOAT
     row = m.writes[s][n]
     vertex = row[slot] if row else None
     if vertex is not None:  # a vertex: not a Constant, which is a source (and the common case)
@@ -92,8 +95,9 @@ def needed_types(m: Materialisation, uses) -> list[int]:
     reads, low_vertices, low = m.reads, m.low_vertices, m.low
     out = []
     for s, n, slot in uses:
-        if n < 0:  # a graph output
-            out.append(low if s == 0 and slot in m.low_outputs else FLOAT)
+        if n < 0:  # a graph output; a body's carried output has its Loop's carried colour
+            carried = m.cg.carried_out.get((s, slot)) if s > 0 else None
+            out.append(low if (slot in m.low_outputs if s == 0 else carried in low_vertices) else FLOAT)
         else:
             row = reads[s][n]  # cg.input_vertex, inlined
             out.append(low if row and row[slot] in low_vertices else FLOAT)

@@ -116,6 +116,36 @@ def test_sigmoid_spelt_with_exp_and_reciprocal_is_proved_safe():
     check_both(model, result.model, feeds)
 
 
+def test_a_chain_whose_output_nothing_reads_compared_nothing_and_is_not_relaxed():
+    """MatMul -> Exp with Exp read by nothing: the chain hands on no value, so the run compares
+    nothing and proves nothing; Exp keeps the deny list's float32 (it was relaxed with 'worst
+    error 0.00' from a loop over zero outputs)."""
+    rng = np.random.default_rng(5)
+    model = make_model(
+        [node("MatMul", ["x", "W1"], ["h"], "mm1"), node("Exp", ["h"], ["e"], "exp"),
+         node("MatMul", ["h", "W2"], ["out"], "mm2")],
+        [tensor("x", ["N", 16])], [tensor("out", ["N", 8])],
+        [init("W1", rng.standard_normal((16, 32)).astype(np.float32)),
+         init("W2", rng.standard_normal((32, 8)).astype(np.float32))])
+    scopes = graph.read_scopes(model.graph)
+    types, _ = tensor_types(model, scopes=scopes)
+    assert pointwise.relieved(scopes, RewriteOptions().lists(), types, opsets(model)) == {}
+    result = rewrite(model)
+    exp = _entry(result, "exp")
+    assert exp["precision"] == "float32" and "relaxed" not in exp
+    assert result.report.summary["deny_relaxed"] == 0
+    check_both(model, result.model)
+    # beside a compared chain (the sigmoid of the next test), a dead Exp of the same input stays denied
+    beside = _between_matmuls(
+        [node("Neg", ["h"], ["n"], "neg"), node("Exp", ["n"], ["e"], "exp"), node("Exp", ["h"], ["dead"], "dead"),
+         node("Add", ["e", "one"], ["e1"], "plus_one"), node("Reciprocal", ["e1"], ["g"], "recip")],
+        extra_inits=[_scalar("one", 1.0)])
+    result = rewrite(beside)
+    assert [_entry(result, n)["precision"] for n in ("exp", "recip", "dead")] == ["float16", "float16", "float32"]
+    assert "relaxed" not in _entry(result, "dead") and result.report.summary["deny_relaxed"] == 2
+    check_both(beside, result.model)
+
+
 def test_two_dynamic_inputs_or_wide_constants_are_not_checked():
     """Pow(x, y) with y computed, and x**3 scaled per channel, are not functions of one value."""
     rng = np.random.default_rng(3)

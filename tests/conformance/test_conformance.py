@@ -36,6 +36,9 @@ FLOAT32_BY_RULE = {
     r"schema \S+ does not allow \w+ for \w+": "the op's type constraint at the case's opset has no such type",
     r"schema \S+ inference refuses \w+": "the schema's own inference or function body rejects the type "
                                           "(BitCast's bit width, MeanVarianceNormalization-13's float epsilon)",
+    r"sequence '.*' is a graph output": "a sequence graph output keeps its declared element type (the graph's "
+                                        "interface), and so does every op the sequence ties to it (ties.py)",
+    r"tied by a sequence to .*, which stays float32 \(schema": "tied by a sequence to an op its schema keeps float32",
     r"schema \S+ ties tensor types to sequence/optional elements": "sequence element types are not retyped "
                                                                   "(a documented limit of the rewrite)",
     r"output typed by an attribute: .* not a graph output": "a Cast-like output that is a graph output keeps "

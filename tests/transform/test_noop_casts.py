@@ -214,7 +214,7 @@ def test_a_noop_cast_renamed_for_a_main_output_goes_and_the_output_keeps_its_nam
     no-op Casts writing them are renamed and an inserted Cast writes each output from the new
     name. The no-op goes, the inserted Cast reads its input, the output keeps its name; left in,
     a second rewrite would remove it (not idempotent)."""
-    model = make_model([node("Cast", ["x"], ["t0"], "n0", to=FLOAT), node("Cast", ["x"], ["t1"], "n1", to=FLOAT)],
+    model = make_model([node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT), node("Cast", ["x"], ["t1"], "n1", to=FLOAT)],
                        [tensor("x", [2, 4])], [tensor("t0", [2, 4]), tensor("t1", [2, 4])])
     result = rewrite(model, keep_io_types=False)  # no allow op: the Casts read x as float32 (one inserted Cast)
     out = result.model
@@ -260,7 +260,7 @@ def _input_cast_model(float32_reader: bool):
     (found by hypothesis: with keep_io_types=False the first rewrite left a round trip that a
     second rewrite then removed)."""
     rng = np.random.default_rng(3)
-    nodes = [node("Cast", ["x"], ["t0"], "n0", to=FLOAT), node("MatMul", ["t0", "W1"], ["t1"], "n1"),
+    nodes = [node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT), node("MatMul", ["t0", "W1"], ["t1"], "n1"),
              node("MatMul", ["t0", "W2"], ["t2"], "n2")]
     outputs = ["t1", "t2"]
     inits = [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))]
@@ -298,3 +298,25 @@ def test_an_input_cast_folds_with_the_cast_inserted_before_it(float32_reader):
     expected = run_ort(model, {"x": x.astype(np.float32)})
     assert_close(run_ort(out, {"x": x}), expected, 2e-2, 2e-2)
     assert_close(run_reference(out, {"x": x}), expected, 2e-2, 2e-2)
+
+
+def test_a_folded_cast_whose_readers_read_an_inserted_cast_keeps_it():
+    """Found by hypothesis: with keep_io_types=False, x is float16 and an inserted Cast widens it
+    for two of the model's Casts; one (to float32, read by a float32 Mul) folds and its reader reads
+    the inserted Cast, the other (retargeted to float16) takes x back: the inserted Cast was dropped
+    as read by folded Casts only, and the Mul read a name nothing wrote."""
+    rng = np.random.default_rng(0)
+    model = make_model(
+        [node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT), node("MatMul", ["x", "W1"], ["t1"], "n1"),
+         node("Cast", ["x"], ["t3"], "n3", to=TensorProto.FLOAT), node("MatMul", ["t3", "W4"], ["t4"], "n4"),
+         node("Mul", ["t0", "c"], ["t8"], "n8")],
+        [tensor("x", [2, 4])], [tensor("t1", [2, 4]), tensor("t4", [2, 4]), tensor("t8", [2, 4])],
+        [init("W1", rng.standard_normal((4, 4)).astype(np.float32)),
+         init("W4", rng.standard_normal((4, 4)).astype(np.float32)), init("c", np.array(0.5, np.float32))], opset=17)
+    for placement in ("tf", "cost"):
+        result = rewrite(model, keep_io_types=False, placement=placement)
+        onnx.checker.check_model(result.model, full_check=True)
+        feeds = {"x": rng.standard_normal((2, 4)).astype(np.float16)}
+        expected = run_ort(model, {"x": feeds["x"].astype(np.float32)})
+        for got, want in zip(run_ort(result.model, feeds), expected):
+            np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-2, atol=2e-2)

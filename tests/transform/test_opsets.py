@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from amp_rewrite import rewrite
-from helpers import assert_close, init, make_model, node, run_ort, tensor, weights
+from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 FLOAT, F16, BF16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
 
@@ -152,3 +152,35 @@ def test_unknown_domain_stays_float32_with_a_note():
     mystery = next(n for n in out.node if n.op_type == "Frobnicate")
     cast = next(n for n in out.node if n.output and n.output[0] == mystery.input[0])
     assert cast.op_type == "Cast" and cast.attribute[0].i == FLOAT
+
+
+@pytest.mark.parametrize("opset", [9, 13, 19])
+def test_resize_roi_and_scales_stay_float32_between_low_convs(opset):
+    """Resize's roi (T2 admits float16) is read as float32 by ONNX Runtime's kernels
+    (op_lists/kernel_float32_inputs.yaml); scales are float by the schema, Upsample's too."""
+    rng = np.random.default_rng(opset)
+    if opset == 9:
+        resize = node("Upsample", ["c", "scales"], ["r"], "resize", mode="nearest")
+        extra = []
+    else:
+        resize = node("Resize", ["c", "roi", "scales"], ["r"], "resize", mode="linear",
+                      coordinate_transformation_mode="tf_crop_and_resize")
+        extra = [init("roi", np.array([0, 0, 0.1, 0.1, 1, 1, 0.9, 0.9], np.float32))]
+    model = make_model(
+        [node("Conv", ["x", "W"], ["c"], "conv"), resize, node("Conv", ["r", "W"], ["y"], "conv2")],
+        [tensor("x", [1, 2, 4, 4])], [tensor("y", [1, 2, 8, 8])],
+        [init("W", weights(rng, 2, 2, 1, 1)), init("scales", np.array([1, 1, 2, 2], np.float32)), *extra],
+        opset=opset)
+    result = rewrite(model, target="float16")
+    kinds = {t.name: t.data_type for t in result.model.graph.initializer}
+    assert kinds["scales"] == TensorProto.FLOAT and kinds.get("roi", TensorProto.FLOAT) == TensorProto.FLOAT
+    groups = next(n for n in result.report.nodes if n["name"] == "resize")["groups"]
+    data = "T1" if opset > 9 else "T"
+    assert groups[data]["precision"] == "float16"
+    if opset > 9:
+        assert groups["T2"]["precision"] == "float32" and "ParseRoiData" in groups["T2"]["reason"]
+    assert sum(n.op_type == "Cast" for n in result.model.graph.node) == 2
+    feeds = {"x": weights(rng, 1, 2, 4, 4)}
+    expected = run_ort(model, feeds)
+    assert_close(run_ort(result.model, feeds), expected, rtol=2e-2, atol=2e-2)
+    assert_close(run_reference(result.model, feeds), expected, rtol=2e-2, atol=2e-2)

@@ -1,9 +1,10 @@
 """If / Loop / Scan bodies, sequences and model-local functions.
 
-Decision under test: control-flow boundaries (the If/Loop/Scan node and its bodies' declared
-inputs/outputs) keep their declared float32 types; the ops inside a body are coloured with the
-same passes, and every cast lands in the graph that uses it. Loop-carried state therefore crosses
-the boundary in float32 and is cast inside the body. Model-local functions are inlined first.
+Decision under test: a Loop's or Scan's carried value (initial value -> body input -> body
+output -> result) takes one colour, coloured with the body and the outer graph together as TF
+colours its while loops (a clear op per carried value); If outputs and scan inputs/outputs keep
+their declared types; every cast lands in the graph that uses it. Model-local functions are
+inlined first.
 Every test runs the original and the rewritten model in ONNX Runtime and compares the numbers.
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 from amp_rewrite import rewrite
-from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
+from helpers import assert_close, check_both, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
 
 FLOAT, F16, BOOL, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BOOL, TensorProto.INT64
 
@@ -51,30 +53,35 @@ def test_loop_with_float_carried_state_and_matmul_inside():
     )
     model = make_model(
         [node("MatMul", ["x", "W0"], ["h0"], name="pre"),
-         node("Loop", ["trip", "", "h0"], ["h", "hs"], name="loop", body=body)],
+         node("Loop", ["trip", "go", "h0"], ["h", "hs"], name="loop", body=body)],
         [tensor("x", [2, 4]), tensor("trip", [], INT64)],
         [tensor("h", [2, 4]), tensor("hs", [None, 2, 4])],
-        [init("W0", weights(rng, 4, 4)), init("W", weights(rng, 4, 4))],
+        [init("W0", weights(rng, 4, 4)), init("W", weights(rng, 4, 4)), init("go", np.array(True))],
     )
-    result = rewrite(model, target="float16")
-    g = result.model.graph
-    loop = _ops(g, "Loop")[0]
-    inner = loop.attribute[0].g
-    # The MatMul inside the body is float16; the carried state crosses the boundary in float32.
-    assert result.report.node("body_mm")["precision"] == "float16"
-    assert result.report.node("loop")["precision"] == "float32"
-    # (body outputs bind by position: the carried output may be a renamed Cast)
-    assert _elem(inner, inner.input[2].name) == FLOAT and _elem(inner, inner.output[1].name) == FLOAT
-    # Its casts are inside the body, and W (captured from the outer scope) is read there as float16.
-    assert _cast_targets(inner).get("h_in") == F16
-    assert any(t.name.startswith("W") and t.data_type == F16 for t in g.initializer)
-    feeds = {"x": weights(rng, 2, 4), "trip": np.array(3, np.int64)}
-    _check_both(model, result, feeds)
+    for placement in ("tf", "cost"):
+        result = rewrite(model, target="float16", placement=placement)
+        g = result.model.graph
+        inner = _ops(g, "Loop")[0].attribute[0].g
+        # The MatMul and Tanh inside the body are float16, and so is the carried state on all four
+        # ends (h0 as the Loop reads it, h_in, h_out, h): the body casts nothing it carries.
+        assert result.report.node("body_mm")["precision"] == "float16"
+        groups = result.report.node("loop")["groups"]
+        assert groups["V[0]"]["precision"] == "float16", placement
+        assert _elem(inner, inner.input[2].name) == F16 and _elem(inner, inner.output[1].name) == F16
+        assert "h_in" not in _cast_targets(inner) and not any(n.op_type == "Cast" and n.output[0] == inner.output[1].name
+                                                            for n in inner.node)
+        # the scan output keeps its declared float32 (a Cast inside the body), W is read as float16
+        assert _elem(inner, inner.output[2].name) == FLOAT
+        assert any(t.name.startswith("W") and t.data_type == F16 for t in g.initializer)
+        feeds = {"x": weights(rng, 2, 4), "trip": np.array(3, np.int64)}
+        _check_both(model, result, feeds)
+        assert_close(run_reference(result.model, feeds), run_reference(model, feeds), rtol=2e-2, atol=2e-2)
 
 
-def test_scan_forced_allow_keeps_boundary_types():
-    """Regression: with Add in allow, the Scan node's group became float16 while its body kept
-    float32 inputs/outputs ("Inferred elem type differs ... (10) vs (1)")."""
+def test_scan_state_takes_one_colour_and_scan_inputs_keep_their_types():
+    """The Scan's state (s0 -> s_in -> s_out -> s) is one colour with the Add that makes it; the
+    scanned input and output keep their declared float32 (regression: the Scan's group once went
+    float16 while its body kept float32, "Inferred elem type differs ... (10) vs (1)")."""
     rng = np.random.default_rng(0)
     body = helper.make_graph(
         [node("Add", ["s_in", "x_t"], ["s_out"], name="acc"), node("Identity", ["s_out"], ["y_t"], name="copy")],
@@ -86,10 +93,14 @@ def test_scan_forced_allow_keeps_boundary_types():
     )
     result = rewrite(model, target="float16", allow=["Add", "Scan", "Identity"])
     assert result.report.node("acc")["precision"] == "float16"
-    scan = result.report.node("scan")
-    assert scan["precision"] == "float32"
-    assert "boundary" in next(iter(scan["groups"].values()))["reason"]
-    _check_both(model, result, {"s0": weights(rng, 2), "xs": weights(rng, 3, 2)})
+    groups = result.report.node("scan")["groups"]
+    assert groups["V[0]"]["precision"] == "float16"
+    assert all("boundary" in g["reason"] and g["precision"] == "float32" for k, g in groups.items() if k != "V[0]")
+    body = _ops(result.model.graph, "Scan")[0].attribute[0].g
+    assert _elem(body, body.input[0].name) == F16 and _elem(body, body.input[1].name) == FLOAT
+    feeds = {"s0": weights(rng, 2), "xs": weights(rng, 3, 2)}
+    _check_both(model, result, feeds)
+    assert_close(run_reference(result.model, feeds), run_reference(model, feeds), rtol=2e-2, atol=2e-2)
 
 
 def test_if_branches_with_outer_scope_capture():
@@ -166,6 +177,70 @@ def test_sequence_ops_keep_their_tensor_types():
     assert result.report.node("mm")["precision"] == "float16"
     assert result.report.node("split")["precision"] == "float32"
     _check_both(model, result, {"x": weights(rng, 2, 3)})
+
+
+def _sequence_model(rng, split=False, exp=False):
+    """MatMul -> [SequenceEmpty + 2 SequenceInsert | SplitToSequence] -> SequenceAt + ConcatFromSequence
+    -> Add -> MatMul; `exp`: the second insert reads Exp(h) (a deny op) instead of h."""
+    start = ([node("Concat", ["h", "h"], ["hh"], name="twice", axis=0),
+              node("SplitToSequence", ["hh", "halves"], ["seq"], name="split", axis=0)] if split else
+             [node("SequenceEmpty", [], ["empty"], name="empty", dtype=FLOAT),
+              node("SequenceInsert", ["empty", "h"], ["seq"], name="insert0")])
+    second = [node("Exp", ["h"], ["e"], name="exp")] if exp else []
+    model = make_model(
+        [node("MatMul", ["x", "W"], ["h"], name="mm"), *start, *second,
+         node("SequenceInsert", ["seq", "e" if exp else "h"], ["seq2"], name="insert"),
+         node("Identity", ["seq2"], ["seq3"], name="same"),  # Identity's V is a tensor or a sequence
+         node("SequenceAt", ["seq3", "zero"], ["at"], name="at"),
+         node("ConcatFromSequence", ["seq3"], ["y0"], name="concat", axis=0, new_axis=1),
+         node("Add", ["y0", "at"], ["y1"], name="add"),
+         node("MatMul", ["y1", "W"], ["y"], name="mm2")],
+        [tensor("x", [2, 3])], [tensor("y", [None, 2, 3])],
+        [init("W", weights(rng, 3, 3)), init("zero", np.array(0, np.int64)), init("halves", np.array([2, 2], np.int64))],
+        opset=17)
+    return onnx.shape_inference.infer_shapes(model)  # sequence value_infos, retyped with their tensors
+
+
+@pytest.mark.parametrize("placement", ["tf", "cost"])
+def test_sequence_ops_are_clear_ops_of_their_element_type(placement):
+    """Sequence ops are clear (as TF's TensorList ops): the sequence and the tensors an op ties to
+    its elements are one group, coloured like a tensor: between two MatMuls, all float16, and
+    no Cast on a sequence (none can convert one)."""
+    rng = np.random.default_rng(0)
+    model = _sequence_model(rng)
+    result = rewrite(model, target="float16", placement=placement)
+    for name in ("empty", "insert0", "insert", "same", "at", "concat", "add"):
+        assert result.report.node(name)["precision"] == "float16", name
+    assert [n.op_type for n in result.model.graph.node].count("Cast") == 2  # the model's input and output
+    seq = next(v for v in result.model.graph.value_info if v.name == "seq2")
+    assert seq.type.sequence_type.elem_type.tensor_type.elem_type == F16
+    check_both(model, result.model, {"x": weights(rng, 2, 3)})
+
+
+def test_the_tie_rule_decides_a_sequence_and_its_reason_says_so():
+    """SplitToSequence has no float16 CUDA kernel: the sequence ties every op that reads it to
+    its float32, and their reasons say the tie decided (not a schema: the schema allows it);
+    with provider 'any' the same ops are float16. A deny op tied in makes the cluster deny."""
+    rng = np.random.default_rng(1)
+    model = _sequence_model(rng, split=True)
+    result = rewrite(model, target="float16")
+    assert result.report.node("split")["groups"]["T+S"]["reason"].endswith("no float16 kernel on CUDA at opset 17")
+    for name in ("insert", "same", "at", "concat"):
+        entry = result.report.node(name)
+        assert entry["precision"] == "float32" and entry["step"] == "tied", name
+        assert "tied by a sequence to SplitToSequence 'split', which stays float32" in entry["because"]
+        assert "does not allow" not in entry["because"]
+    check_both(model, result.model, {"x": weights(rng, 2, 3)})
+    anywhere = rewrite(model, target="float16", provider="any")
+    assert all(anywhere.report.node(n)["precision"] == "float16" for n in ("split", "insert", "at", "concat"))
+    check_both(model, anywhere.model, {"x": weights(rng, 2, 3)})
+    denied = _sequence_model(rng, exp=True)
+    for placement in ("tf", "cost"):
+        result = rewrite(denied, target="float16", placement=placement)
+        assert result.report.node("insert")["precision"] == "float32"
+        assert result.report.node("insert0")["step"] == "tied", placement
+        assert "tied by a sequence to a float32 op" in result.report.node("insert0")["because"]
+        check_both(denied, result.model, {"x": weights(rng, 2, 3)})
 
 
 def test_model_local_function_is_inlined_and_coloured():

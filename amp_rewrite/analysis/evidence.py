@@ -1,0 +1,235 @@
+"""Evidence for cost placement's extra low ops: their values must fit the target type.
+
+TF's rule makes an infer or clear op low only between two allow ops; cost placement also makes
+low the free ops whose bytes it saves, such as the `* 100 * 10` after a MatMul in
+onnxconverter-common's own test model, whose values reach 274,000 (inf in float16). Each op cost
+placement makes low that TF's rule keeps float32 (an *extra* op) needs evidence that every tensor
+of its type group fits:
+- a data-free bound (op_lists/range_bounds.yaml): constants, ops bounded by 1, ops that preserve,
+  add, multiply or divide their inputs' reach; a value TF's rule holds low counts as one unit of
+  "accepted" reach (it would be low under TF too). Bound: |x| <= abs + rel * accepted, enough when
+  rel <= 1 and abs <= LIMIT / SAFETY;
+- else its tensors measured on synthesised inputs (one float32 run, as ModelOpt AutoCast does by
+  default, with AutoCast's default limit MEASURED_LIMIT), when the model is within the work budget;
+- else it stays float32 (TF's colour), with the reason.
+Pinned ops are blocked and the colouring is run again (the cut may move), until no extra op lacks
+evidence: a few rounds, each one min cut. The bounds are one sweep over the nodes: linear.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cache
+
+import numpy as np
+
+from amp_rewrite.analysis.oplists import shipped_table
+from amp_rewrite.io import tensordata
+from amp_rewrite.onnx_facts import FLOAT, constant_tensor
+
+LIMIT = 65504.0  # float16's largest value (bfloat16 needs no check)
+SENTINEL = float(np.finfo(np.float32).max)
+SAFETY = 4.0  # a data-free bound must stay this far inside (as calibration's default safety)
+MEASURED_LIMIT = 512.0  # AutoCast's data_max: synthesised inputs are not the real ones
+MAX_ROUNDS = 8
+MAX_CONSTANT = 4096  # elements: a larger constant is not read for its bound
+ACCEPTED = (0.0, 1.0)
+
+
+@cache
+def _rules() -> dict:
+    table = shipped_table("range_bounds.yaml")
+    return {op: kind for kind in ("unit", "preserving", "sum", "product", "quotient") for op in table[kind]}
+
+
+def _combine(kind: str, bounds: list, divisor_min):
+    """The output bound of an op of `kind` from its float inputs' bounds (None: unknown)."""
+    if kind == "unit":
+        return (1.0, 0.0)
+    if any(b is None for b in bounds) or not bounds:
+        return None
+    if kind == "preserving":
+        return (max(b[0] for b in bounds), max(b[1] for b in bounds))
+    if kind == "sum":
+        return (sum(b[0] for b in bounds), sum(b[1] for b in bounds))
+    if kind == "product":
+        scaled = [b for b in bounds if b[1] > 0]
+        if len(scaled) > 1:
+            return None  # accepted x accepted: no bound
+        absolute = float(np.prod([b[0] for b in bounds if b[1] == 0]))
+        if not scaled:
+            return (absolute, 0.0)
+        return (scaled[0][0] * absolute, scaled[0][1] * absolute)
+    if kind == "quotient":
+        if divisor_min is None or divisor_min <= 0:
+            return None
+        return (bounds[0][0] / divisor_min, bounds[0][1] / divisor_min)
+    return None
+
+
+class Bounds:
+    """Per tensor name: (abs, rel) or None, in one forward sweep over every scope's nodes."""
+
+    def __init__(self, cg, tf_low: set):
+        self.cg = cg
+        self.bound: dict = {}
+        self.smallest: dict = {}  # constant name -> its smallest |value|
+        rules = _rules()
+        for s, scope in enumerate(cg.scopes):
+            for n, (inputs, outputs) in enumerate(scope.io):
+                row = cg.writes[s][n]
+                if not row:
+                    continue
+                kind = rules.get(scope.op_types[n]) if scope.domains[n] in ("", "ai.onnx") else None
+                float_inputs = [x for x in inputs if x and cg.types.get(x) == FLOAT]
+                out = None
+                if kind is not None:
+                    ins = [self.of(s, x) for x in float_inputs]
+                    divisor = None
+                    if kind == "quotient" and len(float_inputs) == 2:
+                        self.of(s, float_inputs[1])
+                        divisor = self.smallest.get(float_inputs[1])
+                    out = _combine(kind, ins, divisor)
+                for slot, x in enumerate(outputs):
+                    if x and row[slot] is not None:
+                        self.bound[x] = ACCEPTED if row[slot] in tf_low else out
+
+    def sentinel(self, s: int, name: str) -> bool:
+        """A constant all of whose values are float32's largest: a mask sentinel (transform.weights)."""
+        b = self.of(s, name)
+        return b is not None and b[0] == SENTINEL and self.smallest.get(name) == SENTINEL
+
+    def of(self, s: int, name: str):
+        """The bound of `name` as read in scope `s`: a node's output, a constant, or None."""
+        if name in self.bound:
+            return self.bound[name]
+        found = self.cg.resolve(s, name)
+        result = None
+        if found is not None:
+            kind, n, _ = found.definition
+            scope = self.cg.scopes[found.scope]
+            tensor = None
+            if kind == "initializer":
+                tensor = self.cg.borrowed.get(name, scope.initializers.get(name)) if found.scope == 0 \
+                    else scope.initializers.get(name)
+            elif kind == "node" and scope.op_types[n] == "Constant":
+                tensor = constant_tensor(scope.graph.node[n])
+            if tensor is not None and tensor.data_type == FLOAT and int(np.prod(tensor.dims)) <= MAX_CONSTANT:
+                values = np.abs(tensordata.float_values(tensor))
+                if values.size and np.isfinite(values).all():
+                    result = (float(values.max()), 0.0)
+                    self.smallest[name] = float(values.min())
+        self.bound[name] = result
+        return result
+
+
+def group_tensors(cg, v: int) -> list:
+    """The named float tensors of vertex `v`'s type group (inputs, then outputs)."""
+    vertex = cg.vertices[v]
+    inputs, outputs = cg.scopes[vertex.scope].io[vertex.node]
+    names = [inputs[i] for i in vertex.group.inputs if inputs[i]]
+    names += [outputs[i] for i in vertex.group.outputs if outputs[i]]
+    return names
+
+
+def _is_constant(cg, s: int, name: str) -> bool:
+    found = cg.resolve(s, name)
+    if found is None:
+        return False
+    kind, n, _ = found.definition
+    return kind == "initializer" or (kind == "node" and cg.scopes[found.scope].op_types[n] == "Constant")
+
+
+def _bounded(b) -> bool:
+    return b is not None and b[1] <= 1.0 and b[0] <= LIMIT / SAFETY
+
+
+def settle(cg, colour, measure=None, skipped: str | None = None, low_io: frozenset = frozenset()):
+    """(plan, note): cost placement's plan once every extra low op has evidence; the note says
+    what was measured or why nothing was (None when no extra op needed it).
+
+    `colour(placement)` runs the passes on `cg`; `measure(names)` -> {name: largest |value| on
+    synthesised inputs, inf where not finite; absent where not measured} or None when it cannot run; `skipped`: why no
+    measurement may run (over the work budget), or None; `low_io`: main-graph inputs and outputs in
+    the target type, which fit by the user's word."""
+    plan = colour("cost")
+    if cg.target != "float16":
+        return plan, None
+    tf_plan = colour("tf")
+    tf_low = {v for v, c in tf_plan.colour.items() if c == "low"}
+    extras = [v for v, c in plan.colour.items() if c == "low" and v not in tf_low and not cg.vertices[v].group.output_only]
+    if not extras:
+        return plan, None
+    bounds = Bounds(cg, tf_low)
+    bounds.bound.update(dict.fromkeys(low_io, ACCEPTED))  # given or asked for in the target type: they fit
+    proven: set = set()
+    measured: dict = {}
+    count, failed, seconds, why_not = 0, [], 0.0, skipped
+    for _ in range(MAX_ROUNDS):
+        unproven = {}
+        for v in extras:
+            if v in proven:
+                continue
+            vertex = cg.vertices[v]
+            tensors = group_tensors(cg, v)
+            names = [x for x in tensors if not _is_constant(cg, vertex.scope, x)]
+            if all(_bounded(bounds.of(vertex.scope, x)) for x in names) or any(bounds.sentinel(vertex.scope, x) for x in tensors):
+                proven.add(v)  # (a mask sentinel's reader: the constant scan's rule makes it +-65504 x mask)
+            else:
+                unproven[v] = names
+        if not unproven:
+            break
+        wanted = sorted({x for names in unproven.values() for x in names} - measured.keys())
+        if wanted and why_not is None and measure is not None:
+            started = time.perf_counter()
+            got = measure(wanted)
+            seconds += time.perf_counter() - started
+            if got is None:  # the model does not run on made-up inputs (indices, masks): no verdict
+                return plan, (f"range check: {len(unproven)} ops low by cost placement but float32 by TF's rule "
+                              "are not checked: the model did not run on synthesised inputs (calibrate with "
+                              "samples to check them)")
+            else:
+                measured.update({x: got.get(x) for x in wanted})
+        pins = {}
+        for v, names in unproven.items():
+            values = [measured.get(x) for x in names] if why_not is None else [None]
+            worst = max((x for x in values if x is not None), default=0.0)
+            if why_not is None and all(x is not None for x in values) and worst <= MEASURED_LIMIT:
+                proven.add(v)
+                count += 1
+                continue
+            if why_not is not None:
+                pins[v] = (f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and no range "
+                           f"evidence could be had ({why_not})")
+            elif any(x is None for x in values):
+                pins[v] = (f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and "
+                           "its values could not be measured (a body's tensor)")
+            else:
+                pins[v] = (f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and "
+                           f"synthesised inputs reach {worst:.4g} (AutoCast's limit {MEASURED_LIMIT:g})")
+        if not pins:
+            break
+        for v, reason in pins.items():
+            cg.vertices[v].blocked = reason
+            failed.append(v)
+        plan = colour("cost")
+        extras = [v for v, c in plan.colour.items()
+                  if c == "low" and v not in tf_low and not cg.vertices[v].group.output_only]
+    else:
+        for v in extras:  # the rounds ran out: what is left unproven takes TF's colour
+            if v not in proven:
+                cg.vertices[v].blocked = "cost placement would make it low; no range evidence after the last round"
+                failed.append(v)
+        plan = colour("cost")
+    return plan, _note(len(measured), count, len(failed), seconds, why_not)
+
+
+def _note(tensors: int, proven: int, failed: int, seconds: float, why_not: str | None) -> str | None:
+    if not tensors and not failed:
+        return None
+    if why_not is not None:
+        return (f"range check: {failed} ops low by cost placement but float32 by TF's rule had no data-free bound "
+                f"and were not measured ({why_not}); they stay float32")
+    return (f"range check: {tensors} tensors of ops low by cost placement but float32 by TF's rule measured on "
+            f"synthesised inputs in {seconds:.2f} s: {proven} within {MEASURED_LIMIT:g} stay low, {failed} stay float32")
+
