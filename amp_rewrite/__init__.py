@@ -8,13 +8,24 @@
 Export pipelines call `amp_rewrite.maybe_rewrite(model)` and flip `enable()` / `disable()`.
 """
 
-from amp_rewrite.errors import AmpRewriteError, ModelError, OpListError, OutputError, UsageError
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
+from amp_rewrite.errors import AmpRewriteError, ModelError, OpListError, OutputError, UsageError
 from amp_rewrite.toggles import disable, enable, enabled, is_enabled, maybe_rewrite
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AmpRewriteError", "ModelError", "OpListError", "OutputError", "UsageError",
-    "RewriteOptions", "RewriteResult", "rewrite", "maybe_rewrite", "enable", "disable", "enabled", "is_enabled",
+    "AmpRewriteError",
+    "ModelError",
+    "OpListError",
+    "OutputError",
+    "UsageError",
+    "RewriteOptions",
+    "RewriteResult",
+    "rewrite",
+    "maybe_rewrite",
+    "enable",
+    "disable",
+    "enabled",
+    "is_enabled",
 ]

@@ -11,7 +11,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-
 DEFAULT_DOMAINS = ("", "ai.onnx")
 FLOAT = TensorProto.FLOAT
 
@@ -24,17 +23,38 @@ TAG = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FL
 TYPE_STRING = {"float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)", "float32": "tensor(float)"}
 TYPE_OF_STRING = {f"tensor({name.lower()})": value for name, value in TensorProto.DataType.items() if value}
 
-ELEMENT_SIZE = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
-                for t in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16,
-                          TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16,
-                          TensorProto.INT32, TensorProto.UINT32, TensorProto.INT64, TensorProto.UINT64,
-                          TensorProto.BOOL, TensorProto.COMPLEX64, TensorProto.COMPLEX128)}
+ELEMENT_SIZE = {
+    t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
+    for t in (
+        TensorProto.FLOAT,
+        TensorProto.DOUBLE,
+        TensorProto.FLOAT16,
+        TensorProto.BFLOAT16,
+        TensorProto.INT8,
+        TensorProto.UINT8,
+        TensorProto.INT16,
+        TensorProto.UINT16,
+        TensorProto.INT32,
+        TensorProto.UINT32,
+        TensorProto.INT64,
+        TensorProto.UINT64,
+        TensorProto.BOOL,
+        TensorProto.COMPLEX64,
+        TensorProto.COMPLEX128,
+    )
+}
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
 KNOWN_TYPES = frozenset(TensorProto.DataType.values()) - {TensorProto.UNDEFINED}
 # The typed field that holds a tensor's values when it has no raw_data (int32_data otherwise).
-TYPED_FIELD = {TensorProto.FLOAT: "float_data", TensorProto.DOUBLE: "double_data", TensorProto.INT64: "int64_data",
-               TensorProto.UINT64: "uint64_data", TensorProto.UINT32: "uint64_data",
-               TensorProto.COMPLEX64: "float_data", TensorProto.COMPLEX128: "double_data"}
+TYPED_FIELD = {
+    TensorProto.FLOAT: "float_data",
+    TensorProto.DOUBLE: "double_data",
+    TensorProto.INT64: "int64_data",
+    TensorProto.UINT64: "uint64_data",
+    TensorProto.UINT32: "uint64_data",
+    TensorProto.COMPLEX64: "float_data",
+    TensorProto.COMPLEX128: "double_data",
+}
 
 
 def np_dtype(elem: int) -> np.dtype:
@@ -52,17 +72,22 @@ def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
         if attr.name == "value":
             return attr.t
         if attr.name in ("value_float", "value_floats"):
-            return numpy_helper.from_array(np.array(list(attr.floats) if attr.name == "value_floats" else attr.f,
-                                                    np.float32))
+            return numpy_helper.from_array(
+                np.array(list(attr.floats) if attr.name == "value_floats" else attr.f, np.float32)
+            )
         if attr.name in ("value_int", "value_ints"):
-            return numpy_helper.from_array(np.array(list(attr.ints) if attr.name == "value_ints" else attr.i,
-                                                    np.int64))
+            return numpy_helper.from_array(
+                np.array(list(attr.ints) if attr.name == "value_ints" else attr.i, np.int64)
+            )
     return None
 
 
 def opsets(model: onnx.ModelProto) -> dict[str, int]:
     """Domain -> opset version imported by the model (the default domain under '')."""
-    return {("" if entry.domain in DEFAULT_DOMAINS else entry.domain): entry.version for entry in model.opset_import}
+    return {
+        ("" if entry.domain in DEFAULT_DOMAINS else entry.domain): entry.version
+        for entry in model.opset_import
+    }
 
 
 def default_opset(model: onnx.ModelProto) -> int | None:
@@ -88,7 +113,9 @@ def walk(graph: onnx.GraphProto, sparse: list | None = None) -> tuple[list, list
                     graphs.append(attr.g)
                 graphs.extend(attr.graphs)
                 if sparse is not None and attr.type in _SPARSE_ATTRIBUTES:
-                    sparse.extend([attr.sparse_tensor] if attr.HasField("sparse_tensor") else attr.sparse_tensors)
+                    sparse.extend(
+                        [attr.sparse_tensor] if attr.HasField("sparse_tensor") else attr.sparse_tensors
+                    )
     return graphs, tensors
 
 

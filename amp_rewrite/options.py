@@ -50,14 +50,24 @@ class RewriteOptions:
     keep_fp32_nodes: tuple = ()  # node names or full-match regexes pinned float32
     clamp: bool = False  # clamp out-of-range constants instead of keeping their readers float32
     check: bool = True  # onnx.checker on the result
-    force_fp32: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> reason: deny roots
-    colour_as: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # node -> node whose colour it takes
+    force_fp32: MappingProxyType = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )  # node -> reason: deny roots
+    colour_as: MappingProxyType = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )  # node -> node whose colour it takes
     calibration: object = None  # a checks.calibrate.CalibrationResult: measured deny roots
     annotate: bool = False  # each node's precision and reason written into the result (Netron shows them)
-    placement: str = "cost"  # free infer/clear ops: one minimum cut of bytes moved, or "tf" (TF's between-allow rule)
+    placement: str = (
+        "cost"  # free infer/clear ops: one minimum cut of bytes moved, or "tf" (TF's between-allow rule)
+    )
     scale_activations: bool = True  # with calibration: linear regions over the limit run on values x 2^-k
-    relax_margin: float = 16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
-    pointwise_check: bool = True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
+    relax_margin: float = (
+        16.0  # with calibration: range-deny ops measured within LIMIT/margin become infer (0: never)
+    )
+    pointwise_check: bool = (
+        True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
+    )
     fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
     opset: int | None = None  # convert the model to this default-domain opset first (onnx.version_converter)
 
@@ -93,7 +103,9 @@ class RewriteOptions:
         return options
 
     def replace(self, **changes) -> RewriteOptions:
-        return RewriteOptions.of(**{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
+        return RewriteOptions.of(
+            **{**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes}
+        )
 
     def check_values(self) -> None:
         """Provider, target and dims are checked by `Deployment`; the rest here."""
@@ -103,14 +115,18 @@ class RewriteOptions:
             raise UsageError(f"relax margin {self.relax_margin:g} must be 0 (off) or at least 1")
         if self.placement not in PLACEMENTS:
             raise UsageError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
-        if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < 1):
+        if self.opset is not None and (
+            isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < 1
+        ):
             raise UsageError(f"opset {self.opset!r} must be a whole number of at least 1")
         for option in ("keep_fp32_nodes", "low_precision_io"):
             for pattern in getattr(self, option):
                 try:
                     re.compile(pattern)
                 except (re.error, TypeError) as exc:
-                    raise UsageError(f"{option}: {pattern!r} is not a valid regular expression ({exc})") from None
+                    raise UsageError(
+                        f"{option}: {pattern!r} is not a valid regular expression ({exc})"
+                    ) from None
 
     def low_io_names(self, graph) -> frozenset:
         """Names of the main graph's float32 inputs and outputs that take the target type: those a
@@ -123,15 +139,23 @@ class RewriteOptions:
             matched = [name for name in floats if re.fullmatch(pattern, name)]
             if not matched:
                 shown = ", ".join(floats[:4]) + (", ..." if len(floats) > 4 else "") or "none"
-                raise UsageError(f"low_precision_io: {pattern!r} matches no float32 graph input or output "
-                                 f"(they are: {shown})")
+                raise UsageError(
+                    f"low_precision_io: {pattern!r} matches no float32 graph input or output "
+                    f"(they are: {shown})"
+                )
             chosen.update(matched)
         return frozenset(chosen)
 
     def lists(self) -> OpLists:
         """The op lists for `target` with the user's files and moves applied."""
-        return load_op_lists(self.target, user_files=list(self.op_lists), allow=list(self.allow),
-                             deny=list(self.deny), infer=list(self.infer), clear=list(self.clear))
+        return load_op_lists(
+            self.target,
+            user_files=list(self.op_lists),
+            allow=list(self.allow),
+            deny=list(self.deny),
+            infer=list(self.infer),
+            clear=list(self.clear),
+        )
 
     def kernel_check(self):
         """The deployment's kernel check for graph.build (None for provider "any")."""
@@ -141,7 +165,10 @@ class RewriteOptions:
         """Node name -> reason for deny ops calibration measured far inside the range (0 margin: none)."""
         if self.calibration is None or not self.relax_margin:
             return {}
-        return {key: reason for key, (reason, _) in self.calibration.relaxed(self.target, self.relax_margin).items()}
+        return {
+            key: reason
+            for key, (reason, _) in self.calibration.relaxed(self.target, self.relax_margin).items()
+        }
 
     def deny_roots(self, scaling=None) -> dict:
         """Node name -> reason for every node that must start float32 (user pins and calibration).

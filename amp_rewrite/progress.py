@@ -20,7 +20,9 @@ class Progress:
         self.note = ""
         self.started = time.perf_counter()
         if enabled is None:
-            enabled = bool(getattr(self.stream, "isatty", lambda: False)()) and (self.total is None or self.total > 1)
+            enabled = bool(getattr(self.stream, "isatty", lambda: False)()) and (
+                self.total is None or self.total > 1
+            )
         self.enabled = enabled
 
     def __enter__(self):

@@ -31,13 +31,22 @@ import onnxruntime as ort
 import amp_rewrite
 
 CACHE_IO = [r"past_key_values\..*", r"present\..*"]
-CONFIG = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+CONFIG = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 OPSET = 18
 
 
 def missing() -> list[str]:
-    return [name for name in ("torch", "transformers", "onnxscript") if importlib.util.find_spec(name) is None]
+    return [
+        name for name in ("torch", "transformers", "onnxscript") if importlib.util.find_spec(name) is None
+    ]
 
 
 def cache_names(layers: int) -> tuple[list[str], list[str]]:
@@ -67,21 +76,36 @@ def export(config: dict = CONFIG, seed: int = 0) -> onnx.ModelProto:
             cache = DynamicCache(config=cfg)
             for i in range(layers):
                 cache.update(past[2 * i], past[2 * i + 1], i)
-            out = self.llama(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                             use_cache=True)
+            out = self.llama(
+                input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True
+            )
             present = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
             return (out.logits, *present)
 
     batch, seq, past_len = 2, 2, 3  # sizes of 1 would be specialised by torch.export
-    example = (torch.zeros(batch, seq, dtype=torch.int64), torch.ones(batch, past_len + seq, dtype=torch.int64),
-               *[torch.zeros(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)])
+    example = (
+        torch.zeros(batch, seq, dtype=torch.int64),
+        torch.ones(batch, past_len + seq, dtype=torch.int64),
+        *[torch.zeros(batch, kv_heads, past_len, head_dim) for _ in range(2 * layers)],
+    )
     past_names, present_names = cache_names(layers)
-    dims = ({0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, tuple({0: "batch", 2: "past"} for _ in past_names))
+    dims = (
+        {0: "batch", 1: "seq"},
+        {0: "batch", 1: "total"},
+        tuple({0: "batch", 2: "past"} for _ in past_names),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(Decoder(), example, dynamo=True, opset_version=OPSET, verbose=False,
-                                    input_names=["input_ids", "attention_mask", *past_names],
-                                    output_names=["logits", *present_names], dynamic_shapes=dims)
+        program = torch.onnx.export(
+            Decoder(),
+            example,
+            dynamo=True,
+            opset_version=OPSET,
+            verbose=False,
+            input_names=["input_ids", "attention_mask", *past_names],
+            output_names=["logits", *present_names],
+            dynamic_shapes=dims,
+        )
     model = program.model_proto
     model.ir_version = min(model.ir_version, 10)  # ONNX Runtime refuses newer IR versions
     return model
@@ -98,8 +122,10 @@ def cache_inputs(model: onnx.ModelProto) -> dict:
     for value in model.graph.input:
         if value.name.startswith("past_key_values."):
             dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
-            out[value.name] = (onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type),
-                               (dims[1], dims[3]))
+            out[value.name] = (
+                onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type),
+                (dims[1], dims[3]),
+            )
     return out
 
 
@@ -109,8 +135,10 @@ def decode(run, model: onnx.ModelProto, prompt, steps: int, follow=None):
     `follow` (a list of tokens), those tokens are fed instead of this model's own choices, so two
     models can be compared step by step. Returns (tokens, each step's last logits, each step's
     cache dtypes)."""
-    past = {name: np.zeros((1, heads, 0, head_dim), dtype) for name, (dtype, (heads, head_dim)) in
-            cache_inputs(model).items()}
+    past = {
+        name: np.zeros((1, heads, 0, head_dim), dtype)
+        for name, (dtype, (heads, head_dim)) in cache_inputs(model).items()
+    }
     ids = np.asarray([prompt], np.int64)
     length = 0
     tokens, logits, dtypes = [], [], []
@@ -135,7 +163,11 @@ def cosine(a, b) -> float:
 def cache_casts(model: onnx.ModelProto) -> list[str]:
     """Cast nodes that read a past input or write a present output: none, when the cache is float16 end to end."""
     past, present = cache_names(sum(v.name.endswith(".key") for v in model.graph.input))
-    return [n.name for n in model.graph.node if n.op_type == "Cast" and (n.input[0] in past or n.output[0] in present)]
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type == "Cast" and (n.input[0] in past or n.output[0] in present)
+    ]
 
 
 def session_runner(model: onnx.ModelProto):
@@ -146,7 +178,9 @@ def session_runner(model: onnx.ModelProto):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--out", type=Path, help="folder for decoder.onnx and decoder.fp16.onnx (default: a temporary one)")
+    parser.add_argument(
+        "--out", type=Path, help="folder for decoder.onnx and decoder.fp16.onnx (default: a temporary one)"
+    )
     args = parser.parse_args(argv)
     absent = missing()
     if absent:
@@ -166,9 +200,13 @@ def main(argv=None) -> int:
         own, _, _ = decode(session_runner(half), half, prompt, args.steps)
         _, got, dtypes = decode(session_runner(half), half, prompt, args.steps, follow=tokens)
     cosines = [cosine(g, e) for g, e in zip(got, expected)]
-    print(f"cache I/O: {', '.join(sorted(set().union(*[{str(d) for d in step} for step in dtypes])))} at every step; "
-          f"Casts on the cache path: {len(cache_casts(half))}")
-    print(f"logits cosine vs float32 over {args.steps} steps: min {min(cosines):.6f}, mean {np.mean(cosines):.6f}")
+    print(
+        f"cache I/O: {', '.join(sorted(set().union(*[{str(d) for d in step} for step in dtypes])))} at every step; "
+        f"Casts on the cache path: {len(cache_casts(half))}"
+    )
+    print(
+        f"logits cosine vs float32 over {args.steps} steps: min {min(cosines):.6f}, mean {np.mean(cosines):.6f}"
+    )
     print(f"greedy tokens equal to float32's: {sum(a == b for a, b in zip(own, tokens))}/{args.steps}")
     return 0 if min(cosines) >= 0.999 and not cache_casts(half) else 1
 

@@ -38,8 +38,16 @@ def export(module, example, path: Path) -> onnx.ModelProto:
     module.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(module, (example,), str(path), dynamo=False, opset_version=17, input_names=["x"],
-                          output_names=["probs"], dynamic_axes={"x": {0: "batch"}, "probs": {0: "batch"}})
+        torch.onnx.export(
+            module,
+            (example,),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["probs"],
+            dynamic_axes={"x": {0: "batch"}, "probs": {0: "batch"}},
+        )
     return onnx.load(str(path))
 
 

@@ -17,8 +17,10 @@ import warnings
 
 import numpy as np
 
-TEXT = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
-        "all that glitters is not gold. the early bird catches the worm. ") * 4
+TEXT = (
+    "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+    "all that glitters is not gold. the early bird catches the worm. "
+) * 4
 SEQ, BATCH = 16, 16
 
 
@@ -27,8 +29,16 @@ def export_llama(vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+    )
     model = LlamaForCausalLM(config).eval()
 
     class Logits(torch.nn.Module):
@@ -41,8 +51,15 @@ def export_llama(vocab: int):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(Logits(), (torch.zeros(BATCH, SEQ, dtype=torch.int64),), dynamo=True,
-                                    opset_version=18, verbose=False, input_names=["input_ids"], output_names=["logits"])
+        program = torch.onnx.export(
+            Logits(),
+            (torch.zeros(BATCH, SEQ, dtype=torch.int64),),
+            dynamo=True,
+            opset_version=18,
+            verbose=False,
+            input_names=["input_ids"],
+            output_names=["logits"],
+        )
     proto = program.model_proto
     proto.ir_version = min(proto.ir_version, 10)  # ONNX Runtime 1.31 loads up to IR 10
     return proto
@@ -55,7 +72,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     missing = [m for m in ("torch", "transformers", "onnxscript") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"this example needs {', '.join(missing)} (pip install torch transformers onnxscript); skipping")
+        print(
+            f"this example needs {', '.join(missing)} (pip install torch transformers onnxscript); skipping"
+        )
         return 0
     from amp_rewrite.training import AdamW, Trainer
 
@@ -68,8 +87,10 @@ def main(argv=None) -> int:
     print("step  loss    scale  skipped")
     for step in range(args.steps):
         starts = rng.integers(0, len(ids) - SEQ - 1, BATCH)
-        batch = {"input_ids": np.stack([ids[s:s + SEQ] for s in starts]),
-                 "labels": np.stack([ids[s + 1:s + SEQ + 1] for s in starts])}
+        batch = {
+            "input_ids": np.stack([ids[s : s + SEQ] for s in starts]),
+            "labels": np.stack([ids[s + 1 : s + SEQ + 1] for s in starts]),
+        }
         result = trainer.step(batch)
         print(f"{step + 1:4d}  {result.loss:.4f}  {result.loss_scale:5g}  {result.skipped}")
     return 0

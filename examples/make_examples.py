@@ -48,22 +48,32 @@ def _weights(rng: np.random.Generator, name: str, shape) -> onnx.TensorProto:
 
 def _batch_norm_params(rng: np.random.Generator, prefix: str, channels: int) -> list[onnx.TensorProto]:
     """Non-trivial statistics, so the affine map BatchNormalization applies is visible in outputs."""
-    values = {"scale": 1.0 + 0.1 * rng.standard_normal(channels), "bias": 0.1 * rng.standard_normal(channels),
-              "mean": 0.1 * rng.standard_normal(channels), "var": 1.0 + 0.1 * rng.random(channels)}
+    values = {
+        "scale": 1.0 + 0.1 * rng.standard_normal(channels),
+        "bias": 0.1 * rng.standard_normal(channels),
+        "mean": 0.1 * rng.standard_normal(channels),
+        "var": 1.0 + 0.1 * rng.random(channels),
+    }
     return [numpy_helper.from_array(v.astype(np.float32), f"{prefix}.{k}") for k, v in values.items()]
 
 
 def tiny_cnn(classes: int = 10, seed: int = 0) -> onnx.ModelProto:
     """image [batch, 3, 16, 16] -> logits [batch, classes]."""
     rng = np.random.default_rng(seed)
-    inits = [_weights(rng, "conv1.w", (8, 3, 3, 3)), numpy_helper.from_array(np.zeros(8, np.float32), "conv1.b"),
-             *_batch_norm_params(rng, "bn1", 8),
-             _weights(rng, "conv2.w", (16, 8, 3, 3)), numpy_helper.from_array(np.zeros(16, np.float32), "conv2.b"),
-             _weights(rng, "fc.w", (classes, 16)), numpy_helper.from_array(np.zeros(classes, np.float32), "fc.b")]
+    inits = [
+        _weights(rng, "conv1.w", (8, 3, 3, 3)),
+        numpy_helper.from_array(np.zeros(8, np.float32), "conv1.b"),
+        *_batch_norm_params(rng, "bn1", 8),
+        _weights(rng, "conv2.w", (16, 8, 3, 3)),
+        numpy_helper.from_array(np.zeros(16, np.float32), "conv2.b"),
+        _weights(rng, "fc.w", (classes, 16)),
+        numpy_helper.from_array(np.zeros(classes, np.float32), "fc.b"),
+    ]
     nodes = [
         helper.make_node("Conv", ["image", "conv1.w", "conv1.b"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("BatchNormalization", ["c1", "bn1.scale", "bn1.bias", "bn1.mean", "bn1.var"], ["b1"],
-                         name="bn1"),
+        helper.make_node(
+            "BatchNormalization", ["c1", "bn1.scale", "bn1.bias", "bn1.mean", "bn1.var"], ["b1"], name="bn1"
+        ),
         helper.make_node("Relu", ["b1"], ["r1"], name="relu1"),
         helper.make_node("MaxPool", ["r1"], ["p1"], name="pool1", kernel_shape=[2, 2], strides=[2, 2]),
         helper.make_node("Conv", ["p1", "conv2.w", "conv2.b"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
@@ -72,10 +82,18 @@ def tiny_cnn(classes: int = 10, seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Gemm", ["f", "fc.w", "fc.b"], ["logits"], name="fc", transB=1),
     ]
     graph = helper.make_graph(
-        nodes, "tiny_cnn", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 16, 16])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
-                             producer_name="amp-rewrite examples/make_examples.py")
+        nodes,
+        "tiny_cnn",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 16, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
+        inits,
+    )
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name="amp-rewrite examples/make_examples.py",
+    )
 
 
 EXAMPLES = {"tiny_transformer.onnx": tiny_transformer, "tiny_cnn.onnx": tiny_cnn}

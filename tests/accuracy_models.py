@@ -23,8 +23,10 @@ def hazards(seed=0):
         init("W4", (rng.standard_normal((64, 4)) * 0.1).astype(f32)),
         init("W5", (rng.standard_normal((16, 8)) * 0.5).astype(f32)),
         init("W6", (rng.standard_normal((8, 4))).astype(f32)),
-        init("small", np.array(1e-4, f32)), init("eps", np.array(1e-5, f32)),
-        init("one", np.array(1.0, f32)), init("neg_big", np.array(-1e9, f32)),
+        init("small", np.array(1e-4, f32)),
+        init("eps", np.array(1e-5, f32)),
+        init("one", np.array(1.0, f32)),
+        init("neg_big", np.array(-1e9, f32)),
     ]
     nodes = [
         node("MatMul", ["x", "W1"], ["h"], name="act/MatMul"),
@@ -48,9 +50,12 @@ def hazards(seed=0):
         node("Softmax", ["masked"], ["probs"], name="attn/Softmax", axis=-1),
         node("MatMul", ["probs", "W6"], ["attn"], name="attn/out"),
     ]
-    return make_model(nodes, [tensor("x", ["batch", 16]), tensor("mask", ["batch", 8])],
-                      [tensor("act", ["batch", 4]), tensor("norm", ["batch", 4]), tensor("attn", ["batch", 4])],
-                      inits)
+    return make_model(
+        nodes,
+        [tensor("x", ["batch", 16]), tensor("mask", ["batch", 8])],
+        [tensor("act", ["batch", 4]), tensor("norm", ["batch", 4]), tensor("attn", ["batch", 4])],
+        inits,
+    )
 
 
 def hazard_samples(count=2, batch=8, seed=1):
@@ -71,7 +76,8 @@ def cancellation(seed=0):
     inits = [
         init("W0", (rng.standard_normal((16, 16)) * 0.5).astype(f32)),
         init("b0", (rng.standard_normal(16) * 0.1).astype(f32)),
-        init("A", a), init("A2", (a + 1e-3 * rng.standard_normal((16, 16))).astype(f32)),
+        init("A", a),
+        init("A2", (a + 1e-3 * rng.standard_normal((16, 16))).astype(f32)),
         init("C", (rng.standard_normal((16, 16)) * 30).astype(f32)),
         init("W3", (rng.standard_normal((16, 10)) * 0.3).astype(f32)),
     ]

@@ -18,16 +18,30 @@ import pytest
 def executable() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if found is None:
-        pytest.skip("no headless Chromium (Debian: apt-get install chromium): the page's drawing is not checked")
+        pytest.skip(
+            "no headless Chromium (Debian: apt-get install chromium): the page's drawing is not checked"
+        )
     return found
 
 
 def _run(page: Path, extra: list, fragment: str = "", timeout: int = 120) -> str:
     with tempfile.TemporaryDirectory() as profile:
-        command = [executable(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                   "--disable-component-update", "--disable-sync", "--no-first-run", "--mute-audio",
-                   f"--user-data-dir={profile}", "--virtual-time-budget=10000", "--window-size=1400,900",
-                   *extra, page.resolve().as_uri() + (f"#{fragment}" if fragment else "")]
+        command = [
+            executable(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--mute-audio",
+            f"--user-data-dir={profile}",
+            "--virtual-time-budget=10000",
+            "--window-size=1400,900",
+            *extra,
+            page.resolve().as_uri() + (f"#{fragment}" if fragment else ""),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     return done.stdout
 

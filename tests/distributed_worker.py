@@ -33,12 +33,27 @@ def sse_model(seed=0):
     rng = np.random.default_rng(seed)
     w0 = rng.uniform(-0.4, 0.4, (FEATURES, HIDDEN)).astype(np.float32)
     w1 = rng.uniform(-0.25, 0.25, (HIDDEN, CLASSES)).astype(np.float32)
-    nodes = [node("Gemm", ["x", "w0", "b0"], ["h_pre"], name="fc0"), node("Relu", ["h_pre"], ["h"], name="relu0"),
-             node("Gemm", ["h", "w1", "b1"], ["pred"], name="fc1"), node("Sub", ["pred", "targets"], ["err"], name="err"),
-             node("Mul", ["err", "err"], ["sq"], name="sq"), node("ReduceSum", ["sq"], ["sse"], name="sse", keepdims=0)]
-    inits = [init("w0", w0), init("b0", np.zeros(HIDDEN, np.float32)), init("w1", w1), init("b1", np.zeros(CLASSES, np.float32))]
-    return make_model(nodes, [tensor("x", ["N", FEATURES]), tensor("targets", ["N", CLASSES])],
-                      [tensor("sse", [], TensorProto.FLOAT)], inits, opset=17)
+    nodes = [
+        node("Gemm", ["x", "w0", "b0"], ["h_pre"], name="fc0"),
+        node("Relu", ["h_pre"], ["h"], name="relu0"),
+        node("Gemm", ["h", "w1", "b1"], ["pred"], name="fc1"),
+        node("Sub", ["pred", "targets"], ["err"], name="err"),
+        node("Mul", ["err", "err"], ["sq"], name="sq"),
+        node("ReduceSum", ["sq"], ["sse"], name="sse", keepdims=0),
+    ]
+    inits = [
+        init("w0", w0),
+        init("b0", np.zeros(HIDDEN, np.float32)),
+        init("w1", w1),
+        init("b1", np.zeros(CLASSES, np.float32)),
+    ]
+    return make_model(
+        nodes,
+        [tensor("x", ["N", FEATURES]), tensor("targets", ["N", CLASSES])],
+        [tensor("sse", [], TensorProto.FLOAT)],
+        inits,
+        opset=17,
+    )
 
 
 def model_and_loss(kind):
@@ -53,24 +68,43 @@ def global_batches(kind, count=STEPS, seed=3):
         if kind == "mean":
             batches.append({"x": x, "labels": rng.integers(0, CLASSES, GLOBAL_BATCH).astype(np.int64)})
         else:
-            batches.append({"x": x, "targets": rng.standard_normal((GLOBAL_BATCH, CLASSES)).astype(np.float32)})
+            batches.append(
+                {"x": x, "targets": rng.standard_normal((GLOBAL_BATCH, CLASSES)).astype(np.float32)}
+            )
     return batches
 
 
 def equivalence(out, rank):
     for name, (make_optimizer, kind, bucket_mb) in EQUIVALENCE.items():
         model, loss = model_and_loss(kind)
-        trainer = Trainer(model, loss=loss, optimizer=make_optimizer(), precision="float32", provider="cpu",
-                          distributed="mpi", loss_reduction=kind, bucket_mb=bucket_mb)
+        trainer = Trainer(
+            model,
+            loss=loss,
+            optimizer=make_optimizer(),
+            precision="float32",
+            provider="cpu",
+            distributed="mpi",
+            loss_reduction=kind,
+            bucket_mb=bucket_mb,
+        )
         results = [trainer.step(shard(b)) for b in global_batches(kind)]
-        np.savez(os.path.join(out, f"{name}-rank{rank}.npz"), losses=[r.loss for r in results],
-                 buckets=len(trainer.runner.buckets.flat), **{f"state/{k}": v for k, v in trainer.state().items()})
+        np.savez(
+            os.path.join(out, f"{name}-rank{rank}.npz"),
+            losses=[r.loss for r in results],
+            buckets=len(trainer.runner.buckets.flat),
+            **{f"state/{k}": v for k, v in trainer.state().items()},
+        )
 
 
 def nonfinite_and_checkpoint(out, rank):
     """float16 step; an Inf in rank 1's share of step 2 only; then save, go on, load, go on again."""
-    trainer = Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=AdamW(0.01), precision="float16", provider="cpu",
-                      distributed="mpi")
+    trainer = Trainer(
+        mlp((FEATURES, HIDDEN, CLASSES)),
+        optimizer=AdamW(0.01),
+        precision="float16",
+        provider="cpu",
+        distributed="mpi",
+    )
     batches = [shard(b) for b in global_batches("mean", count=7)]
     if rank == 1:
         batches[2]["x"] = batches[2]["x"].copy()
@@ -88,15 +122,25 @@ def nonfinite_and_checkpoint(out, rank):
     trainer.load(os.path.join(out, "ckpt.npz"))
     again = [trainer.step(b) for b in batches[4:]]
     trainer.export(os.path.join(out, "trained.onnx"))
-    np.savez(os.path.join(out, f"nonfinite-rank{rank}.npz"), skipped=[r.skipped for r in results],
-             scales=[r.loss_scale for r in results], first=[r.loss for r in first], again=[r.loss for r in again],
-             **record)
+    np.savez(
+        os.path.join(out, f"nonfinite-rank{rank}.npz"),
+        skipped=[r.skipped for r in results],
+        scales=[r.loss_scale for r in results],
+        first=[r.loss for r in first],
+        again=[r.loss for r in again],
+        **record,
+    )
 
 
 def fault(out, rank, how):
     """Rank 1 dies (SIGKILL) or raises at step 5; rank 0 checkpoints every step and would go on forever."""
-    trainer = Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=SGD(0.1), precision="float32", provider="cpu",
-                      distributed="mpi")
+    trainer = Trainer(
+        mlp((FEATURES, HIDDEN, CLASSES)),
+        optimizer=SGD(0.1),
+        precision="float32",
+        provider="cpu",
+        distributed="mpi",
+    )
     batch = shard(global_batches("mean", count=1)[0])
     step = 0
     while True:
@@ -112,15 +156,25 @@ def fault(out, rank, how):
 
 def mismatch(out, rank):
     """Rank 1 configures another momentum: a different step graph."""
-    Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=SGD(0.1, momentum=0.9 if rank == 0 else 0.8),
-            precision="float32", provider="cpu", distributed="mpi")
+    Trainer(
+        mlp((FEATURES, HIDDEN, CLASSES)),
+        optimizer=SGD(0.1, momentum=0.9 if rank == 0 else 0.8),
+        precision="float32",
+        provider="cpu",
+        distributed="mpi",
+    )
     print("built", flush=True)
 
 
 def uneven(out, rank):
     """Rank 1 gets a batch fewer than rank 0."""
-    trainer = Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=SGD(0.1), precision="float32", provider="cpu",
-                      distributed="mpi")
+    trainer = Trainer(
+        mlp((FEATURES, HIDDEN, CLASSES)),
+        optimizer=SGD(0.1),
+        precision="float32",
+        provider="cpu",
+        distributed="mpi",
+    )
     batches = [shard(b) for b in global_batches("mean", count=4)]
     trainer.fit(batches[:3] if rank == 1 else batches, progress=False)
     print("trained", flush=True)
@@ -131,5 +185,11 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    {"equivalence": equivalence, "nonfinite": nonfinite_and_checkpoint, "mismatch": mismatch, "uneven": uneven,
-     "kill": lambda o, r: fault(o, r, "kill"), "raise": lambda o, r: fault(o, r, "raise")}[scenario](out, rank)
+    {
+        "equivalence": equivalence,
+        "nonfinite": nonfinite_and_checkpoint,
+        "mismatch": mismatch,
+        "uneven": uneven,
+        "kill": lambda o, r: fault(o, r, "kill"),
+        "raise": lambda o, r: fault(o, r, "raise"),
+    }[scenario](out, rank)

@@ -64,8 +64,8 @@ def text_batches(steps: int = STEPS, seed: int = 0):
     batches = []
     for step in range(steps):
         starts = picks[step % ROUNDS]
-        x = np.stack([ids[s:s + SEQ] for s in starts])
-        y = np.stack([ids[s + 1:s + SEQ + 1] for s in starts])
+        x = np.stack([ids[s : s + SEQ] for s in starts])
+        y = np.stack([ids[s + 1 : s + SEQ + 1] for s in starts])
         batches.append((x, y))
     return batches, len(vocab)
 
@@ -87,8 +87,16 @@ def _torchscript(module, args, input_names, opset=17, dynamic_axes=None):
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module.eval(), args, buffer, dynamo=False, opset_version=opset, input_names=input_names,
-                          output_names=["logits"], dynamic_axes=dynamic_axes)
+        torch.onnx.export(
+            module.eval(),
+            args,
+            buffer,
+            dynamo=False,
+            opset_version=opset,
+            input_names=input_names,
+            output_names=["logits"],
+            dynamic_axes=dynamic_axes,
+        )
     return _finish(onnx.load_from_string(buffer.getvalue()))
 
 
@@ -97,8 +105,15 @@ def _dynamo(module, args, opset=18):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=opset, verbose=False,
-                                    input_names=["input_ids"], output_names=["logits"])
+        program = torch.onnx.export(
+            module.eval(),
+            args,
+            dynamo=True,
+            opset_version=opset,
+            verbose=False,
+            input_names=["input_ids"],
+            output_names=["logits"],
+        )
     return _finish(program.model_proto)
 
 
@@ -119,7 +134,9 @@ def by_hand(model: onnx.ModelProto, module) -> set[str]:
         if array.ndim == 2:
             wanted.add(np.ascontiguousarray(array.T).tobytes())
     tensors = list(model.graph.initializer)
-    tensors += [a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    tensors += [
+        a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"
+    ]
     found = set()
     for tensor in tensors:
         array = numpy_helper.to_array(tensor)
@@ -157,9 +174,17 @@ def export_cnn():
     from torch import nn
 
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(8), nn.MaxPool2d(2),
-                           nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                           nn.Linear(64, 10))
+    module = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.BatchNorm2d(8),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
     model = _torchscript(module, (torch.zeros(BATCH, 1, 8, 8),), ["x"])
     return model, _feeds(model, digit_batches("image")), _hand(module)
 
@@ -183,9 +208,18 @@ def export_vit():
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
-    config = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=32, num_hidden_layers=2,
-                       num_attention_heads=2, intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)
+    config = ViTConfig(
+        image_size=8,
+        patch_size=2,
+        num_channels=1,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     module = _perturb(ViTForImageClassification(config))
     model = _torchscript(_logits_only(module), (torch.zeros(BATCH, 1, 8, 8),), ["pixel_values"])
     return model, _feeds(model, digit_batches("image")), _hand(module)
@@ -197,9 +231,17 @@ def export_bert():
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=17, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=10, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=17,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     module = _perturb(BertForSequenceClassification(config))
     model = _torchscript(_logits_only(module), (torch.zeros(BATCH, 64, dtype=torch.int64),), ["input_ids"])
     return model, _feeds(model, digit_batches("tokens")), _hand(module)
@@ -211,8 +253,17 @@ def export_gpt2():
 
     torch.manual_seed(0)
     batches, vocab = text_batches()
-    config = GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     module = _perturb(GPT2LMHeadModel(config))
     model = _dynamo(_logits_only(module), (torch.zeros(BATCH, SEQ, dtype=torch.int64),))
     return model, _feeds(model, batches), _hand(module)
@@ -225,8 +276,16 @@ def export_llama():
 
     torch.manual_seed(0)
     batches, vocab = text_batches()
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+    )
     module = _perturb(LlamaForCausalLM(config))
     model = _dynamo(_logits_only(module), (torch.zeros(BATCH, SEQ, dtype=torch.int64),))
     return model, _feeds(model, batches), _hand(module)
@@ -241,8 +300,10 @@ def export_constant_weights():
     module = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
     model = _torchscript(module, (torch.zeros(BATCH, 64),), ["x"], opset=11)
     graph = model.graph
-    constants = [onnx.helper.make_node("Constant", [], [t.name], name=f"const/{t.name}", value=t)
-                 for t in graph.initializer]
+    constants = [
+        onnx.helper.make_node("Constant", [], [t.name], name=f"const/{t.name}", value=t)
+        for t in graph.initializer
+    ]
     nodes = constants + list(graph.node)
     del graph.node[:]
     graph.node.extend(nodes)
@@ -251,5 +312,12 @@ def export_constant_weights():
 
 
 LR = {"cnn": 5e-3, "bert": 5e-3}  # others 3e-3
-EXPORTS = {"mlp": export_mlp, "cnn": export_cnn, "vit": export_vit, "bert": export_bert, "gpt2": export_gpt2,
-           "llama": export_llama, "constant_weights": export_constant_weights}
+EXPORTS = {
+    "mlp": export_mlp,
+    "cnn": export_cnn,
+    "vit": export_vit,
+    "bert": export_bert,
+    "gpt2": export_gpt2,
+    "llama": export_llama,
+    "constant_weights": export_constant_weights,
+}

@@ -62,8 +62,9 @@ def load_script(path: str, needs=()):
 def run_script(path: str, *args: str, timeout: int = 60) -> subprocess.CompletedProcess:
     """`python <path> <args>` from the checkout's root, output captured. The script imports the
     installed amp_rewrite, as the tests do (CI installs the wheel)."""
-    return subprocess.run([sys.executable, str(ROOT / path), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / path), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def load_tool(name: str, needs=()):
@@ -102,11 +103,17 @@ def mlp(seed=0):
     """MatMul -> Add -> Relu -> MatMul -> LogSoftmax over [N, 8]: allow, infer, clear, allow, deny."""
     rng = np.random.default_rng(seed)
     return make_model(
-        [node("MatMul", ["x", "W1"], ["h"], "mm1"), node("Add", ["h", "b1"], ["h2"], "add1"),
-         node("Relu", ["h2"], ["r"], "relu"), node("MatMul", ["r", "W2"], ["y"], "mm2"),
-         node("LogSoftmax", ["y"], ["p"], "sm", axis=-1)],
-        [tensor("x", ["N", 8])], [tensor("p", ["N", 4])],
-        [init("W1", weights(rng, 8, 16)), init("b1", weights(rng, 16)), init("W2", weights(rng, 16, 4))])
+        [
+            node("MatMul", ["x", "W1"], ["h"], "mm1"),
+            node("Add", ["h", "b1"], ["h2"], "add1"),
+            node("Relu", ["h2"], ["r"], "relu"),
+            node("MatMul", ["r", "W2"], ["y"], "mm2"),
+            node("LogSoftmax", ["y"], ["p"], "sm", axis=-1),
+        ],
+        [tensor("x", ["N", 8])],
+        [tensor("p", ["N", 4])],
+        [init("W1", weights(rng, 8, 16)), init("b1", weights(rng, 16)), init("W2", weights(rng, 16, 4))],
+    )
 
 
 def session(model):
@@ -157,23 +164,33 @@ def big_weights_model():
     w_doc.doc_string = "kept through the conversion"
     w_doc.metadata_props.add(key="origin", value="test")
     return make_model(
-        [node("MatMul", ["x", "W_doc"], ["h"], "mm1"), node("MatMul", ["h", "W_shared"], ["y"], "mm2"),
-         node("ReduceSum", ["W_shared"], ["s"], "sum_shared", keepdims=0),
-         node("ReduceMean", ["W_f32"], ["m"], "mean_f32", keepdims=0),
-         node("Gather", ["W_shared", "idx"], ["g"], "gather", axis=0),
-         node("ReduceSum", ["g"], ["gs"], "sum_gathered", keepdims=0)],
+        [
+            node("MatMul", ["x", "W_doc"], ["h"], "mm1"),
+            node("MatMul", ["h", "W_shared"], ["y"], "mm2"),
+            node("ReduceSum", ["W_shared"], ["s"], "sum_shared", keepdims=0),
+            node("ReduceMean", ["W_f32"], ["m"], "mean_f32", keepdims=0),
+            node("Gather", ["W_shared", "idx"], ["g"], "gather", axis=0),
+            node("ReduceSum", ["g"], ["gs"], "sum_gathered", keepdims=0),
+        ],
         [tensor("x", ["N", 64])],
         [tensor("y", ["N", 64]), tensor("s", []), tensor("m", []), tensor("gs", [])],
-        [w_doc, w_shared, init("W_f32", weights(rng, 48, 48)),
-         init("idx", np.arange(2000, dtype=np.int64) % 64)])
+        [
+            w_doc,
+            w_shared,
+            init("W_f32", weights(rng, 48, 48)),
+            init("idx", np.arange(2000, dtype=np.int64) % 64),
+        ],
+    )
 
 
 def deny_chain_model():
     """m1 -> ln/ReduceMean -> r1 (Reshape) -> a (Add with m1's output) -> m2."""
     rng = np.random.default_rng(0)
-    inits = [init("W1", rng.standard_normal((16, 32)).astype(np.float32) * 0.3),
-             init("W2", rng.standard_normal((32, 8)).astype(np.float32) * 0.3),
-             init("shape", np.array([4, 1], np.int64))]
+    inits = [
+        init("W1", rng.standard_normal((16, 32)).astype(np.float32) * 0.3),
+        init("W2", rng.standard_normal((32, 8)).astype(np.float32) * 0.3),
+        init("shape", np.array([4, 1], np.int64)),
+    ]
     nodes = [
         node("MatMul", ["x", "W1"], ["h"], name="m1"),
         node("ReduceMean", ["h"], ["mu"], name="ln/ReduceMean", axes=[1], keepdims=1),

@@ -48,12 +48,17 @@ def uncovered_low_nodes(model: onnx.ModelProto, target: str = "float16") -> list
     bad = []
     for g in _graphs(inferred.graph):
         for n in g.node:
-            if n.op_type == "Constant" or not any(types.get(x) == ELEM[target] for x in [*n.input, *n.output] if x):
+            if n.op_type == "Constant" or not any(
+                types.get(x) == ELEM[target] for x in [*n.input, *n.output] if x
+            ):
                 continue
             domain = "" if n.domain == "ai.onnx" else n.domain
             opset = opsets.get(domain)
-            rows = [r for r in kernels.get(f"{domain}:{n.op_type}", [])
-                    if r[0] <= opset and (r[1] is None or opset <= r[1])]
+            rows = [
+                r
+                for r in kernels.get(f"{domain}:{n.op_type}", [])
+                if r[0] <= opset and (r[1] is None or opset <= r[1])
+            ]
             if not any(target in allowed for r in rows for allowed in r[2].values()):
                 bad.append(f"{n.op_type} {n.name!r} (opset {opset})")
     return bad

@@ -34,14 +34,25 @@ def mlp(sizes=(64, 32, 10), seed=0, opset=17):
     current = "x"
     for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
         bound = 1 / np.sqrt(fan_in)
-        inits += [init(f"w{i}", rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32)),
-                  init(f"b{i}", rng.uniform(-bound, bound, fan_out).astype(np.float32))]
+        inits += [
+            init(f"w{i}", rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32)),
+            init(f"b{i}", rng.uniform(-bound, bound, fan_out).astype(np.float32)),
+        ]
         out = "logits" if i == len(sizes) - 2 else f"h{i}"
-        nodes.append(node("Gemm", [current, f"w{i}", f"b{i}"], [out + ("_pre" if out != "logits" else "")], name=f"fc{i}"))
+        nodes.append(
+            node(
+                "Gemm",
+                [current, f"w{i}", f"b{i}"],
+                [out + ("_pre" if out != "logits" else "")],
+                name=f"fc{i}",
+            )
+        )
         if out != "logits":
             nodes.append(node("Relu", [out + "_pre"], [out], name=f"relu{i}"))
         current = out
-    return make_model(nodes, [tensor("x", ["N", sizes[0]])], [tensor("logits", ["N", sizes[-1]])], inits, opset=opset)
+    return make_model(
+        nodes, [tensor("x", ["N", sizes[0]])], [tensor("logits", ["N", sizes[-1]])], inits, opset=opset
+    )
 
 
 def softmax_regression_gradient(model, loss, wrt=None, *, grad_output=None, **_):
@@ -51,20 +62,36 @@ def softmax_regression_gradient(model, loss, wrt=None, *, grad_output=None, **_)
     g = model_copy.graph
     seed = grad_output or "grad/seed"
     batch = "grad/batch"
-    g.node.extend([
-        helper.make_node("Softmax", ["logits"], ["grad/probs"], name="grad/softmax", axis=-1),
-        helper.make_node("Shape", ["logits"], ["grad/logits_shape"], name="grad/logits_shape"),
-        helper.make_node("Gather", ["grad/logits_shape", "grad/last"], ["grad/classes"], name="grad/classes"),
-        helper.make_node("OneHot", ["labels", "grad/classes", "grad/off_on"], ["grad/one_hot"], name="grad/one_hot", axis=-1),
-        helper.make_node("Sub", ["grad/probs", "grad/one_hot"], ["grad/residual"], name="grad/residual"),
-        helper.make_node("Shape", ["x"], ["grad/x_shape"], name="grad/x_shape", end=1),
-        helper.make_node("Cast", ["grad/x_shape"], ["grad/batch_vec"], name="grad/batch_cast", to=TensorProto.FLOAT),
-        helper.make_node("Squeeze", ["grad/batch_vec"], [batch], name="grad/batch"),
-        helper.make_node("Div", [seed, batch], ["grad/seed_per_sample"], name="grad/seed_per_sample"),
-        helper.make_node("Mul", ["grad/residual", "grad/seed_per_sample"], ["grad/logits"], name="grad/logits"),
-        helper.make_node("Gemm", ["x", "grad/logits"], ["W_grad"], name="grad/W", transA=1),
-        helper.make_node("ReduceSum", ["grad/logits", "grad/axis0"], ["b_grad"], name="grad/b", keepdims=0),
-    ])
+    g.node.extend(
+        [
+            helper.make_node("Softmax", ["logits"], ["grad/probs"], name="grad/softmax", axis=-1),
+            helper.make_node("Shape", ["logits"], ["grad/logits_shape"], name="grad/logits_shape"),
+            helper.make_node(
+                "Gather", ["grad/logits_shape", "grad/last"], ["grad/classes"], name="grad/classes"
+            ),
+            helper.make_node(
+                "OneHot",
+                ["labels", "grad/classes", "grad/off_on"],
+                ["grad/one_hot"],
+                name="grad/one_hot",
+                axis=-1,
+            ),
+            helper.make_node("Sub", ["grad/probs", "grad/one_hot"], ["grad/residual"], name="grad/residual"),
+            helper.make_node("Shape", ["x"], ["grad/x_shape"], name="grad/x_shape", end=1),
+            helper.make_node(
+                "Cast", ["grad/x_shape"], ["grad/batch_vec"], name="grad/batch_cast", to=TensorProto.FLOAT
+            ),
+            helper.make_node("Squeeze", ["grad/batch_vec"], [batch], name="grad/batch"),
+            helper.make_node("Div", [seed, batch], ["grad/seed_per_sample"], name="grad/seed_per_sample"),
+            helper.make_node(
+                "Mul", ["grad/residual", "grad/seed_per_sample"], ["grad/logits"], name="grad/logits"
+            ),
+            helper.make_node("Gemm", ["x", "grad/logits"], ["W_grad"], name="grad/W", transA=1),
+            helper.make_node(
+                "ReduceSum", ["grad/logits", "grad/axis0"], ["b_grad"], name="grad/b", keepdims=0
+            ),
+        ]
+    )
     g.initializer.append(helper.make_tensor("grad/axis0", TensorProto.INT64, [1], [0]))
     g.initializer.append(helper.make_tensor("grad/off_on", TensorProto.FLOAT, [2], [0.0, 1.0]))
     g.initializer.append(helper.make_tensor("grad/last", TensorProto.INT64, [], [-1]))
@@ -72,12 +99,21 @@ def softmax_regression_gradient(model, loss, wrt=None, *, grad_output=None, **_)
         g.initializer.append(helper.make_tensor(seed, TensorProto.FLOAT, [], [1.0]))
     else:
         g.input.append(helper.make_tensor_value_info(seed, TensorProto.FLOAT, []))
-    g.output.extend([helper.make_tensor_value_info("W_grad", TensorProto.FLOAT, None),
-                     helper.make_tensor_value_info("b_grad", TensorProto.FLOAT, None)])
+    g.output.extend(
+        [
+            helper.make_tensor_value_info("W_grad", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("b_grad", TensorProto.FLOAT, None),
+        ]
+    )
     return model_copy
 
 
 def classification_batches(features=4, classes=3, batch=8, count=5, seed=1):
     rng = np.random.default_rng(seed)
-    return [{"x": rng.standard_normal((batch, features)).astype(np.float32),
-             "labels": rng.integers(0, classes, batch).astype(np.int64)} for _ in range(count)]
+    return [
+        {
+            "x": rng.standard_normal((batch, features)).astype(np.float32),
+            "labels": rng.integers(0, classes, batch).astype(np.int64),
+        }
+        for _ in range(count)
+    ]

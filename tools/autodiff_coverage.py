@@ -75,10 +75,16 @@ def case_model(case) -> onnx.ModelProto:
     nodes += [helper.make_node("ReduceSum", [o], [s], keepdims=0) for o, s in zip(case.outputs, sums)]
     nodes.append(helper.make_node("Sum", sums, ["loss"]))
     inits = [
-        onnx.numpy_helper.from_array(v.astype("float32") if v.dtype.kind == "f" else v, k) for k, v in case.consts.items()
+        onnx.numpy_helper.from_array(v.astype("float32") if v.dtype.kind == "f" else v, k)
+        for k, v in case.consts.items()
     ]
-    graph = helper.make_graph(nodes, "case", [helper.make_tensor_value_info(k, elem, v) for k, v in case.inputs.items()],
-                              [helper.make_tensor_value_info("loss", elem, [])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "case",
+        [helper.make_tensor_value_info(k, elem, v) for k, v in case.inputs.items()],
+        [helper.make_tensor_value_info("loss", elem, [])],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opsets[0])], ir_version=8)
 
 
@@ -119,21 +125,35 @@ def render() -> str:
         doc = " ".join((rule.fn.__doc__ or "").split()) or "zero (piecewise constant)"
         ops = ", ".join(sorted(emitted.get(op, ()))) or "—"
         name = f"{domain}::{op}" if domain else op
-        lines.append(f"| {name} | {differentiable(rule)} | {doc} | {ops} | {cases.get(op, 0)} | "
-                     f"{'yes' if op in ORT_REGISTRY else 'no'} |")
-    lines += ["", "## ONNX Runtime's fused ops, decomposed before differentiation", "",
-              "`build_gradient_graph` first rewrites these (emitted by ONNX Runtime's transformers optimizer for",
-              "BERT/GPT-2 and by its graph optimizer) into the standard ops below, which the rules above differentiate;",
-              "`tests/autodiff/test_real_model_rules.py` checks each forward against ONNX Runtime's kernel and each",
-              "gradient against torch and finite differences.", "",
-              "| Op | Standard-op form |", "|---|---|"]
+        lines.append(
+            f"| {name} | {differentiable(rule)} | {doc} | {ops} | {cases.get(op, 0)} | "
+            f"{'yes' if op in ORT_REGISTRY else 'no'} |"
+        )
+    lines += [
+        "",
+        "## ONNX Runtime's fused ops, decomposed before differentiation",
+        "",
+        "`build_gradient_graph` first rewrites these (emitted by ONNX Runtime's transformers optimizer for",
+        "BERT/GPT-2 and by its graph optimizer) into the standard ops below, which the rules above differentiate;",
+        "`tests/autodiff/test_real_model_rules.py` checks each forward against ONNX Runtime's kernel and each",
+        "gradient against torch and finite differences.",
+        "",
+        "| Op | Standard-op form |",
+        "|---|---|",
+    ]
     for (domain, op), fn in sorted(DECOMPOSED.items()):
         lines.append(f"| {domain + '::' if domain else ''}{op} | {' '.join((fn.__doc__ or '').split())} |")
     lines += ["", "## Limits", "", *[f"- {limit}" for limit in LIMITS]]
-    lines += ["", "## Backward ops and the float16 AMP lists", "",
-              "The AMP rewrite colours the gradient graph like any other graph; these are the lists the",
-              "backward ops fall in (`op_lists/float16.yaml`). Ops in no list stay float32.", "",
-              "| Backward op | float16 list |", "|---|---|"]
+    lines += [
+        "",
+        "## Backward ops and the float16 AMP lists",
+        "",
+        "The AMP rewrite colours the gradient graph like any other graph; these are the lists the",
+        "backward ops fall in (`op_lists/float16.yaml`). Ops in no list stay float32.",
+        "",
+        "| Backward op | float16 list |",
+        "|---|---|",
+    ]
     lists = _float16_lists()
     for op in sorted(set().union(*emitted.values())):
         lines.append(f"| {op} | {lists(op)} |")
@@ -165,7 +185,10 @@ def main(argv=None) -> int:
         DOC.write_text(text)
     elif args.check:
         if not DOC.exists() or DOC.read_text() != text:
-            print(f"{DOC.relative_to(ROOT)} is stale: run python tools/autodiff_coverage.py --write", file=sys.stderr)
+            print(
+                f"{DOC.relative_to(ROOT)} is stale: run python tools/autodiff_coverage.py --write",
+                file=sys.stderr,
+            )
             return 1
     else:
         print(text, end="")

@@ -37,8 +37,9 @@ DIMS = ["--dim", "batch=1", "--dim", "seq=8"]
 def timed(args: list) -> tuple[float, float, float, int]:
     """(wall seconds, CPU seconds, peak RSS in MB, exit code) of one `amp-rewrite` process."""
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "amp_rewrite", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "amp_rewrite", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - started
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -62,10 +63,18 @@ def bench(sizes, repeat: int, tolerance_up_to: int, checks) -> list[dict]:
                 if name == "tolerance" and size > tolerance_up_to:
                     continue
                 runs = [timed(base + flags) for _ in range(repeat)]
-                row[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                             max(r[2] for r in runs), runs[-1][3])
-                print(f"  {size} {name}: {row[name][0]:.1f} s wall, {row[name][1]:.1f} s CPU, {row[name][2]:.0f} MB, "
-                      f"exit {row[name][3]}", file=sys.stderr, flush=True)
+                row[name] = (
+                    statistics.median(r[0] for r in runs),
+                    statistics.median(r[1] for r in runs),
+                    max(r[2] for r in runs),
+                    runs[-1][3],
+                )
+                print(
+                    f"  {size} {name}: {row[name][0]:.1f} s wall, {row[name][1]:.1f} s CPU, {row[name][2]:.0f} MB, "
+                    f"exit {row[name][3]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             rows.append(row)
             model.unlink()
     return rows
@@ -73,7 +82,8 @@ def bench(sizes, repeat: int, tolerance_up_to: int, checks) -> list[dict]:
 
 def table(rows: list[dict], checks) -> str:
     head = f"{'nodes':>8} {'plain s':>8} {'CPU s':>7} {'MB':>6}" + "".join(
-        f" {c + ' s':>12} {'CPU s':>7} {'x plain':>8} {'MB':>6}" for c in checks)
+        f" {c + ' s':>12} {'CPU s':>7} {'x plain':>8} {'MB':>6}" for c in checks
+    )
     lines = [head, "-" * len(head)]
     for row in rows:
         wall, cpu, mb, _ = row["plain"]
@@ -92,12 +102,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
     p.add_argument("--repeat", type=int, default=1, help="runs per figure (median)")
-    p.add_argument("--tolerance-up-to", type=int, default=10000, help="largest size the tolerance search runs on")
+    p.add_argument(
+        "--tolerance-up-to", type=int, default=10000, help="largest size the tolerance search runs on"
+    )
     p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     args = p.parse_args(argv)
     rows = bench(args.sizes, args.repeat, args.tolerance_up_to, args.checks)
-    print(f"amp-rewrite on synthetic stacks ({' '.join(DIMS)}), wall and CPU seconds (median of {args.repeat}), "
-          "CPU ratio to the plain rewrite, peak RSS")
+    print(
+        f"amp-rewrite on synthetic stacks ({' '.join(DIMS)}), wall and CPU seconds (median of {args.repeat}), "
+        "CPU ratio to the plain rewrite, peak RSS"
+    )
     print(table(rows, args.checks))
     return 0
 

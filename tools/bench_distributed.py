@@ -25,11 +25,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
-from bench_train import make_feeds, mlp  # a sibling in tools/: Python puts a script's folder on sys.path
-
 from amp_rewrite.training import SGD, Trainer
+from bench_train import make_feeds, mlp  # a sibling in tools/: Python puts a script's folder on sys.path
 
 
 def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
@@ -49,15 +46,21 @@ def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
             start = time.perf_counter()
             trainer.step(feeds[i % len(feeds)])
             times[name].append(time.perf_counter() - start)
-    return {name: {"median": statistics.median(t), "mean": sum(t) / repeat,
-                   "phases": {k: v / repeat for k, v in getattr(trainers[name].runner, "timings", {}).items()}}
-            for name, t in times.items()}
+    return {
+        name: {
+            "median": statistics.median(t),
+            "mean": sum(t) / repeat,
+            "phases": {k: v / repeat for k, v in getattr(trainers[name].runner, "timings", {}).items()},
+        }
+        for name, t in times.items()
+    }
 
 
 def make_trainer(args, **options):
     model, _, _ = mlp(width=args.width)
-    return Trainer(model, optimizer=SGD(0.01, momentum=0.9), precision=args.precision, provider=args.provider,
-                   **options)
+    return Trainer(
+        model, optimizer=SGD(0.01, momentum=0.9), precision=args.precision, provider=args.provider, **options
+    )
 
 
 def worker(args) -> int:
@@ -83,7 +86,15 @@ def launch(args, ranks):
     mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
     if mpiexec is None:
         raise SystemExit("no mpiexec: pip install -e '.[mpi]'")
-    command = [mpiexec, "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", *_forwarded(args)]
+    command = [
+        mpiexec,
+        "-n",
+        str(ranks),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        *_forwarded(args),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"{ranks} ranks failed:\n{done.stdout}{done.stderr}")
@@ -91,9 +102,22 @@ def launch(args, ranks):
 
 
 def _forwarded(args):
-    return ["--width", str(args.width), "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
-            "--repeat", str(args.repeat), "--precision", args.precision, "--provider", args.provider,
-            "--bucket-mb", str(args.bucket_mb)]
+    return [
+        "--width",
+        str(args.width),
+        "--global-batch",
+        str(args.global_batch),
+        "--warmup",
+        str(args.warmup),
+        "--repeat",
+        str(args.repeat),
+        "--precision",
+        args.precision,
+        "--provider",
+        args.provider,
+        "--bucket-mb",
+        str(args.bucket_mb),
+    ]
 
 
 def main(argv=None) -> int:
@@ -106,7 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3, help="launch each rank count this often; keep the fastest")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="launch each rank count this often; keep the fastest"
+    )
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -115,29 +141,37 @@ def main(argv=None) -> int:
         return worker(args)
     if args.quick:
         args.widths, args.global_batch, args.warmup, args.repeat, args.rounds = "64", 16, 1, 3, 1
-    print(f"MLP 784-w-w-10, SGD(momentum), {args.precision}, {args.provider}, global batch {args.global_batch}, "
-          f"median of {args.repeat} steps after {args.warmup} warm-up, fastest of {args.rounds} launches, "
-          f"buckets of {args.bucket_mb:g} MB")
+    print(
+        f"MLP 784-w-w-10, SGD(momentum), {args.precision}, {args.provider}, global batch {args.global_batch}, "
+        f"median of {args.repeat} steps after {args.warmup} warm-up, fastest of {args.rounds} launches, "
+        f"buckets of {args.bucket_mb:g} MB"
+    )
     print("| width | params | runner | device | step ms | samples/s | Allreduce share | scaling efficiency |")
     print("|---|---|---|---|---|---|---|---|")
     for width in [int(w) for w in args.widths.split(",")]:
         args.width = width
         base = None
         rank_counts = [int(r) for r in args.ranks.split(",")]
-        rounds = [{ranks: launch(args, ranks) for ranks in rank_counts} for _ in range(args.rounds)]  # interleaved
+        rounds = [
+            {ranks: launch(args, ranks) for ranks in rank_counts} for _ in range(args.rounds)
+        ]  # interleaved
         for ranks in rank_counts:
             result = min((r[ranks] for r in rounds), key=lambda r: r["mpi"]["median"])
             params = f"{result['params'] / 1e6:.2f}M"
             if "single" in result:
                 single = min(r[ranks]["single"]["median"] for r in rounds)
                 base = args.global_batch / single
-                print(f"| {width} | {params} | one process (one-graph step) | {result['device']} "
-                      f"| {1e3 * single:.2f} | {base:.0f} | - | 1.00 |")
+                print(
+                    f"| {width} | {params} | one process (one-graph step) | {result['device']} "
+                    f"| {1e3 * single:.2f} | {base:.0f} | - | 1.00 |"
+                )
             mpi, rate = result["mpi"], args.global_batch / result["mpi"]["median"]
             share = mpi["phases"]["allreduce"] / mpi["mean"]
             efficiency = f"{rate / (ranks * base):.2f}" if base else "n/a"
-            print(f"| {width} | {params} | {ranks} rank{'s' if ranks > 1 else ''} x {args.global_batch // ranks} "
-                  f"| {result['device']} | {1e3 * mpi['median']:.2f} | {rate:.0f} | {100 * share:.1f} % | {efficiency} |")
+            print(
+                f"| {width} | {params} | {ranks} rank{'s' if ranks > 1 else ''} x {args.global_batch // ranks} "
+                f"| {result['device']} | {1e3 * mpi['median']:.2f} | {rate:.0f} | {100 * share:.1f} % | {efficiency} |"
+            )
     return 0
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 # A sibling in tools/: Python puts a script's own folder first on sys.path.
 import synthetic
 from amp_rewrite import rewrite
-from amp_rewrite.report import html as html_report, picture as report_page
+from amp_rewrite.report import html as html_report
+from amp_rewrite.report import picture as report_page
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,8 +38,13 @@ def _size(text: str) -> int:
 def _old_renderer():
     """main's report/html.py, or None where git or main is not there."""
     try:
-        source = subprocess.run(["git", "show", "main:amp_rewrite/report/html.py"], cwd=REPO_ROOT, check=True,
-                                capture_output=True, text=True).stdout
+        source = subprocess.run(
+            ["git", "show", "main:amp_rewrite/report/html.py"],
+            cwd=REPO_ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     module = types.ModuleType("html_report_main")
@@ -63,12 +69,18 @@ def measure(nodes: int, repeat: int, old) -> dict:
     result = rewrite(model)
     row = {"nodes": len(model.graph.node)}
     row["sentences"], row["sentences_cpu"], _ = _median_time(lambda: result.report.nodes, 1)  # built once
-    row["data"], row["data_cpu"], _ = _median_time(lambda: report_page.page_data(result.report, model), repeat)
-    row["page"], row["page_cpu"], page = _median_time(lambda: html_report.render(result.report, model), repeat)
+    row["data"], row["data_cpu"], _ = _median_time(
+        lambda: report_page.page_data(result.report, model), repeat
+    )
+    row["page"], row["page_cpu"], page = _median_time(
+        lambda: html_report.render(result.report, model), repeat
+    )
     row["total"], row["total_cpu"] = row["sentences"] + row["page"], row["sentences_cpu"] + row["page_cpu"]
     row["mb"] = len(page.encode()) / 1e6
     if old is not None:
-        row["old_page"], row["old_cpu"], old_page = _median_time(lambda: old.render(result.report, model), repeat)
+        row["old_page"], row["old_cpu"], old_page = _median_time(
+            lambda: old.render(result.report, model), repeat
+        )
         row["old_mb"] = len(old_page.encode()) / 1e6
     return row
 
@@ -80,17 +92,23 @@ def main(argv=None) -> int:
     parser.add_argument("--old", action="store_true", help="also time main's renderer on the same rewrite")
     args = parser.parse_args(argv)
     old = _old_renderer() if args.old else None
-    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
-          "each cell: wall s / CPU s")
-    head = (f"| nodes | sentences | picture data | page | total | total CPU / {BUDGET_S:g} s | MB "
-            f"| MB / {BUDGET_MB:g} |" + (" main's page | main's MB |" if old else ""))
+    print(
+        f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs; "
+        "each cell: wall s / CPU s"
+    )
+    head = (
+        f"| nodes | sentences | picture data | page | total | total CPU / {BUDGET_S:g} s | MB "
+        f"| MB / {BUDGET_MB:g} |" + (" main's page | main's MB |" if old else "")
+    )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for size in args.sizes.split(","):
         r = measure(_size(size.strip()), args.repeat, old)
-        line = (f"| {r['nodes']} | {r['sentences']:.2f} / {r['sentences_cpu']:.2f} "
-                f"| {r['data']:.2f} / {r['data_cpu']:.2f} | {r['page']:.2f} / {r['page_cpu']:.2f} | {r['total']:.2f} / {r['total_cpu']:.2f} "
-                f"| {r['total_cpu'] / BUDGET_S:.2f} | {r['mb']:.2f} | {r['mb'] / BUDGET_MB:.2f} |")
+        line = (
+            f"| {r['nodes']} | {r['sentences']:.2f} / {r['sentences_cpu']:.2f} "
+            f"| {r['data']:.2f} / {r['data_cpu']:.2f} | {r['page']:.2f} / {r['page_cpu']:.2f} | {r['total']:.2f} / {r['total_cpu']:.2f} "
+            f"| {r['total_cpu'] / BUDGET_S:.2f} | {r['mb']:.2f} | {r['mb'] / BUDGET_MB:.2f} |"
+        )
         if old:
             line += f" {r['old_page']:.2f} / {r['old_cpu']:.2f} | {r['old_mb']:.2f} |"
         print(line, flush=True)

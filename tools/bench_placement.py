@@ -61,16 +61,40 @@ import exported  # noqa: E402
 import synthetic  # noqa: E402
 from amp_rewrite.checks import calibrate as cal  # noqa: E402
 from amp_rewrite.checks import validate as val  # noqa: E402
-from amp_rewrite.runtime import open_session  # noqa: E402
 from amp_rewrite.deployment import Deployment  # noqa: E402
 from amp_rewrite.io.skeleton import inference_skeleton  # noqa: E402
 from amp_rewrite.ir import sort_graphs  # noqa: E402
+from amp_rewrite.runtime import open_session  # noqa: E402
 
-ELEM_BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.DOUBLE: 8,
-              TensorProto.INT64: 8, TensorProto.INT32: 4, TensorProto.BOOL: 1, TensorProto.INT8: 1,
-              TensorProto.UINT8: 1}
-NOT_COMPUTE = {"Cast", "Constant", "Identity", "Shape", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose",
-               "Gather", "Concat", "Slice", "Expand", "Size", "ConstantOfShape", "Split"}
+ELEM_BYTES = {
+    TensorProto.FLOAT: 4,
+    TensorProto.FLOAT16: 2,
+    TensorProto.BFLOAT16: 2,
+    TensorProto.DOUBLE: 8,
+    TensorProto.INT64: 8,
+    TensorProto.INT32: 4,
+    TensorProto.BOOL: 1,
+    TensorProto.INT8: 1,
+    TensorProto.UINT8: 1,
+}
+NOT_COMPUTE = {
+    "Cast",
+    "Constant",
+    "Identity",
+    "Shape",
+    "Reshape",
+    "Unsqueeze",
+    "Squeeze",
+    "Flatten",
+    "Transpose",
+    "Gather",
+    "Concat",
+    "Slice",
+    "Expand",
+    "Size",
+    "ConstantOfShape",
+    "Split",
+}
 # today's tolerance: what `amp-rewrite --validate` uses unless told otherwise
 _VALIDATE_DEFAULTS = inspect.signature(val.validate).parameters
 RTOL, ATOL = _VALIDATE_DEFAULTS["rtol"].default, _VALIDATE_DEFAULTS["atol"].default
@@ -79,8 +103,20 @@ OLD_BEHAVIOUR = {"pointwise_check": False, "fold_noop_casts": False}  # both cam
 BASELINE = "amp-rewrite tf, old lists"
 AUTOCAST = "modelopt autocast"
 MAX_IR_VERSION = 10  # ONNX Runtime 1.31 refuses newer
-HEAD = ["model", "tool", "casts", "cast MB", "cast vs tf old", "MB moved", "moved vs tf old", "float16 share",
-        "max rel err", "cosine", "validate", "seconds"]
+HEAD = [
+    "model",
+    "tool",
+    "casts",
+    "cast MB",
+    "cast vs tf old",
+    "MB moved",
+    "moved vs tf old",
+    "float16 share",
+    "max rel err",
+    "cosine",
+    "validate",
+    "seconds",
+]
 
 
 class ToolFailed(Exception):
@@ -88,6 +124,7 @@ class ToolFailed(Exception):
 
 
 # --- the cases -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Case:
@@ -126,7 +163,9 @@ def samples_for(model: onnx.ModelProto, dims: dict, count: int) -> list:
         feeds = {}
         for value in val.feed_inputs(model):
             t = value.type.tensor_type
-            shape = [d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, 1) for d in t.shape.dim]
+            shape = [
+                d.dim_value if d.HasField("dim_value") else dims.get(d.dim_param, 1) for d in t.shape.dim
+            ]
             dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
             if t.elem_type == TensorProto.FLOAT:
                 feeds[value.name] = rng.standard_normal(shape).astype(dtype)
@@ -164,11 +203,25 @@ def _hf_module(name: str):
         names = ["input_ids", "attention_mask"]
         return module, args, names, {name: {0: "batch", 1: "seq"} for name in names}
     if name == "vit-s16":
-        config = tr.ViTConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
-                              attn_implementation="eager")
-        return (tr.ViTModel(config, add_pooling_layer=False), (torch.zeros(1, 3, 224, 224),), ["pixel_values"],
-                {"pixel_values": {0: "batch"}})
-    return tr.GPT2Model(tr.GPT2Config(use_cache=False)), (torch.zeros(1, 128, dtype=torch.int64),), ["input_ids"], None
+        config = tr.ViTConfig(
+            hidden_size=384,
+            num_hidden_layers=12,
+            num_attention_heads=6,
+            intermediate_size=1536,
+            attn_implementation="eager",
+        )
+        return (
+            tr.ViTModel(config, add_pooling_layer=False),
+            (torch.zeros(1, 3, 224, 224),),
+            ["pixel_values"],
+            {"pixel_values": {0: "batch"}},
+        )
+    return (
+        tr.GPT2Model(tr.GPT2Config(use_cache=False)),
+        (torch.zeros(1, 128, dtype=torch.int64),),
+        ["input_ids"],
+        None,
+    )
 
 
 def export_hf(name: str, path: Path) -> Path:
@@ -180,12 +233,27 @@ def export_hf(name: str, path: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if name == "gpt2":
-            model = torch.onnx.export(_first_output(module), args, dynamo=True, opset_version=18, verbose=False,
-                                      input_names=names, output_names=["out"]).model_proto
+            model = torch.onnx.export(
+                _first_output(module),
+                args,
+                dynamo=True,
+                opset_version=18,
+                verbose=False,
+                input_names=names,
+                output_names=["out"],
+            ).model_proto
         else:
             buffer = io.BytesIO()
-            torch.onnx.export(_first_output(module), args, buffer, dynamo=False, opset_version=17,
-                              input_names=names, output_names=["out"], dynamic_axes=axes)
+            torch.onnx.export(
+                _first_output(module),
+                args,
+                buffer,
+                dynamo=False,
+                opset_version=17,
+                input_names=names,
+                output_names=["out"],
+                dynamic_axes=axes,
+            )
             model = onnx.load_from_string(buffer.getvalue())
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     onnx.save(model, str(path))
@@ -200,10 +268,18 @@ HF_DIMS = {"batch": 1, "seq": 128}
 def cases(args, folder: Path):
     """(label, build) per case: build() -> Case, called when the case is reached (a failure is a row)."""
     count = args.samples
-    exports = ((("bert (export)", exported.export_bert, SMALL_DIMS), ("cnn (export)", exported.export_cnn, SMALL_DIMS))
-               if args.exports != "none" else ())
-    exports += tuple((f"{name} (export)", functools.partial(export_hf, name), HF_DIMS)
-                     for name in (HF_EXPORTS if args.exports == "full" else ()))
+    exports = (
+        (
+            ("bert (export)", exported.export_bert, SMALL_DIMS),
+            ("cnn (export)", exported.export_cnn, SMALL_DIMS),
+        )
+        if args.exports != "none"
+        else ()
+    )
+    exports += tuple(
+        (f"{name} (export)", functools.partial(export_hf, name), HF_DIMS)
+        for name in (HF_EXPORTS if args.exports == "full" else ())
+    )
     if exports and not exported.available():
         print("torch is not installed: skipping the exported models", file=sys.stderr)
         exports = ()
@@ -227,6 +303,7 @@ def _stack_case(size: int, folder: Path, count: int) -> Case:
 
 # --- the tools -------------------------------------------------------------------------------------
 
+
 @dataclass
 class Tool:
     name: str
@@ -240,8 +317,14 @@ def _amp(placement: str, calibrated: bool = False, deny=()):
 
     def convert(case: Case) -> onnx.ModelProto:
         calibration = case.calibration() if calibrated else None
-        return amp_rewrite.rewrite(case.model, placement=placement, deny=deny, calibration=calibration,
-                                   **(OLD_BEHAVIOUR if deny else {})).model
+        return amp_rewrite.rewrite(
+            case.model,
+            placement=placement,
+            deny=deny,
+            calibration=calibration,
+            **(OLD_BEHAVIOUR if deny else {}),
+        ).model
+
     return convert
 
 
@@ -250,10 +333,19 @@ def _amp_tolerance(case: Case) -> onnx.ModelProto:
     the case's own samples, on ONNX Runtime CPU as the validate column measures (onnx.reference off)."""
     from amp_rewrite.checks import fallback
 
-    fitted = fallback.fit(case.model, case.samples, rtol=RTOL, atol=ATOL, calibration=case.calibration(),
-                          reference=False, progress=False)
+    fitted = fallback.fit(
+        case.model,
+        case.samples,
+        rtol=RTOL,
+        atol=ATOL,
+        calibration=case.calibration(),
+        reference=False,
+        progress=False,
+    )
     if not fitted.passed:
-        raise ToolFailed(f"still over tolerance after {fitted.runs} validation runs ({len(fitted.pinned)} pinned)")
+        raise ToolFailed(
+            f"still over tolerance after {fitted.runs} validation runs ({len(fitted.pinned)} pinned)"
+        )
     return fitted.result.model
 
 
@@ -262,6 +354,7 @@ def _anchor(name: str):
         fresh = onnx.ModelProto()
         fresh.CopyFrom(case.model)  # the converters change their input
         return bench_rewrite.converter(name)(fresh, bench_rewrite.block_list(case.model))
+
     return convert
 
 
@@ -274,8 +367,20 @@ def _autocast(python: str, timeout: int, calibrated: bool):
     def convert(case: Case) -> onnx.ModelProto:
         source = case.saved()
         out = case.folder / f"{source.stem}.autocast{'_cal' if calibrated else ''}.onnx"
-        command = [python, "-m", "modelopt.onnx.autocast", "--onnx_path", str(source), "--output_path", str(out),
-                   "--low_precision_type", "fp16", "--keep_io_types", "--providers", "cpu"]
+        command = [
+            python,
+            "-m",
+            "modelopt.onnx.autocast",
+            "--onnx_path",
+            str(source),
+            "--output_path",
+            str(out),
+            "--low_precision_type",
+            "fp16",
+            "--keep_io_types",
+            "--providers",
+            "cpu",
+        ]
         if calibrated:
             command += ["--calibration_data", str(_calibration_samples(case))]
         try:
@@ -285,6 +390,7 @@ def _autocast(python: str, timeout: int, calibrated: bool):
         if done.returncode or not out.exists():
             raise ToolFailed(_last_error_line(done.stderr + done.stdout))
         return onnx.load(str(out))
+
     return convert
 
 
@@ -299,24 +405,33 @@ def _calibration_samples(case: Case) -> Path:
 
 
 def tools(args) -> list[Tool]:
-    found = [Tool(BASELINE, _amp("tf", deny=OLD_DENY)), Tool("amp-rewrite tf", _amp("tf")),
-             Tool("amp-rewrite cost", _amp("cost")),
-             Tool("amp-rewrite tf +calibrate", _amp("tf", True), calibrated=True),
-             Tool("amp-rewrite cost +calibrate", _amp("cost", True), calibrated=True),
-             Tool("amp-rewrite cost +calibrate +tolerance", _amp_tolerance, calibrated=True)]
+    found = [
+        Tool(BASELINE, _amp("tf", deny=OLD_DENY)),
+        Tool("amp-rewrite tf", _amp("tf")),
+        Tool("amp-rewrite cost", _amp("cost")),
+        Tool("amp-rewrite tf +calibrate", _amp("tf", True), calibrated=True),
+        Tool("amp-rewrite cost +calibrate", _amp("cost", True), calibrated=True),
+        Tool("amp-rewrite cost +calibrate +tolerance", _amp_tolerance, calibrated=True),
+    ]
     for name in (bench_rewrite.OCC, bench_rewrite.ORT):
         found.append(Tool(name, _anchor(name), missing=bench_rewrite.tool_missing(name)))
     python = modelopt_python(args.modelopt_python)
     missing = None if python and Path(python).exists() else "not installed (--modelopt-python)"
     for calibrated in (False, True):
-        found.append(Tool(AUTOCAST + (" +calibrate" if calibrated else ""),
-                          _autocast(python, args.autocast_timeout, calibrated), missing=missing))
+        found.append(
+            Tool(
+                AUTOCAST + (" +calibrate" if calibrated else ""),
+                _autocast(python, args.autocast_timeout, calibrated),
+                missing=missing,
+            )
+        )
     if args.tools:  # only the rows asked for, e.g. --tools amp-rewrite
         found = [tool for tool in found if tool.name.startswith(tuple(args.tools))]
     return found
 
 
 # --- measuring an output ---------------------------------------------------------------------------
+
 
 def _facts(model: onnx.ModelProto, shapes: dict):
     """(graph, {tensor: (element type, elements)}) by shape inference, graph inputs set to `shapes`."""
@@ -356,10 +471,17 @@ def measure(model: onnx.ModelProto, shapes: dict) -> dict:
             casts += 1
             cast_bytes += node_bytes
         outs = [info[o][0] for o in node.output if o in info]
-        if node.op_type not in NOT_COMPUTE and any(e in (TensorProto.FLOAT, TensorProto.FLOAT16) for e in outs):
+        if node.op_type not in NOT_COMPUTE and any(
+            e in (TensorProto.FLOAT, TensorProto.FLOAT16) for e in outs
+        ):
             compute += 1
             low += any(e == TensorProto.FLOAT16 for e in outs)
-    return {"casts": casts, "cast_bytes": cast_bytes, "moved": moved, "share": low / compute if compute else 0.0}
+    return {
+        "casts": casts,
+        "cast_bytes": cast_bytes,
+        "moved": moved,
+        "share": low / compute if compute else 0.0,
+    }
 
 
 def expected_outputs(case: Case):
@@ -383,12 +505,15 @@ def accuracy(model: onnx.ModelProto, case: Case, expected) -> dict:
         cosine, passed = min(cosine, stats["cosine"]), passed and stats["passed"]
         for w, h in zip(want, have):  # NaN compares False: a new NaN is outside
             w, h = np.asarray(w, np.float64), np.asarray(h, np.float64)
-            outside += int(np.sum(~(np.abs(h - w) <= ATOL + RTOL * np.abs(w)))) if w.shape == h.shape else w.size
+            outside += (
+                int(np.sum(~(np.abs(h - w) <= ATOL + RTOL * np.abs(w)))) if w.shape == h.shape else w.size
+            )
             total += w.size
     return {"max_rel": worst, "cosine": cosine, "passed": passed, "outside": outside, "elements": total}
 
 
 # --- rows ------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Row:
@@ -454,19 +579,33 @@ def cells(row: Row, baseline: Row | None) -> list[str]:
         return [row.model, row.tool, row.note] + [""] * (len(HEAD) - 3)
     f = row.figures
     b = baseline.figures if baseline is not None and baseline.figures else {}
-    accuracy_cells = ([f"{f['max_rel']:.2e}", f"{f['cosine']:.6f}", _verdict(f)]
-                      if "passed" in f else [row.accuracy_note, "", "FAIL"])
-    return [row.model, row.tool, str(f["casts"]), f"{f['cast_bytes'] / 1e6:.3f}",
-            _ratio(f["cast_bytes"], b.get("cast_bytes", 0)), f"{f['moved'] / 1e6:.3f}",
-            _ratio(f["moved"], b.get("moved", 0)), f"{100 * f['share']:.1f}%", *accuracy_cells, f"{f['seconds']:.2f}"]
+    accuracy_cells = (
+        [f"{f['max_rel']:.2e}", f"{f['cosine']:.6f}", _verdict(f)]
+        if "passed" in f
+        else [row.accuracy_note, "", "FAIL"]
+    )
+    return [
+        row.model,
+        row.tool,
+        str(f["casts"]),
+        f"{f['cast_bytes'] / 1e6:.3f}",
+        _ratio(f["cast_bytes"], b.get("cast_bytes", 0)),
+        f"{f['moved'] / 1e6:.3f}",
+        _ratio(f["moved"], b.get("moved", 0)),
+        f"{100 * f['share']:.1f}%",
+        *accuracy_cells,
+        f"{f['seconds']:.2f}",
+    ]
 
 
 def table(rows: list[Row], markdown: bool) -> str:
     baselines = {row.model: row for row in rows if row.tool == BASELINE}
     body = [cells(row, baselines.get(row.model)) for row in rows]
     if markdown:
-        return "\n".join(["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-                         + ["| " + " | ".join(r) + " |" for r in body])
+        return "\n".join(
+            ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+            + ["| " + " | ".join(r) + " |" for r in body]
+        )
     widths = [max(len(r[i]) for r in [HEAD, *body]) for i in range(len(HEAD))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [HEAD, *body])
 
@@ -484,19 +623,33 @@ def bench_case(case: Case, tool_list: list[Tool]) -> list[Row]:
 
 # --- command line ----------------------------------------------------------------------------------
 
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--exports", choices=("none", "small", "full"), default="small",
-                   help="exported models: none, the small BERT and CNN (default), or those plus BERT-base, "
-                        "GPT-2 small and ViT-S/16 (minutes to export)")
+    p.add_argument(
+        "--exports",
+        choices=("none", "small", "full"),
+        default="small",
+        help="exported models: none, the small BERT and CNN (default), or those plus BERT-base, "
+        "GPT-2 small and ViT-S/16 (minutes to export)",
+    )
     p.add_argument("--sizes", default="1k,10k", help="synthetic stack sizes (default 1k,10k; '' for none)")
-    p.add_argument("--samples", type=int, default=3, help="seeded samples per case, for calibration and error")
-    p.add_argument("--modelopt-python", default=None,
-                   help="Python of a venv with nvidia-modelopt (default: $AMP_MODELOPT_PYTHON; unset: no AutoCast)")
+    p.add_argument(
+        "--samples", type=int, default=3, help="seeded samples per case, for calibration and error"
+    )
+    p.add_argument(
+        "--modelopt-python",
+        default=None,
+        help="Python of a venv with nvidia-modelopt (default: $AMP_MODELOPT_PYTHON; unset: no AutoCast)",
+    )
     p.add_argument("--autocast-timeout", type=int, default=900, help="seconds one AutoCast run may take")
-    p.add_argument("--tools", action="append", metavar="PREFIX",
-                   help="only the tools whose row name starts with PREFIX (repeatable), e.g. 'amp-rewrite' for "
-                        "our six rows (default: every tool)")
+    p.add_argument(
+        "--tools",
+        action="append",
+        metavar="PREFIX",
+        help="only the tools whose row name starts with PREFIX (repeatable), e.g. 'amp-rewrite' for "
+        "our six rows (default: every tool)",
+    )
     p.add_argument("--markdown", action="store_true")
     return p.parse_args(argv)
 

@@ -54,15 +54,23 @@ def mlp(layers: int, width: int, batch: int, seed: int = 0):
         p = f"layer{i}/"
         weights[p + "W"] = (rng.standard_normal((width, width)) / math.sqrt(width)).astype(np.float32)
         weights[p + "B"] = np.zeros(width, np.float32)
-        nodes += [helper.make_node("MatMul", [h, p + "W"], [p + "mm"], name=p + "MatMul"),
-                  helper.make_node("Add", [p + "mm", p + "B"], [p + "pre"], name=p + "Add"),
-                  helper.make_node("Relu", [p + "pre"], [p + "act"], name=p + "Relu")]
+        nodes += [
+            helper.make_node("MatMul", [h, p + "W"], [p + "mm"], name=p + "MatMul"),
+            helper.make_node("Add", [p + "mm", p + "B"], [p + "pre"], name=p + "Add"),
+            helper.make_node("Relu", [p + "pre"], [p + "act"], name=p + "Relu"),
+        ]
         h = p + "act"
     nodes.append(helper.make_node("Identity", [h], ["y"], name="out"))
-    model = _model(nodes, weights, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
-    feeds = {"x": rng.standard_normal((batch, width)).astype(np.float32),
-             "targets": rng.standard_normal((batch, width)).astype(np.float32)}
+    model = _model(
+        nodes,
+        weights,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+    )
+    feeds = {
+        "x": rng.standard_normal((batch, width)).astype(np.float32),
+        "targets": rng.standard_normal((batch, width)).astype(np.float32),
+    }
     return model, feeds
 
 
@@ -71,13 +79,20 @@ def transformer(layers: int, d: int, heads: int, seq: int, batch: int, seed: int
     rng = np.random.default_rng(seed)
     dh = d // heads
     weights = {}
-    constants = {"heads_shape": np.array([0, 0, heads, dh], np.int64), "model_shape": np.array([0, 0, d], np.int64),
-                 "scale": np.array(math.sqrt(dh), np.float32), "half": np.array(0.5, np.float32),
-                 "one": np.array(1.0, np.float32), "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32)}
+    constants = {
+        "heads_shape": np.array([0, 0, heads, dh], np.int64),
+        "model_shape": np.array([0, 0, d], np.int64),
+        "scale": np.array(math.sqrt(dh), np.float32),
+        "half": np.array(0.5, np.float32),
+        "one": np.array(1.0, np.float32),
+        "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32),
+    }
     # Constant nodes, not initializers: the Trainer would train float initializers, and a scalar
     # shared by every layer gathers its gradient from all of them at the end of the backward
-    nodes = [helper.make_node("Constant", [], [k], name=f"const/{k}", value=numpy_helper.from_array(v, k))
-             for k, v in constants.items()]
+    nodes = [
+        helper.make_node("Constant", [], [k], name=f"const/{k}", value=numpy_helper.from_array(v, k))
+        for k, v in constants.items()
+    ]
     x = "x"
 
     def n(name, op, inputs, outputs, **attrs):
@@ -89,7 +104,14 @@ def transformer(layers: int, d: int, heads: int, seq: int, batch: int, seed: int
             weights[p + k] = np.ones(shape, np.float32)
         for k, shape in {"b1": (d,), "b2": (d,), "c1": (4 * d,), "c2": (d,)}.items():
             weights[p + k] = np.zeros(shape, np.float32)
-        for k, shape in {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, 4 * d), "w2": (4 * d, d)}.items():
+        for k, shape in {
+            "wq": (d, d),
+            "wk": (d, d),
+            "wv": (d, d),
+            "wo": (d, d),
+            "w1": (d, 4 * d),
+            "w2": (4 * d, d),
+        }.items():
             weights[p + k] = (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32)
         n(p + "ln1", "LayerNormalization", [x, p + "g1", p + "b1"], [p + "ln1"], axis=-1)
         for k in "qkv":
@@ -119,10 +141,16 @@ def transformer(layers: int, d: int, heads: int, seq: int, batch: int, seed: int
         n(p + "residual2", "Add", [p + "x2", p + "f7"], [p + "out"])
         x = p + "out"
     n("out", "Identity", [x], ["y"])
-    model = _model(nodes, weights, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", seq, d])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", seq, d])])
-    feeds = {"x": rng.standard_normal((batch, seq, d)).astype(np.float32),
-             "targets": rng.standard_normal((batch, seq, d)).astype(np.float32)}
+    model = _model(
+        nodes,
+        weights,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", seq, d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", seq, d])],
+    )
+    feeds = {
+        "x": rng.standard_normal((batch, seq, d)).astype(np.float32),
+        "targets": rng.standard_normal((batch, seq, d)).astype(np.float32),
+    }
     return model, feeds
 
 
@@ -141,8 +169,15 @@ def child(args) -> None:
 
     model, feeds = build(args)
     recompute = {"off": None, "per-layer": PER_LAYER, "auto": "auto"}[args.child_config]
-    trainer = Trainer(model, loss="mse", optimizer=Adam(lr=1e-4), precision=args.precision, provider="cpu",
-                      loss_scale=1.0, recompute=recompute)
+    trainer = Trainer(
+        model,
+        loss="mse",
+        optimizer=Adam(lr=1e-4),
+        precision=args.precision,
+        provider="cpu",
+        loss_scale=1.0,
+        recompute=recompute,
+    )
     step = trainer.step_graph
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -153,9 +188,14 @@ def child(args) -> None:
         options.add_session_config_entry("session.use_env_allocators", "1")
     else:
         options.enable_cpu_mem_arena = arena == "default"
-    session = ort.InferenceSession(step.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        step.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
     state = {**trainer.state(), "opt/lr": np.array(1e-4, np.float32)}
-    plan, segments = trainer.recompute_plan, len(trainer.recompute_plan.segments) if trainer.recompute_plan else 0
+    plan, segments = (
+        trainer.recompute_plan,
+        len(trainer.recompute_plan.segments) if trainer.recompute_plan else 0,
+    )
     del model, trainer
     gc.collect()
     _reset_peak()
@@ -167,8 +207,15 @@ def child(args) -> None:
     if not args.child_time:  # the peak of the full-batch steps
         for _ in range(args.steps + 1):
             session.run(None, {**state, **feeds})
-        print(json.dumps({"peak": status("VmHWM"), "segments": segments,
-                          "checkpointed": len(plan.checkpointed) if plan else 0}))
+        print(
+            json.dumps(
+                {
+                    "peak": status("VmHWM"),
+                    "segments": segments,
+                    "checkpointed": len(plan.checkpointed) if plan else 0,
+                }
+            )
+        )
         return
     times = []
     for k in range(args.steps + 1):
@@ -186,8 +233,16 @@ def build(args):
 
 
 def _child(args, argv, name, config, extra) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
-               "--child-model", name, "--child-config", config, *extra]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *(argv if argv is not None else sys.argv[1:]),
+        "--child-model",
+        name,
+        "--child-config",
+        config,
+        *extra,
+    ]
     memory = "--child-time" not in extra
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if args.arena == "off" and memory else None
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
@@ -208,10 +263,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tf-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--precision", default="float32", choices=("float32", "float16"))
-    parser.add_argument("--rounds", type=int, default=2, help="timing processes per configuration, alternated")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="timing processes per configuration, alternated"
+    )
     parser.add_argument("--models", default="mlp,transformer")
-    parser.add_argument("--arena", default="off", choices=("exact", "default", "off"),
-                        help="ORT CPU memory: arena grown as requested, the default arena, or malloc")
+    parser.add_argument(
+        "--arena",
+        default="off",
+        choices=("exact", "default", "off"),
+        help="ORT CPU memory: arena grown as requested, the default arena, or malloc",
+    )
     parser.add_argument("--child-model", help=argparse.SUPPRESS)
     parser.add_argument("--child-config", help=argparse.SUPPRESS)
     parser.add_argument("--child-floor", action="store_true", help=argparse.SUPPRESS)
@@ -225,7 +286,10 @@ def main(argv=None) -> int:
         results = {}
         for config in CONFIGS:
             floor = _child(args, argv, name, config, ["--child-floor"])
-            results[config] = _child(args, argv, name, config, []) | {"floor": floor["peak"], "time": math.inf}
+            results[config] = _child(args, argv, name, config, []) | {
+                "floor": floor["peak"],
+                "time": math.inf,
+            }
         for _ in range(args.rounds):  # the shared machine's load drifts: alternate, keep each one's fastest
             for config in CONFIGS:
                 timed = _child(args, argv, name, config, ["--child-time"])["time"]
@@ -234,18 +298,34 @@ def main(argv=None) -> int:
         for config in CONFIGS:
             r = results[config]
             above = r["peak"] - r["floor"]
-            rows.append((name, config, r["segments"], r["floor"] / 2**20, above / 2**20,
-                         above / (off["peak"] - off["floor"]) if off["peak"] > off["floor"] else float("nan"), r["time"], r["time"] / off["time"]))
-    print(f"mlp {args.mlp_layers} x {args.mlp_width} at batch {args.mlp_batch}; transformer {args.tf_layers} layers, "
-          f"d {args.tf_d}, {args.tf_heads} heads, seq {args.tf_seq}, batch {args.tf_batch}; {args.precision}, CPU, "
-          f"arena {args.arena}")
-    print(f"above = peak RSS over {args.steps + 1} full-batch steps minus the floor (the same at batch 1), each in a "
-          f"fresh process; step = fastest of {args.rounds} alternated processes' median of {args.steps} timed steps, default ORT arena")
+            rows.append(
+                (
+                    name,
+                    config,
+                    r["segments"],
+                    r["floor"] / 2**20,
+                    above / 2**20,
+                    above / (off["peak"] - off["floor"]) if off["peak"] > off["floor"] else float("nan"),
+                    r["time"],
+                    r["time"] / off["time"],
+                )
+            )
+    print(
+        f"mlp {args.mlp_layers} x {args.mlp_width} at batch {args.mlp_batch}; transformer {args.tf_layers} layers, "
+        f"d {args.tf_d}, {args.tf_heads} heads, seq {args.tf_seq}, batch {args.tf_batch}; {args.precision}, CPU, "
+        f"arena {args.arena}"
+    )
+    print(
+        f"above = peak RSS over {args.steps + 1} full-batch steps minus the floor (the same at batch 1), each in a "
+        f"fresh process; step = fastest of {args.rounds} alternated processes' median of {args.steps} timed steps, default ORT arena"
+    )
     head = f"{'model':<12}{'recompute':<11}{'segments':>9}{'floor MB':>10}{'above MB':>10}{'ratio':>7}{'step s':>9}{'ratio':>7}"
     print(head)
     print("-" * len(head))
     for name, config, segs, floor, above, ratio, step, tratio in rows:
-        print(f"{name:<12}{config:<11}{segs:>9}{floor:>10.0f}{above:>10.0f}{ratio:>7.2f}{step:>9.3f}{tratio:>7.2f}")
+        print(
+            f"{name:<12}{config:<11}{segs:>9}{floor:>10.0f}{above:>10.0f}{ratio:>7.2f}{step:>9.3f}{tratio:>7.2f}"
+        )
     return 0
 
 

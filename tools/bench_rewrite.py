@@ -45,6 +45,7 @@ LOAD_GRACE_S = 180  # the worker's load, copies and output checks, on top of the
 
 # --- what each tool is asked to do ----------------------------------------------------------------
 
+
 def block_list(model: onnx.ModelProto) -> list[str]:
     """Op types in `model` that amp-rewrite's float16 lists keep float32: deny, or in no list.
 
@@ -70,8 +71,9 @@ def converter(tool: str):
         from onnxconverter_common import float16
     else:
         from onnxruntime.transformers import float16
-    return lambda model, blocked: float16.convert_float_to_float16(model, keep_io_types=True,
-                                                                   op_block_list=blocked)
+    return lambda model, blocked: float16.convert_float_to_float16(
+        model, keep_io_types=True, op_block_list=blocked
+    )
 
 
 def tool_missing(tool: str) -> str | None:
@@ -85,6 +87,7 @@ def tool_missing(tool: str) -> str | None:
 
 
 # --- measuring an output --------------------------------------------------------------------------
+
 
 def all_nodes(graph: onnx.GraphProto):
     """Every node, subgraphs (If/Loop/Scan bodies) included."""
@@ -120,6 +123,7 @@ def checker_verdict(model: onnx.ModelProto) -> str:
 
 # --- the worker: one tool on one model, in its own process ----------------------------------------
 
+
 class _Timeout(Exception):
     pass
 
@@ -132,8 +136,9 @@ def _save(path: Path, result: dict) -> None:
     path.write_text(json.dumps(result))
 
 
-def run_worker(tool: str, model_path: Path, result_path: Path, repeat: int, timeout: int,
-               single_run_above: float) -> None:
+def run_worker(
+    tool: str, model_path: Path, result_path: Path, repeat: int, timeout: int, single_run_above: float
+) -> None:
     """Convert `repeat` times (once when a run is slower than `single_run_above`), then measure the
     last output. Writes the result file after every step so a killed worker still leaves its times."""
     model = onnx.load(str(model_path))
@@ -161,12 +166,17 @@ def run_worker(tool: str, model_path: Path, result_path: Path, repeat: int, time
             break
     if output is not None:
         low, heavy = heavy_low_share(output)
-        result.update(casts=count_casts(output) - count_casts(model), heavy_low=low, heavy=heavy,
-                      checker=checker_verdict(output))
+        result.update(
+            casts=count_casts(output) - count_casts(model),
+            heavy_low=low,
+            heavy=heavy,
+            checker=checker_verdict(output),
+        )
     _save(result_path, result)
 
 
 # --- the driver ------------------------------------------------------------------------------------
+
 
 @dataclass
 class Row:
@@ -193,12 +203,26 @@ def run_tool(tool: str, case: str, model_path: Path, nodes: int, args) -> Row:
         return row
     timeout = args.anchor_timeout if tool != AMP else 0  # alarm(0): no limit for our own tool
     result_path = model_path.with_suffix(f".{tool.replace(' ', '_')}.json")
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", tool, "--model", str(model_path),
-               "--result", str(result_path), "--repeat", str(args.repeat), "--timeout", str(timeout),
-               "--single-run-above", str(args.single_run_above)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        tool,
+        "--model",
+        str(model_path),
+        "--result",
+        str(result_path),
+        "--repeat",
+        str(args.repeat),
+        "--timeout",
+        str(timeout),
+        "--single-run-above",
+        str(args.single_run_above),
+    ]
     try:
-        done = subprocess.run(command, capture_output=True, text=True,
-                              timeout=(timeout + LOAD_GRACE_S) if timeout else None)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=(timeout + LOAD_GRACE_S) if timeout else None
+        )
         if done.returncode:
             row.note = "failed: " + (done.stderr.strip().splitlines() or ["?"])[-1][:60]
     except subprocess.TimeoutExpired:
@@ -236,13 +260,26 @@ def size_label(size: int) -> str:
 
 def parse_sizes(text: str) -> list[int]:
     """'1k,10k,27000' -> [1000, 10000, 27000]."""
-    return [int(float(part[:-1]) * 1000) if part.lower().endswith("k") else int(part)
-            for part in text.split(",") if part.strip()]
+    return [
+        int(float(part[:-1]) * 1000) if part.lower().endswith("k") else int(part)
+        for part in text.split(",")
+        if part.strip()
+    ]
 
 
 # --- the table -------------------------------------------------------------------------------------
 
-HEADER = ("size", "nodes", "tool", "median s", "runs", "vs amp-rewrite", "casts", "low MatMul/Gemm/Conv", "checker")
+HEADER = (
+    "size",
+    "nodes",
+    "tool",
+    "median s",
+    "runs",
+    "vs amp-rewrite",
+    "casts",
+    "low MatMul/Gemm/Conv",
+    "checker",
+)
 
 
 def _cells(row: Row, ours: Row | None) -> tuple:
@@ -251,8 +288,17 @@ def _cells(row: Row, ours: Row | None) -> tuple:
     if median is not None and ours is not None and ours.median:
         ratio = f"{median / ours.median:.1f}x"
     share = f"{row.heavy_low}/{row.heavy}" if row.heavy else ("-" if row.heavy == 0 else "")
-    return (row.case, str(row.nodes), row.tool, f"{median:.3f}" if median is not None else row.note,
-            str(len(row.times)), ratio, "" if row.casts is None else str(row.casts), share, row.checker)
+    return (
+        row.case,
+        str(row.nodes),
+        row.tool,
+        f"{median:.3f}" if median is not None else row.note,
+        str(len(row.times)),
+        ratio,
+        "" if row.casts is None else str(row.casts),
+        share,
+        row.checker,
+    )
 
 
 def table(rows: list[Row], markdown: bool) -> str:
@@ -271,27 +317,48 @@ def growth(rows: list[Row]) -> str:
     if not ours:
         return ""
     base = ours[0].median / ours[0].nodes
-    parts = [f"{row.case}: {row.median / row.nodes * 1e6:.1f} us/node ({row.median / row.nodes / base:.2f}x)"
-             for row in ours]
+    parts = [
+        f"{row.case}: {row.median / row.nodes * 1e6:.1f} us/node ({row.median / row.nodes / base:.2f}x)"
+        for row in ours
+    ]
     return "amp-rewrite time per node relative to " + ours[0].case + ": " + ", ".join(parts)
 
 
 # --- command line ----------------------------------------------------------------------------------
 
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("1k,10k,27k,100k"),
-                        help="synthetic stack sizes in nodes, e.g. 1k,10k,27k,100k")
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=parse_sizes("1k,10k,27k,100k"),
+        help="synthetic stack sizes in nodes, e.g. 1k,10k,27k,100k",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs per tool and size; the median is shown")
-    parser.add_argument("--anchor-timeout", type=int, default=300,
-                        help="seconds one anchor conversion may take before it is marked as timed out")
-    parser.add_argument("--single-run-above", type=float, default=60.0,
-                        help="run a tool only once at a size where one run takes longer than this")
+    parser.add_argument(
+        "--anchor-timeout",
+        type=int,
+        default=300,
+        help="seconds one anchor conversion may take before it is marked as timed out",
+    )
+    parser.add_argument(
+        "--single-run-above",
+        type=float,
+        default=60.0,
+        help="run a tool only once at a size where one run takes longer than this",
+    )
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the synthetic stacks")
     parser.add_argument("--no-exported", action="store_true", help="skip the models exported from torch")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1k nodes, one run, no exported models")
-    parser.add_argument("--tools", type=lambda text: [t.strip() for t in text.split(",")], default=list(TOOL_ORDER),
-                        help=f"comma-separated tools to time (default: all of {', '.join(TOOL_ORDER)})")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 1k nodes, one run, no exported models"
+    )
+    parser.add_argument(
+        "--tools",
+        type=lambda text: [t.strip() for t in text.split(",")],
+        default=list(TOOL_ORDER),
+        help=f"comma-separated tools to time (default: all of {', '.join(TOOL_ORDER)})",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--worker", choices=TOOL_ORDER, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -319,7 +386,9 @@ def main(argv=None) -> int:
         for label, path, nodes in cases:
             for tool in (t for t in TOOL_ORDER if t in args.tools):
                 rows.append(run_tool(tool, label, path, nodes, args))
-                print(f"{label:>14} {tool:<22} {rows[-1].median or rows[-1].note}", file=sys.stderr, flush=True)
+                print(
+                    f"{label:>14} {tool:<22} {rows[-1].median or rows[-1].note}", file=sys.stderr, flush=True
+                )
     print(table(rows, args.markdown))
     print()
     print(growth(rows))

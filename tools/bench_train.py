@@ -31,8 +31,16 @@ from procmem import status
 
 IR_VERSION = 8
 BATCH = {"mlp": 256, "cnn": 128, "bert": 16}
-BERT = dict(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
-            max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+BERT = dict(
+    vocab_size=30522,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    intermediate_size=1024,
+    max_position_embeddings=512,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 SEQ = 128
 CONTENDERS = ("torch", "torch-bf16", "ort-training", "trainer", "trainer-fp16")
 LR = 1e-3
@@ -51,7 +59,11 @@ def mlp(width: int = 512, depth: int = 3, features: int = 784, classes: int = 10
     for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
         weights[f"w{i}"], weights[f"b{i}"] = _uniform(rng, a, (a, b)), _uniform(rng, a, (b,))
         out = "logits" if i == len(sizes) - 2 else f"h{i}"
-        nodes.append(helper.make_node("Gemm", [current, f"w{i}", f"b{i}"], [out if out == "logits" else out + "_lin"], name=f"fc{i}"))
+        nodes.append(
+            helper.make_node(
+                "Gemm", [current, f"w{i}", f"b{i}"], [out if out == "logits" else out + "_lin"], name=f"fc{i}"
+            )
+        )
         if out != "logits":
             nodes.append(helper.make_node("Relu", [out + "_lin"], [out], name=f"relu{i}"))
         current = out
@@ -65,34 +77,56 @@ def small_cnn(channels=(16, 32), size: int = 28, classes: int = 10, seed: int = 
     for i, c_out in enumerate(channels):
         weights[f"conv{i}.w"] = _uniform(rng, c_in * 9, (c_out, c_in, 3, 3))
         weights[f"conv{i}.b"] = _uniform(rng, c_in * 9, (c_out,))
-        nodes += [helper.make_node("Conv", [current, f"conv{i}.w", f"conv{i}.b"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1]),
-                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}"),
-                  helper.make_node("MaxPool", [f"r{i}"], [f"p{i}"], name=f"pool{i}", kernel_shape=[2, 2], strides=[2, 2])]
+        nodes += [
+            helper.make_node(
+                "Conv", [current, f"conv{i}.w", f"conv{i}.b"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1]
+            ),
+            helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}"),
+            helper.make_node(
+                "MaxPool", [f"r{i}"], [f"p{i}"], name=f"pool{i}", kernel_shape=[2, 2], strides=[2, 2]
+            ),
+        ]
         current, c_in, side = f"p{i}", c_out, side // 2
     flat = c_in * side * side
     weights["fc.w"], weights["fc.b"] = _uniform(rng, flat, (flat, classes)), _uniform(rng, flat, (classes,))
-    nodes += [helper.make_node("Flatten", [current], ["flat"], name="flatten"),
-              helper.make_node("Gemm", ["flat", "fc.w", "fc.b"], ["logits"], name="fc")]
+    nodes += [
+        helper.make_node("Flatten", [current], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "fc.w", "fc.b"], ["logits"], name="fc"),
+    ]
     return _model(nodes, weights, [1, size, size], classes), weights, (1, size, size)
 
 
 def _model(nodes, weights, input_shape, classes):
-    graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *input_shape])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])],
-                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    graph = helper.make_graph(
+        nodes,
+        "bench",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *input_shape])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
 
 
 def make_feeds(input_shape, batch, classes=10, count=4, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"x": rng.standard_normal((batch, *input_shape)).astype(np.float32),
-             "labels": rng.integers(0, classes, batch).astype(np.int64)} for _ in range(count)]
+    return [
+        {
+            "x": rng.standard_normal((batch, *input_shape)).astype(np.float32),
+            "labels": rng.integers(0, classes, batch).astype(np.int64),
+        }
+        for _ in range(count)
+    ]
 
 
 def bert_feeds(batch, count=4, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"input_ids": rng.integers(0, BERT["vocab_size"], (batch, SEQ)).astype(np.int64),
-             "labels": rng.integers(0, BERT["vocab_size"], (batch, SEQ)).astype(np.int64)} for _ in range(count)]
+    return [
+        {
+            "input_ids": rng.integers(0, BERT["vocab_size"], (batch, SEQ)).astype(np.int64),
+            "labels": rng.integers(0, BERT["vocab_size"], (batch, SEQ)).astype(np.int64),
+        }
+        for _ in range(count)
+    ]
 
 
 def bert_module():
@@ -124,15 +158,23 @@ def export_bert(path: str) -> None:
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(Logits(), (torch.zeros(2, SEQ, dtype=torch.int64),), buffer, dynamo=False, opset_version=17,
-                          input_names=["input_ids"], output_names=["logits"],
-                          dynamic_axes={"input_ids": {0: "N"}, "logits": {0: "N"}})
+        torch.onnx.export(
+            Logits(),
+            (torch.zeros(2, SEQ, dtype=torch.int64),),
+            buffer,
+            dynamo=False,
+            opset_version=17,
+            input_names=["input_ids"],
+            output_names=["logits"],
+            dynamic_axes={"input_ids": {0: "N"}, "logits": {0: "N"}},
+        )
     model = onnx.load_from_string(buffer.getvalue())
     model.ir_version = min(model.ir_version, 10)
     onnx.save(model, path)
 
 
 # --- one contender in its own process ------------------------------------------------------------
+
 
 def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
     import torch
@@ -154,7 +196,7 @@ def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
             logits = module(input_ids=x).logits
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
     else:
-        _, weights, shape = (mlp(width=1024) if kind == "mlp" else small_cnn())
+        _, weights, shape = mlp(width=1024) if kind == "mlp" else small_cnn()
         tensors = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
         params = list(tensors.values())
         feeds = [(torch.from_numpy(f["x"]), torch.from_numpy(f["labels"])) for f in make_feeds(shape, batch)]
@@ -168,7 +210,9 @@ def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
             else:
                 i = 0
                 while f"conv{i}.w" in tensors:
-                    x = F.max_pool2d(F.relu(F.conv2d(x, tensors[f"conv{i}.w"], tensors[f"conv{i}.b"], padding=1)), 2)
+                    x = F.max_pool2d(
+                        F.relu(F.conv2d(x, tensors[f"conv{i}.w"], tensors[f"conv{i}.b"], padding=1)), 2
+                    )
                     i += 1
                 x = torch.flatten(x, 1) @ tensors["fc.w"] + tensors["fc.b"]
             return F.cross_entropy(x.float(), labels)
@@ -203,8 +247,15 @@ def _trainer_step(kind, threads, precision, batch, recompute, model_dir):
         model, feeds = model.SerializeToString(), make_feeds(shape, batch)
         model = onnx.load_from_string(model)
     options = {"threads": threads} if threads else {}  # an older checkout, compared with PYTHONPATH, has none
-    trainer = Trainer(model, optimizer=AdamW(LR), precision=precision, provider="cpu", recompute=recompute,
-                      verbose=False, **options)
+    trainer = Trainer(
+        model,
+        optimizer=AdamW(LR),
+        precision=precision,
+        provider="cpu",
+        recompute=recompute,
+        verbose=False,
+        **options,
+    )
     del model
 
     def step(i):
@@ -224,9 +275,13 @@ def _ort_training_step(kind, threads, batch, recompute, model_dir):
     model, _, shape = mlp(width=1024) if kind == "mlp" else small_cnn()
     feeds = make_feeds(shape, batch)
     folder = tempfile.mkdtemp(prefix="ortt-")
-    artifacts.generate_artifacts(model, requires_grad=[t.name for t in model.graph.initializer],
-                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
-                                 artifact_directory=folder)
+    artifacts.generate_artifacts(
+        model,
+        requires_grad=[t.name for t in model.graph.initializer],
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=artifacts.OptimType.AdamW,
+        artifact_directory=folder,
+    )
     for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
         path = os.path.join(folder, name)
         if os.path.exists(path):
@@ -237,8 +292,12 @@ def _ort_training_step(kind, threads, batch, recompute, model_dir):
     if threads:
         options.intra_op_num_threads = threads
     state = api.CheckpointState.load_checkpoint(os.path.join(folder, "checkpoint"))
-    module = api.Module(os.path.join(folder, "training_model.onnx"), state, os.path.join(folder, "eval_model.onnx"),
-                        session_options=options)
+    module = api.Module(
+        os.path.join(folder, "training_model.onnx"),
+        state,
+        os.path.join(folder, "eval_model.onnx"),
+        session_options=options,
+    )
     optimizer = api.Optimizer(os.path.join(folder, "optimizer_model.onnx"), module)
     optimizer.set_learning_rate(LR)
     module.train()
@@ -259,13 +318,16 @@ def child(args) -> None:
     batch = args.batch or BATCH[args.model]
     recompute = "auto" if args.with_recompute else None
     if args.child in ("torch", "torch-bf16"):
-        floor, step = _torch_step(args.model, args.child_threads, args.child == "torch-bf16", batch, recompute,
-                                  args.model_dir)
+        floor, step = _torch_step(
+            args.model, args.child_threads, args.child == "torch-bf16", batch, recompute, args.model_dir
+        )
     elif args.child == "ort-training":
         floor, step = _ort_training_step(args.model, args.child_threads, batch, recompute, args.model_dir)
     else:
         precision = "float16" if args.child == "trainer-fp16" else "float32"
-        floor, step = _trainer_step(args.model, args.child_threads, precision, batch, recompute, args.model_dir)
+        floor, step = _trainer_step(
+            args.model, args.child_threads, precision, batch, recompute, args.model_dir
+        )
     print("ready", flush=True)
     count = 0
     for line in sys.stdin:
@@ -282,10 +344,21 @@ def child(args) -> None:
 
 # --- the driver ----------------------------------------------------------------------------------
 
+
 class Contender:
     def __init__(self, python, name, model, threads, model_dir, batch, recompute):
-        argv = [python, os.path.abspath(__file__), "--child", name, "--model", model, "--child-threads", str(threads),
-                "--model-dir", model_dir]
+        argv = [
+            python,
+            os.path.abspath(__file__),
+            "--child",
+            name,
+            "--model",
+            model,
+            "--child-threads",
+            str(threads),
+            "--model-dir",
+            model_dir,
+        ]
         if batch:
             argv += ["--batch", str(batch)]
         if recompute:
@@ -321,7 +394,7 @@ def measure(specs: dict, model: str, threads: int, model_dir: str, warmup: int, 
     times = {label: [] for label in alive}
     labels = list(alive)
     for r in range(warmup + rounds):
-        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
             ms = alive[label].ask("step")
             if r >= warmup:
@@ -351,12 +424,16 @@ def _ort_training_python(args):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,cnn,bert")
-    parser.add_argument("--threads", default="1,0", help="intra-op threads, comma-separated (0: each library's default)")
+    parser.add_argument(
+        "--threads", default="1,0", help="intra-op threads, comma-separated (0: each library's default)"
+    )
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
-    parser.add_argument("--recompute", action="store_true", help="BERT at batch 64 with and without recompute")
+    parser.add_argument(
+        "--recompute", action="store_true", help="BERT at batch 64 with and without recompute"
+    )
     parser.add_argument("--ort-training-python", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -382,12 +459,18 @@ def _table(args, model_dir) -> int:
     specs = {name: (sys.executable, name, False) for name in wanted if name != "ort-training"}
     if "ort-training" in wanted and ort_python:
         specs["ort-training"] = (ort_python, "ort-training", False)
-    print(f"rounds {args.rounds} after {args.warmup} warm-up, fresh process per contender, order rotated each round; "
-          "ms / ratio to torch fp32 (median of per-round ratios) / peak MB above the import floor")
+    print(
+        f"rounds {args.rounds} after {args.warmup} warm-up, fresh process per contender, order rotated each round; "
+        "ms / ratio to torch fp32 (median of per-round ratios) / peak MB above the import floor"
+    )
     if "ort-training" in wanted and not ort_python:
         print("ONNX Runtime training: not installed (give --ort-training-python or AMP_ORT_TRAINING_PYTHON)")
     models = args.models.split(",")
-    print("| threads | contender | " + " | ".join(f"{m} (batch {args.batch or BATCH[m]})" for m in models) + " |")
+    print(
+        "| threads | contender | "
+        + " | ".join(f"{m} (batch {args.batch or BATCH[m]})" for m in models)
+        + " |"
+    )
     print("|---|---|" + "---|" * len(models))
     for threads in [int(t) for t in args.threads.split(",")]:
         cells = {label: [] for label in specs}
@@ -398,7 +481,9 @@ def _table(args, model_dir) -> int:
             results = measure(model_specs, model, threads, model_dir, args.warmup, args.rounds, args.batch)
             for label in specs:
                 result = results.get(label)
-                cells[label].append(f"{result[0]:.1f} / {result[1]:.2f} / {result[2]:.0f}" if result else "n/a")
+                cells[label].append(
+                    f"{result[0]:.1f} / {result[1]:.2f} / {result[2]:.0f}" if result else "n/a"
+                )
         for label in specs:
             print(f"| {threads or 'default'} | {label} | " + " | ".join(cells[label]) + " |", flush=True)
     return 0
@@ -408,16 +493,28 @@ def _recompute_table(args, model_dir) -> int:
     batch = args.batch or 64
     export_bert(os.path.join(model_dir, "bert.onnx"))
     threads = int(args.threads.split(",")[0])
-    specs = {"torch": (sys.executable, "torch", False), "torch checkpointing": (sys.executable, "torch", True),
-             "trainer": (sys.executable, "trainer", False), 'trainer recompute="auto"': (sys.executable, "trainer", True)}
+    specs = {
+        "torch": (sys.executable, "torch", False),
+        "torch checkpointing": (sys.executable, "torch", True),
+        "trainer": (sys.executable, "trainer", False),
+        'trainer recompute="auto"': (sys.executable, "trainer", True),
+    }
     results = measure(specs, "bert", threads, model_dir, args.warmup, args.rounds, batch)
-    print(f"BERT batch {batch}x{SEQ}, {threads or 'default'} threads, rounds {args.rounds} after {args.warmup} warm-up")
+    print(
+        f"BERT batch {batch}x{SEQ}, {threads or 'default'} threads, rounds {args.rounds} after {args.warmup} warm-up"
+    )
     print("| contender | ms | time vs its plain run | peak MB above floor | memory vs its plain run |")
     print("|---|---|---|---|---|")
-    for label, plain in (("torch", "torch"), ("torch checkpointing", "torch"), ("trainer", "trainer"),
-                         ('trainer recompute="auto"', "trainer")):
+    for label, plain in (
+        ("torch", "torch"),
+        ("torch checkpointing", "torch"),
+        ("trainer", "trainer"),
+        ('trainer recompute="auto"', "trainer"),
+    ):
         ms, _, mb = results[label]
-        print(f"| {label} | {ms:.0f} | {ms / results[plain][0]:.2f} | {mb:.0f} | {mb / results[plain][2]:.2f} |")
+        print(
+            f"| {label} | {ms:.0f} | {ms / results[plain][0]:.2f} | {mb:.0f} | {mb / results[plain][2]:.2f} |"
+        )
     return 0
 
 

@@ -44,12 +44,18 @@ def build(folder: Path, gigabytes: float, dim: int) -> Path:
     offset = 0
     with open(data_path, "wb") as handle:
         for i in range(layers):
-            for start in range(0, dim, rows_per_chunk):  # one random block, scaled: drawing GiBs would dominate
+            for start in range(
+                0, dim, rows_per_chunk
+            ):  # one random block, scaled: drawing GiBs would dominate
                 rows = min(rows_per_chunk, dim - start)
                 handle.write((block[:rows] * np.float32(1 + 0.001 * (i + start / dim))).tobytes())
             tensor = TensorProto(name=f"W{i}", data_type=TensorProto.FLOAT, dims=[dim, dim])
             tensor.data_location = TensorProto.EXTERNAL
-            for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(layer_bytes))):
+            for key, value in (
+                ("location", data_path.name),
+                ("offset", str(offset)),
+                ("length", str(layer_bytes)),
+            ):
                 entry = tensor.external_data.add()
                 entry.key, entry.value = key, value
             offset += layer_bytes
@@ -57,25 +63,33 @@ def build(folder: Path, gigabytes: float, dim: int) -> Path:
             source = "x" if i == 0 else f"r{i - 1}"
             nodes.append(helper.make_node("MatMul", [source, f"W{i}"], [f"h{i}"], name=f"mm{i}"))
             nodes.append(helper.make_node("Relu", [f"h{i}"], [f"r{i}"], name=f"relu{i}"))
-    graph = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, dim])],
-                              [helper.make_tensor_value_info(f"r{layers - 1}", TensorProto.FLOAT, [1, dim])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, dim])],
+        [helper.make_tensor_value_info(f"r{layers - 1}", TensorProto.FLOAT, [1, dim])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     path = folder / "big.onnx"
     path.write_bytes(model.SerializeToString())
     return path
 
 
-RUN_MEASURED = ("import resource, subprocess, sys, time\n"
-                "started = time.perf_counter()\n"
-                "code = subprocess.run(sys.argv[1:]).returncode\n"
-                "print(time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, code)")
+RUN_MEASURED = (
+    "import resource, subprocess, sys, time\n"
+    "started = time.perf_counter()\n"
+    "code = subprocess.run(sys.argv[1:]).returncode\n"
+    "print(time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, code)"
+)
 
 
 def measured(command: list) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes, exit code) of `command`, run alone in a fresh child (getrusage
     of this process's children would mix runs)."""
-    done = subprocess.run([sys.executable, "-c", RUN_MEASURED, *command], cwd=ROOT, capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_MEASURED, *command], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     wall, peak, code = done.stdout.split()
     return float(wall), int(peak), int(code)
 
@@ -97,7 +111,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.2, help="model size in GiB (default 2.2)")
     parser.add_argument("--dim", type=int, default=8192, help="weight size dim x dim (default 8192: 256 MiB)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of cp and of the rewrite, alternated (medians)")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of cp and of the rewrite, alternated (medians)"
+    )
     parser.add_argument("--dir", default=None, help="working folder (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     args = parser.parse_args(argv)
@@ -105,7 +121,10 @@ def main(argv=None) -> int:
     free = shutil.disk_usage(base).free
     need = args.gb * 2.6 * 2**30  # the model, a copy, the float16 output
     if free < need:
-        print(f"big_model: only {free / 2**30:.1f} GiB free in {base}; need {need / 2**30:.1f} GiB", file=sys.stderr)
+        print(
+            f"big_model: only {free / 2**30:.1f} GiB free in {base}; need {need / 2**30:.1f} GiB",
+            file=sys.stderr,
+        )
         return 1
     folder = Path(tempfile.mkdtemp(prefix="amp-big-", dir=base))
     try:
@@ -126,30 +145,49 @@ def main(argv=None) -> int:
         cp_s = statistics.median(c[0] for c in copies)
         cp_sync_s = statistics.median(c[1] for c in copies)
         largest = args.dim * args.dim * 4
-        result = {"model_bytes": size_in, "largest_tensor_bytes": largest, "build_s": round(built_s, 1),
-                  "rewrite_exit": code, "rewrite_wall_s": round(wall, 1), "cp_s": round(cp_s, 1),
-                  "cp_sync_s": round(cp_sync_s, 1), "rewrite_over_cp": round(wall / cp_s, 2),
-                  "rewrite_over_cp_sync": round(wall / cp_sync_s, 2), "peak_rss_bytes": peak,
-                  "peak_rss_over_model": round(peak / size_in, 3),
-                  "peak_within_1GB_plus_largest": peak <= 2**30 + largest}
+        result = {
+            "model_bytes": size_in,
+            "largest_tensor_bytes": largest,
+            "build_s": round(built_s, 1),
+            "rewrite_exit": code,
+            "rewrite_wall_s": round(wall, 1),
+            "cp_s": round(cp_s, 1),
+            "cp_sync_s": round(cp_sync_s, 1),
+            "rewrite_over_cp": round(wall / cp_s, 2),
+            "rewrite_over_cp_sync": round(wall / cp_sync_s, 2),
+            "peak_rss_bytes": peak,
+            "peak_rss_over_model": round(peak / size_in, 3),
+            "peak_within_1GB_plus_largest": peak <= 2**30 + largest,
+        }
         if code == 0:
-            data_out = [f for f in folder.iterdir() if f.name.startswith("big.fp16.onnx.") and f.suffix == ".data"]
+            data_out = [
+                f for f in folder.iterdir() if f.name.startswith("big.fp16.onnx.") and f.suffix == ".data"
+            ]
             result["output_bytes"] = out.stat().st_size + sum(f.stat().st_size for f in data_out)
             result["output_over_input"] = round(result["output_bytes"] / size_in, 3)
             onnx.checker.check_model(str(out))
             result["checker_by_path"] = "ok"
             rewritten = onnx.load(str(out), load_external_data=False)
-            result["low_precision_weights"] = sum(t.data_type == TensorProto.FLOAT16 for t in rewritten.graph.initializer)
+            result["low_precision_weights"] = sum(
+                t.data_type == TensorProto.FLOAT16 for t in rewritten.graph.initializer
+            )
             result["weights"] = len(rewritten.graph.initializer)
-            result["data_files"] = len({e.value for t in rewritten.graph.initializer for e in t.external_data
-                                        if e.key == "location"})
-            result["offsets_64KiB_aligned"] = all(int({e.key: e.value for e in t.external_data}["offset"]) % 65536 == 0
-                                                  for t in rewritten.graph.initializer)
+            result["data_files"] = len(
+                {e.value for t in rewritten.graph.initializer for e in t.external_data if e.key == "location"}
+            )
+            result["offsets_64KiB_aligned"] = all(
+                int({e.key: e.value for e in t.external_data}["offset"]) % 65536 == 0
+                for t in rewritten.graph.initializer
+            )
         print(json.dumps(result, indent=1))
-        print("| model | largest tensor | rewrite | cp | cp + sync | rewrite / cp | peak RSS | peak / model |")
+        print(
+            "| model | largest tensor | rewrite | cp | cp + sync | rewrite / cp | peak RSS | peak / model |"
+        )
         print("|---|---|---|---|---|---|---|---|")
-        print(f"| {size_in / 2**30:.2f} GiB | {largest / 2**20:.0f} MiB | {wall:.1f} s | {cp_s:.1f} s | {cp_sync_s:.1f} s "
-              f"| {wall / cp_s:.2f}x | {peak / 2**20:.0f} MiB | {peak / size_in:.3f} |")
+        print(
+            f"| {size_in / 2**30:.2f} GiB | {largest / 2**20:.0f} MiB | {wall:.1f} s | {cp_s:.1f} s | {cp_sync_s:.1f} s "
+            f"| {wall / cp_s:.2f}x | {peak / 2**20:.0f} MiB | {peak / size_in:.3f} |"
+        )
         return 0 if code == 0 else 1
     finally:
         if not args.keep:

@@ -53,17 +53,27 @@ TOLERANCE = {
 # Keys are regular expressions matched against the case name; values the reason shown.
 # A key is a pattern, or (pattern, target) for one target only.
 EXCEPTIONS: dict = {
-    (r"test_attention_4d_attn_mask_[34]d_causal", "bfloat16"):
-        "ORT 1.31 inlines Attention-23 (is_causal) with a float32 mask Add for bfloat16; onnx's own "
-        "function body accepts bfloat16 (the schema probe checks it): ORT bug",
-    (r"test_(log)?softmax_large_number(_expanded)?(_ver18)?", "bfloat16"):
-        "inputs near 10000 differ by 1..3; bfloat16 spacing there is 64",
-    (r"test_nllloss_NCd1d2d3d4d5_mean_weight(_expanded)?", "bfloat16"):
-        "weighted mean over 6480 terms accumulated in bfloat16 by onnx.reference (no ORT bf16 kernel)",
-    (r"test_maxpool_with_argmax_2d_precomputed_pads", "bfloat16"):
-        "onnx.reference's MaxPool returns wrong indices for bfloat16 (negative); ORT has no bf16 kernel",
-    (r"test_batchnorm_(epsilon|example)_training_mode", "bfloat16"):
-        "training-mode running variance computed in bfloat16 by onnx.reference",
+    (
+        r"test_attention_4d_attn_mask_[34]d_causal",
+        "bfloat16",
+    ): "ORT 1.31 inlines Attention-23 (is_causal) with a float32 mask Add for bfloat16; onnx's own "
+    "function body accepts bfloat16 (the schema probe checks it): ORT bug",
+    (
+        r"test_(log)?softmax_large_number(_expanded)?(_ver18)?",
+        "bfloat16",
+    ): "inputs near 10000 differ by 1..3; bfloat16 spacing there is 64",
+    (
+        r"test_nllloss_NCd1d2d3d4d5_mean_weight(_expanded)?",
+        "bfloat16",
+    ): "weighted mean over 6480 terms accumulated in bfloat16 by onnx.reference (no ORT bf16 kernel)",
+    (
+        r"test_maxpool_with_argmax_2d_precomputed_pads",
+        "bfloat16",
+    ): "onnx.reference's MaxPool returns wrong indices for bfloat16 (negative); ORT has no bf16 kernel",
+    (
+        r"test_batchnorm_(epsilon|example)_training_mode",
+        "bfloat16",
+    ): "training-mode running variance computed in bfloat16 by onnx.reference",
 }
 
 
@@ -153,7 +163,10 @@ def has_float32(model: onnx.ModelProto) -> bool:
             for attr in node.attribute:
                 if attr.HasField("t") and attr.t.data_type == TensorProto.FLOAT:
                     return True
-                if attr.type in (onnx.AttributeProto.FLOAT, onnx.AttributeProto.FLOATS) and node.op_type == "Constant":
+                if (
+                    attr.type in (onnx.AttributeProto.FLOAT, onnx.AttributeProto.FLOATS)
+                    and node.op_type == "Constant"
+                ):
                     return True
     return False
 
@@ -175,7 +188,9 @@ def _session(model: onnx.ModelProto):
     options.log_severity_level = 4
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(_for_ort(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        _for_ort(model).SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def _feeds(model: onnx.ModelProto, inputs: list) -> dict:
@@ -234,7 +249,9 @@ def compare(actual, expected, rtol: float, atol: float) -> str | None:
     if a.dtype != e.dtype:
         return f"dtype {a.dtype} != {e.dtype}"
     finite = np.isfinite(e64)
-    same_nonfinite = np.array_equal(np.isnan(a64), np.isnan(e64)) and np.array_equal(a64[np.isinf(e64)], e64[np.isinf(e64)])
+    same_nonfinite = np.array_equal(np.isnan(a64), np.isnan(e64)) and np.array_equal(
+        a64[np.isinf(e64)], e64[np.isinf(e64)]
+    )
     if not same_nonfinite:
         return f"non-finite values differ ({int(np.sum(~np.isfinite(a64)))} vs {int(np.sum(~finite))})"
     if not finite.any():
@@ -370,7 +387,11 @@ def _job(args):
                 try:
                     out[(target, mode)] = run_case(name, model_bytes, data_sets, target, mode)
                 except Exception as exc:  # a crash of the harness is a failure of the case
-                    out[(target, mode)] = ("failing", f"harness: {type(exc).__name__}: {_first_line(exc)}", "")
+                    out[(target, mode)] = (
+                        "failing",
+                        f"harness: {type(exc).__name__}: {_first_line(exc)}",
+                        "",
+                    )
                 out[("seconds", target, mode)] = time.perf_counter() - started
     return out
 
@@ -403,38 +424,64 @@ def counts(results: list[dict], targets=TARGETS, modes=MODES) -> dict:
     return table
 
 
-def summary_text(results: list[dict], targets=TARGETS, modes=MODES, show_failures: bool = True,
-                 show_float32: bool = False) -> str:
+def summary_text(
+    results: list[dict], targets=TARGETS, modes=MODES, show_failures: bool = True, show_float32: bool = False
+) -> str:
     lines = []
     skipped = Counter(r["baseline"].split(":")[0] for r in results if r["baseline"] is not None)
-    lines.append(f"cases: {len(results)}; out of scope: {sum(skipped.values())} "
-                 f"({', '.join(f'{k}: {v}' for k, v in skipped.most_common())})")
+    lines.append(
+        f"cases: {len(results)}; out of scope: {sum(skipped.values())} "
+        f"({', '.join(f'{k}: {v}' for k, v in skipped.most_common())})"
+    )
     table = counts(results, targets, modes)
-    lines.append(f"{'target':9} {'mode':8} {'considered':>10} {'passed':>7} {'(ort':>6} {'ref)':>5} "
-                 f"{'float32':>8} {'failing':>8} {'exception':>9}")
+    lines.append(
+        f"{'target':9} {'mode':8} {'considered':>10} {'passed':>7} {'(ort':>6} {'ref)':>5} "
+        f"{'float32':>8} {'failing':>8} {'exception':>9}"
+    )
     for (target, mode), c in table.items():
-        lines.append(f"{target:9} {mode:8} {c['considered']:>10} {c['passed']:>7} {c['passed_ort']:>6} "
-                     f"{c['passed_reference']:>5} {c['float32']:>8} {c['failing']:>8} {c['exception']:>9}")
+        lines.append(
+            f"{target:9} {mode:8} {c['considered']:>10} {c['passed']:>7} {c['passed_ort']:>6} "
+            f"{c['passed_reference']:>5} {c['float32']:>8} {c['failing']:>8} {c['exception']:>9}"
+        )
     for target in targets:
         for mode in modes:
             if show_failures:
-                fails = [(r["name"], r[(target, mode)][1]) for r in results
-                         if r["baseline"] is None and r[(target, mode)][0] == "failing"]
+                fails = [
+                    (r["name"], r[(target, mode)][1])
+                    for r in results
+                    if r["baseline"] is None and r[(target, mode)][0] == "failing"
+                ]
                 if fails:
                     lines.append(f"-- failing, {target} {mode}:")
                     lines += [f"   {n}: {d}" for n, d in fails]
             if show_float32:
-                why = Counter(r[(target, mode)][1] for r in results
-                              if r["baseline"] is None and r[(target, mode)][0] == "float32")
+                why = Counter(
+                    r[(target, mode)][1]
+                    for r in results
+                    if r["baseline"] is None and r[(target, mode)][0] == "float32"
+                )
                 if why:
                     lines.append(f"-- left float32, {target} {mode}, by reason:")
                     lines += [f"   {v:5} {k}" for k, v in why.most_common()]
-    slow = sorted(((sum(v for k, v in r.items() if isinstance(k, tuple) and k[0] == "seconds"), r["name"])
-                   for r in results), reverse=True)[:8]
+    slow = sorted(
+        (
+            (sum(v for k, v in r.items() if isinstance(k, tuple) and k[0] == "seconds"), r["name"])
+            for r in results
+        ),
+        reverse=True,
+    )[:8]
     if slow and slow[0][0] > 1:
         lines.append("-- slowest cases: " + ", ".join(f"{n} {t:.1f} s" for t, n in slow))
-    exceptions = sorted({(r["name"], r[(t, m)][1]) for r in results if r["baseline"] is None
-                         for t in targets for m in modes if r[(t, m)][0] == "exception"})
+    exceptions = sorted(
+        {
+            (r["name"], r[(t, m)][1])
+            for r in results
+            if r["baseline"] is None
+            for t in targets
+            for m in modes
+            if r[(t, m)][0] == "exception"
+        }
+    )
     if exceptions:
         lines.append("-- exceptions (listed in tools/conformance.py EXCEPTIONS):")
         lines += [f"   {n}: {d}" for n, d in exceptions]
@@ -442,7 +489,9 @@ def summary_text(results: list[dict], targets=TARGETS, modes=MODES, show_failure
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", choices=TARGETS, action="append")
     parser.add_argument("--mode", choices=MODES, action="append")
     parser.add_argument("-j", "--jobs", type=int, default=None)
@@ -458,7 +507,9 @@ def main(argv=None) -> int:
     loaded = time.perf_counter() - started
     results = run(cases, targets, modes, args.jobs)
     print(summary_text(results, targets, modes, show_float32=args.show_float32))
-    print(f"time: {time.perf_counter() - started:.1f} s ({loaded:.1f} s loading the cases), jobs {args.jobs or os.cpu_count()}")
+    print(
+        f"time: {time.perf_counter() - started:.1f} s ({loaded:.1f} s loading the cases), jobs {args.jobs or os.cpu_count()}"
+    )
     failing = sum(c["failing"] for c in counts(results, targets, modes).values())
     return 1 if failing else 0
 

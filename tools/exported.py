@@ -72,8 +72,16 @@ def _cnn_module(classes: int):
     def stage(c_in, c_out):
         return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)]
 
-    return nn.Sequential(*stage(3, 16), *stage(16, 32), *stage(32, 64), nn.Conv2d(64, 64, 3, padding=1),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, classes))
+    return nn.Sequential(
+        *stage(3, 16),
+        *stage(16, 32),
+        *stage(32, 64),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, classes),
+    )
 
 
 def _export(module, args, path: Path, input_names, dynamic_axes) -> Path:
@@ -83,8 +91,16 @@ def _export(module, args, path: Path, input_names, dynamic_axes) -> Path:
     module.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, input_names=input_names,
-                          output_names=["output"], dynamic_axes=dynamic_axes)
+        torch.onnx.export(
+            module,
+            args,
+            str(path),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=input_names,
+            output_names=["output"],
+            dynamic_axes=dynamic_axes,
+        )
     return path
 
 

@@ -30,8 +30,9 @@ def row(name: str) -> str:
     model, batches, module = et.EXPORTS[name]()
     curves, trainers, skipped = {}, {}, {}
     for precision in ("float32", "float16"):
-        trainer = Trainer(model, optimizer=AdamW(et.LR.get(name, 3e-3)), precision=precision, provider="cpu",
-                          verbose=False)
+        trainer = Trainer(
+            model, optimizer=AdamW(et.LR.get(name, 3e-3)), precision=precision, provider="cpu", verbose=False
+        )
         results = [trainer.step(b) for b in batches]
         curves[precision] = np.array([r.loss for r in results])
         trainers[precision], skipped[precision] = trainer, sum(r.skipped for r in results)
@@ -40,18 +41,22 @@ def row(name: str) -> str:
     floats = sum(1 for t in trainer._model.graph.initializer if t.data_type == 1)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     ops = len({n.op_type for n in model.graph.node})
-    return (f"| {name} | {'dynamo' if name in DYNAMO else 'torchscript'}, {opset} | {len(model.graph.node)} / {ops} | "
-            f"{len(trainer.trainable)} / {len(et.by_hand(model, module))} ({len(list(module.parameters()))}) | "
-            f"{floats - len(trainer.trainable)} | {skipped['float32']} / {skipped['float16']} | {l32[0]:.3f} | "
-            f"{l32[-1]:.3f} | {l16[-1]:.3f} | {np.max(np.abs(l16 - l32) / l32):.2%} |")
+    return (
+        f"| {name} | {'dynamo' if name in DYNAMO else 'torchscript'}, {opset} | {len(model.graph.node)} / {ops} | "
+        f"{len(trainer.trainable)} / {len(et.by_hand(model, module))} ({len(list(module.parameters()))}) | "
+        f"{floats - len(trainer.trainable)} | {skipped['float32']} / {skipped['float16']} | {l32[0]:.3f} | "
+        f"{l32[-1]:.3f} | {l16[-1]:.3f} | {np.max(np.abs(l16 - l32) / l32):.2%} |"
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(et.EXPORTS))
     args = parser.parse_args(argv)
-    print("| model | exporter, opset | nodes / op types | parameters default / by hand (torch) | frozen constants "
-          "| skipped fp32 / fp16 | loss step 1 | step 30 fp32 | step 30 fp16 | max fp16 gap |")
+    print(
+        "| model | exporter, opset | nodes / op types | parameters default / by hand (torch) | frozen constants "
+        "| skipped fp32 / fp16 | loss step 1 | step 30 fp32 | step 30 fp16 | max fp16 gap |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         print(row(name), flush=True)

@@ -13,7 +13,8 @@ import argparse
 import collections
 import time
 
-from hypothesis import HealthCheck, given, seed as hyp_seed, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import strategies  # a sibling in tools/: Python puts a script's own folder first on sys.path
@@ -36,31 +37,43 @@ def main(argv=None) -> int:
     started = time.perf_counter()
 
     @hyp_seed(args.seed)
-    @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(strategies.onnx_graphs(max_ops=args.max_ops), st.booleans())
     def run(model, keep_io_types):
         count[0] += 1
         if count[0] % 500 == 0:
-            print(f"{count[0]} examples, {sum(failures.values())} failures, {time.perf_counter() - started:.0f} s",
-                  flush=True)
+            print(
+                f"{count[0]} examples, {sum(failures.values())} failures, {time.perf_counter() - started:.0f} s",
+                flush=True,
+            )
         try:
             strategies.check_rewrite(model, keep_io_types)
         except Exception as exc:  # noqa: BLE001 - every failure is a finding
-            message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+            message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[
+                :300
+            ]
             failures[message] += 1
             first.setdefault(message, (model, keep_io_types))
 
     run()
-    print(f"\n{count[0]} examples in {time.perf_counter() - started:.0f} s; "
-          f"{len(failures)} distinct failures ({sum(failures.values())} failing examples)")
+    print(
+        f"\n{count[0]} examples in {time.perf_counter() - started:.0f} s; "
+        f"{len(failures)} distinct failures ({sum(failures.values())} failing examples)"
+    )
     for message, n in failures.most_common():
         model, keep = first[message]
         print(f"\n[{n}x] {message}\n  keep_io_types={keep}: {_describe(model)}")
     if failures and args.shrink:
-        @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
         @given(strategies.onnx_graphs(max_ops=args.max_ops), st.booleans())
         def shrink(model, keep_io_types):
             strategies.check_rewrite(model, keep_io_types)
+
         try:
             shrink()
         except Exception as exc:  # noqa: BLE001

@@ -24,7 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OPEN = None  # `until` of an open-ended opset range
-DOMAINS = {"ai.onnx": "", "": "", "com.microsoft": "com.microsoft"}  # others (internal NHWC) are not ops in models
+DOMAINS = {
+    "ai.onnx": "",
+    "": "",
+    "com.microsoft": "com.microsoft",
+}  # others (internal NHWC) are not ops in models
 
 _CPU_DUMP = r"""
 import json, onnxruntime
@@ -52,9 +56,13 @@ def _merge(rows) -> dict:
         params = ranges.setdefault((since, until), {})
         for param, allowed in types.items():
             params.setdefault(param, set()).update(_plain(t) for t in allowed)
-    return {key: [[since, until, {p: sorted(t) for p, t in sorted(params.items())}]
-                  for (since, until), params in sorted(ranges.items(), key=lambda kv: -kv[0][0])]
-            for key, ranges in sorted(merged.items())}
+    return {
+        key: [
+            [since, until, {p: sorted(t) for p, t in sorted(params.items())}]
+            for (since, until), params in sorted(ranges.items(), key=lambda kv: -kv[0][0])
+        ]
+        for key, ranges in sorted(merged.items())
+    }
 
 
 def cuda_table(source: Path) -> dict:
@@ -66,8 +74,10 @@ def cuda_table(source: Path) -> dict:
 def cpu_table(python: str) -> dict:
     done = subprocess.run([python, "-c", _CPU_DUMP], capture_output=True, text=True, timeout=300, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"the CPU kernel dump failed in {python} (exit {done.returncode}): "
-                         f"{done.stderr.strip().splitlines()[-1:] or ''}")
+        raise SystemExit(
+            f"the CPU kernel dump failed in {python} (exit {done.returncode}): "
+            f"{done.stderr.strip().splitlines()[-1:] or ''}"
+        )
     data = json.loads(done.stdout.strip().splitlines()[-1])
     big = 2**31 - 1  # ORT writes an open range as INT_MAX
     rows = [(d, op, a, None if b >= big else b, t) for d, op, a, b, t in data["rows"]]
@@ -86,8 +96,12 @@ def write(table: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cuda-source", type=Path, default=ROOT.parent.parent / "shared/reference/ort_cuda_kernels.json")
-    p.add_argument("--cpu-python", help="a Python with the CPU-only onnxruntime wheel (default: skip the CPU table)")
+    p.add_argument(
+        "--cuda-source", type=Path, default=ROOT.parent.parent / "shared/reference/ort_cuda_kernels.json"
+    )
+    p.add_argument(
+        "--cpu-python", help="a Python with the CPU-only onnxruntime wheel (default: skip the CPU table)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "op_lists")
     args = p.parse_args(argv)
     if args.cuda_source.exists():

@@ -83,14 +83,22 @@ def node_error(node: onnx.NodeProto, values: dict, opsets, low_dtype, spec: bool
     inputs = [values[x] if x else None for x in node.input]
     low_inputs = [x.astype(low_dtype) if x is not None and x.dtype == np.float32 else x for x in inputs]
     if spec:
-        low_inputs = [x.astype(np.float32) if x is not None and x.dtype == low_dtype else x for x in low_inputs]
+        low_inputs = [
+            x.astype(np.float32) if x is not None and x.dtype == low_dtype else x for x in low_inputs
+        ]
     names = [f"i{k}" if x is not None else "" for k, x in enumerate(low_inputs)]
     one = helper.make_node(node.op_type, names, ["y"], domain=node.domain)
     one.attribute.extend(node.attribute)
-    graph = helper.make_graph([one], "one",
-                              [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)
-                               for n, x in zip(names, low_inputs) if n],
-                              [helper.make_empty_tensor_value_info("y")])
+    graph = helper.make_graph(
+        [one],
+        "one",
+        [
+            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)
+            for n, x in zip(names, low_inputs)
+            if n
+        ],
+        [helper.make_empty_tensor_value_info("y")],
+    )
     single = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     with np.errstate(all="ignore"):
         got = ReferenceEvaluator(single).run(None, {n: x for n, x in zip(names, low_inputs) if n})[0]
@@ -109,11 +117,15 @@ def model_error(rewritten: onnx.ModelProto, expected, feeds: dict) -> tuple[floa
     of the original, run once per model."""
     names, [reference], _ = expected
     [got] = validate.run_samples(open_session(rewritten, "cpu")[0], [feeds], outputs=names)
-    stats = [validate.compare([r], [g], rtol=bench_placement.RTOL, atol=bench_placement.ATOL)
-             for r, g in zip(reference, got)]
+    stats = [
+        validate.compare([r], [g], rtol=bench_placement.RTOL, atol=bench_placement.ATOL)
+        for r, g in zip(reference, got)
+    ]
     err = max(st["max_abs"] / (float(np.max(np.abs(r))) or 1.0) for st, r in zip(stats, reference))
-    outside = sum(int(np.sum(~(np.abs(np.float64(g) - r) <= bench_placement.ATOL + bench_placement.RTOL * np.abs(r))))
-                  for r, g in zip(reference, got))  # a new NaN compares False: outside
+    outside = sum(
+        int(np.sum(~(np.abs(np.float64(g) - r) <= bench_placement.ATOL + bench_placement.RTOL * np.abs(r))))
+        for r, g in zip(reference, got)
+    )  # a new NaN compares False: outside
     return err, min(st["cosine"] for st in stats), f"{outside}/{sum(np.size(r) for r in reference)}"
 
 
@@ -137,31 +149,65 @@ def evidence(path: Path, ops: list | None, dims: dict, target: str) -> list:
     rows = []
     base = amp_rewrite.rewrite(model, placement="cost", deny=candidates).model
     base_err, base_cos, base_out = model_error(base, expected, feeds)
-    rows.append([path.stem, "(all deny)", "", "", "", casts_added(base),
-                 f"{base_err:.2e}", f"{base_cos:.7f}", base_out])
+    rows.append(
+        [
+            path.stem,
+            "(all deny)",
+            "",
+            "",
+            "",
+            casts_added(base),
+            f"{base_err:.2e}",
+            f"{base_cos:.7f}",
+            base_out,
+        ]
+    )
     for op in candidates:
         nodes = by_type[op]
         if not nodes:
             continue
         numpy_worst = max(node_error(n, values, opsets, low_dtype, spec=False) for n in nodes)
-        spec_worst = (max(node_error(n, values, opsets, low_dtype, spec=True) for n in nodes)
-                      if stashes(op, nodes[0].domain, versions) else None)
+        spec_worst = (
+            max(node_error(n, values, opsets, low_dtype, spec=True) for n in nodes)
+            if stashes(op, nodes[0].domain, versions)
+            else None
+        )
         others = [o for o in candidates if o != op]
         moved = amp_rewrite.rewrite(model, placement="cost", deny=others, infer=[op]).model
         err, cos, out = model_error(moved, expected, feeds)
-        rows.append([path.stem, op, str(len(nodes)), f"{numpy_worst:.2e}",
-                     f"{spec_worst:.2e}" if spec_worst is not None else "", casts_added(moved),
-                     f"{err:.2e}", f"{cos:.7f}", out])
+        rows.append(
+            [
+                path.stem,
+                op,
+                str(len(nodes)),
+                f"{numpy_worst:.2e}",
+                f"{spec_worst:.2e}" if spec_worst is not None else "",
+                casts_added(moved),
+                f"{err:.2e}",
+                f"{cos:.7f}",
+                out,
+            ]
+        )
     if len(candidates) > 1:
         together = amp_rewrite.rewrite(model, placement="cost", infer=candidates).model
         err, cos, out = model_error(together, expected, feeds)
-        rows.append([path.stem, "all of them", "", "", "", casts_added(together),
-                     f"{err:.2e}", f"{cos:.7f}", out])
+        rows.append(
+            [path.stem, "all of them", "", "", "", casts_added(together), f"{err:.2e}", f"{cos:.7f}", out]
+        )
     return rows
 
 
-HEAD = ["model", "op moved to infer", "nodes", "node err (numpy f16)", "node err (spec)", "casts",
-        "model err (ORT)", "model cosine", "outside tolerance"]
+HEAD = [
+    "model",
+    "op moved to infer",
+    "nodes",
+    "node err (numpy f16)",
+    "node err (spec)",
+    "casts",
+    "model err (ORT)",
+    "model cosine",
+    "outside tolerance",
+]
 
 
 def main(argv=None) -> int:
@@ -172,7 +218,11 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="float16", choices=sorted(LOW_DTYPE))
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
-    rows = [row for path in args.models for row in evidence(path, args.ops, validate.parse_dims(args.dim), args.target)]
+    rows = [
+        row
+        for path in args.models
+        for row in evidence(path, args.ops, validate.parse_dims(args.dim), args.target)
+    ]
     if args.markdown:
         print("| " + " | ".join(HEAD) + " |\n|" + "---|" * len(HEAD))
         print("\n".join("| " + " | ".join(r) + " |" for r in rows))

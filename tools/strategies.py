@@ -30,13 +30,27 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amp_rewrite
 from amp_rewrite.analysis.oplists import load_op_lists
-from amp_rewrite.runtime import open_session
 from amp_rewrite.checks.validate import synthesise
+from amp_rewrite.runtime import open_session
 
-F32, F16, F64, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.BOOL
+F32, F16, F64, I64, BOOL = (
+    TensorProto.FLOAT,
+    TensorProto.FLOAT16,
+    TensorProto.DOUBLE,
+    TensorProto.INT64,
+    TensorProto.BOOL,
+)
 DENY = set(load_op_lists("float16").ops("deny"))
-INPUTS = [("x", F32, [2, 3, 4]), ("y", F32, [1, 3, 1]), ("z", F32, [4]), ("h", F16, [2, 3, 4]),
-          ("d", F64, [3, 4]), ("k", I64, [2, 3, 4]), ("m", BOOL, [2, 3, 4]), ("cond", BOOL, [])]
+INPUTS = [
+    ("x", F32, [2, 3, 4]),
+    ("y", F32, [1, 3, 1]),
+    ("z", F32, [4]),
+    ("h", F16, [2, 3, 4]),
+    ("d", F64, [3, 4]),
+    ("k", I64, [2, 3, 4]),
+    ("m", BOOL, [2, 3, 4]),
+    ("cond", BOOL, []),
+]
 
 
 class Builder:
@@ -87,7 +101,9 @@ class Builder:
     def partner(self, name, shape=None):
         """A float32 tensor whose shape broadcasts with `name`'s (or with `shape`)."""
         shape = self.tensors[name][1] if shape is None else shape
-        return self.draw(st.sampled_from([other for other in self.floats() if _fits(shape, self.tensors[other][1])]))
+        return self.draw(
+            st.sampled_from([other for other in self.floats() if _fits(shape, self.tensors[other][1])])
+        )
 
 
 def _unary(op, bound_of=lambda b: b, **attrs):
@@ -95,6 +111,7 @@ def _unary(op, bound_of=lambda b: b, **attrs):
         a = g.bounded(g.pick())
         _, shape, bound = g.tensors[a]
         return g.add(op, [a], F32, shape, bound_of(bound), **attrs)
+
     return op, build
 
 
@@ -103,6 +120,7 @@ def _positive_unary(op, bound_of):
         a = g.positive(g.pick())
         _, shape, bound = g.tensors[a]
         return g.add(op, [a], F32, shape, bound_of(bound))
+
     return op, build
 
 
@@ -112,6 +130,7 @@ def _binary(op, bound_of):
         b = g.bounded(g.partner(a))
         shape = np.broadcast_shapes(g.tensors[a][1], g.tensors[b][1])
         return g.add(op, [a, b], F32, shape, bound_of(g.tensors[a][2], g.tensors[b][2]))
+
     return op, build
 
 
@@ -123,6 +142,7 @@ def _variadic(op, bound_of):
             rest.append(g.bounded(g.partner(a, shape)))
             shape = np.broadcast_shapes(shape, g.tensors[rest[-1]][1])
         return g.add(op, [a, *rest], F32, shape, bound_of([g.tensors[t][2] for t in [a, *rest]]))
+
     return op, build
 
 
@@ -160,6 +180,7 @@ def _reduce(op, bound_of):
         if op in ("ReduceSum",):  # opset 13+: axes as an input
             return g.add(op, [a, axes], F32, out, bound_of(g.tensors[a][2], shape[-1]), keepdims=1)
         return g.add(op, [a], F32, out, bound_of(g.tensors[a][2], shape[-1]), axes=[-1], keepdims=1)
+
     return op, build
 
 
@@ -169,6 +190,7 @@ def _last_axis(op, bound_of, **attrs):
         if not g.tensors[a][1]:
             return None
         return g.add(op, [a], F32, g.tensors[a][1], bound_of(g.tensors[a][2]), axis=-1, **attrs)
+
     return op, build
 
 
@@ -187,8 +209,9 @@ def _layernorm(g):
         return None
     scale = g.const(f"ones{shape[-1]}", np.ones(shape[-1], np.float32))
     bias = g.const(f"zeros{shape[-1]}", np.zeros(shape[-1], np.float32))
-    return g.add("LayerNormalization", [a, scale, bias], F32, shape, 2 * np.sqrt(shape[-1]) + 1, axis=-1,
-                 epsilon=0.1)
+    return g.add(
+        "LayerNormalization", [a, scale, bias], F32, shape, 2 * np.sqrt(shape[-1]) + 1, axis=-1, epsilon=0.1
+    )
 
 
 def _channel_norm(op):
@@ -204,6 +227,7 @@ def _channel_norm(op):
             var = g.const("bn_var", np.array([1.0, 0.5, 2.0], np.float32))
             return g.add(op, [a, scale, bias, mean, var], F32, (2, 3, 4), g.tensors[a][2] * 1.5 + 1)
         return g.add(op, [a, scale, bias], F32, (2, 3, 4), 4.0, epsilon=0.1)
+
     return op, build
 
 
@@ -274,8 +298,9 @@ def _concat(g):
         return None
     same = [t for t in g.floats() if g.tensors[t][1] == shape]
     b = g.draw(st.sampled_from(same))
-    return g.add("Concat", [a, b], F32, (*shape[:-1], shape[-1] * 2), max(g.tensors[a][2], g.tensors[b][2]),
-                 axis=-1)
+    return g.add(
+        "Concat", [a, b], F32, (*shape[:-1], shape[-1] * 2), max(g.tensors[a][2], g.tensors[b][2]), axis=-1
+    )
 
 
 def _split(g):
@@ -333,7 +358,9 @@ def _pad(g):
     shape = g.tensors[a][1]
     if not shape:
         return None
-    pads = g.const(f"pads{len(shape)}", np.array([0] * (len(shape) - 1) + [1] + [0] * (len(shape) - 1) + [1], np.int64))
+    pads = g.const(
+        f"pads{len(shape)}", np.array([0] * (len(shape) - 1) + [1] + [0] * (len(shape) - 1) + [1], np.int64)
+    )
     return g.add("Pad", [a, pads], F32, (*shape[:-1], shape[-1] + 2), g.tensors[a][2])
 
 
@@ -368,8 +395,13 @@ def _other_types(g):
         return g.add(op, [a], F16, g.tensors[a][1], g.tensors[a][2])
     if kind == "i64":  # with k: a Shape's output (3,) does not broadcast with k's (2, 3, 4)
         a = g.draw(st.sampled_from([t for t in g.floats(I64) if _fits(g.tensors[t][1], (2, 3, 4))]))
-        return g.add(g.draw(st.sampled_from(["Add", "Mul", "Sub"])), [a, "k"], I64,
-                     np.broadcast_shapes(g.tensors[a][1], (2, 3, 4)), min(g.tensors[a][2] * 4, 1e6))
+        return g.add(
+            g.draw(st.sampled_from(["Add", "Mul", "Sub"])),
+            [a, "k"],
+            I64,
+            np.broadcast_shapes(g.tensors[a][1], (2, 3, 4)),
+            min(g.tensors[a][2] * 4, 1e6),
+        )
     if kind == "bool":
         op = g.draw(st.sampled_from(["And", "Or", "Xor"]))
         return g.add(op, ["m", g.draw(st.sampled_from(g.floats(BOOL)))], BOOL, (2, 3, 4), 1)
@@ -382,52 +414,109 @@ def _if(g):
     a = g.bounded(g.pick())
     type_, shape, bound = g.tensors[a]
     half = g.const("half", np.array(0.5, np.float32))
-    then_nodes = [helper.make_node("Mul", [a, half], ["if_t1"], name="then_mul"),
-                  helper.make_node("Relu", ["if_t1"], ["if_t2"], name="then_relu")]
+    then_nodes = [
+        helper.make_node("Mul", [a, half], ["if_t1"], name="then_mul"),
+        helper.make_node("Relu", ["if_t1"], ["if_t2"], name="then_relu"),
+    ]
     if shape and shape[-1] in (3, 4):
-        w = g.const(f"W{shape[-1]}", (np.random.default_rng(shape[-1]).standard_normal((shape[-1], 4))
-                                       / np.sqrt(shape[-1])).astype(np.float32))
+        w = g.const(
+            f"W{shape[-1]}",
+            (np.random.default_rng(shape[-1]).standard_normal((shape[-1], 4)) / np.sqrt(shape[-1])).astype(
+                np.float32
+            ),
+        )
         then_nodes.append(helper.make_node("MatMul", ["if_t2", w], ["if_t3"], name="then_mm"))
         out_shape = (*shape[:-1], 4) if len(shape) > 1 else (4,)
-        else_nodes = [helper.make_node("MatMul", [a, w], ["if_e0"], name="else_mm"),
-                      helper.make_node("Sigmoid", ["if_e0"], ["if_e1"], name="else_sig")]
+        else_nodes = [
+            helper.make_node("MatMul", [a, w], ["if_e0"], name="else_mm"),
+            helper.make_node("Sigmoid", ["if_e0"], ["if_e1"], name="else_sig"),
+        ]
     else:
         then_nodes.append(helper.make_node("Identity", ["if_t2"], ["if_t3"], name="then_id"))
         out_shape = shape
         else_nodes = [helper.make_node("Sigmoid", [a], ["if_e1"], name="else_sig")]
-    then_branch = helper.make_graph(then_nodes, "then", [], [helper.make_tensor_value_info("if_t3", F32, out_shape)])
-    else_branch = helper.make_graph(else_nodes, "else", [], [helper.make_tensor_value_info("if_e1", F32, out_shape)])
+    then_branch = helper.make_graph(
+        then_nodes, "then", [], [helper.make_tensor_value_info("if_t3", F32, out_shape)]
+    )
+    else_branch = helper.make_graph(
+        else_nodes, "else", [], [helper.make_tensor_value_info("if_e1", F32, out_shape)]
+    )
     if any(n.name.startswith("if_") for n in g.nodes):
         return None  # one If per graph keeps its branch tensor names unique
-    out = g.add("If", ["cond"], F32, out_shape, bound * 2 + 1, then_branch=then_branch, else_branch=else_branch)
+    out = g.add(
+        "If", ["cond"], F32, out_shape, bound * 2 + 1, then_branch=then_branch, else_branch=else_branch
+    )
     g.nodes[-1].name = "if_node"
     return out
 
 
-POOL = dict([
-    _unary("Relu"), _unary("Sigmoid", lambda b: 1), _unary("Tanh", lambda b: 1), _unary("Neg"), _unary("Abs"),
-    _unary("Identity"), _unary("Erf", lambda b: 1), _unary("Softsign", lambda b: 1),
-    _unary("Softplus", lambda b: b + 1), _unary("Sin", lambda b: 1), _unary("Cos", lambda b: 1),
-    _unary("Atan", lambda b: 2), _unary("LeakyRelu", alpha=0.1), _unary("Elu", lambda b: b + 1),
-    _unary("Selu", lambda b: 2 * b + 2), _unary("HardSigmoid", lambda b: 1), _unary("HardSwish", lambda b: b + 1),
-    _unary("Celu", lambda b: b + 1), _unary("ThresholdedRelu", alpha=0.5),
-    _positive_unary("Log", lambda b: max(1.0, np.log(b + 1))), _positive_unary("Sqrt", lambda b: np.sqrt(b) + 1),
-    _positive_unary("Reciprocal", lambda b: 2.0),
-    _binary("Add", lambda a, b: a + b), _binary("Sub", lambda a, b: a + b), _binary("Mul", lambda a, b: a * b),
-    _binary("Max", max), _binary("Min", max), ("Div", _div), ("Pow", _pow),
-    _variadic("Sum", sum), _variadic("Mean", max), ("MatMul", _matmul),
-    _reduce("ReduceSum", lambda b, n: b * n), _reduce("ReduceMean", lambda b, n: b),
-    _reduce("ReduceMax", lambda b, n: b), _reduce("ReduceMin", lambda b, n: b),
-    _reduce("ReduceL2", lambda b, n: b * np.sqrt(n)), _reduce("ReduceSumSquare", lambda b, n: b * b * n),
-    _reduce("ReduceLogSumExp", lambda b, n: b + np.log(n)),
-    _last_axis("Softmax", lambda b: 1), _last_axis("LogSoftmax", lambda b: 2 * b + 2),
-    ("CumSum", _cumsum), ("LayerNormalization", _layernorm),
-    _channel_norm("InstanceNormalization"), _channel_norm("BatchNormalization"),
-    ("Clip", _clip), ("PRelu", _prelu), ("Where", _where), ("Reshape", _reshape), ("Transpose", _transpose),
-    ("Unsqueeze", _unsqueeze_squeeze), ("Concat", _concat), ("Split", _split), ("Slice", _slice),
-    ("Gather", _gather), ("Expand", _expand), ("Tile", _tile), ("Pad", _pad), ("Flatten", _flatten),
-    ("Cast", _cast_in), ("CastDouble", _cast_out), ("OtherTypes", _other_types), ("If", _if),
-])
+POOL = dict(
+    [
+        _unary("Relu"),
+        _unary("Sigmoid", lambda b: 1),
+        _unary("Tanh", lambda b: 1),
+        _unary("Neg"),
+        _unary("Abs"),
+        _unary("Identity"),
+        _unary("Erf", lambda b: 1),
+        _unary("Softsign", lambda b: 1),
+        _unary("Softplus", lambda b: b + 1),
+        _unary("Sin", lambda b: 1),
+        _unary("Cos", lambda b: 1),
+        _unary("Atan", lambda b: 2),
+        _unary("LeakyRelu", alpha=0.1),
+        _unary("Elu", lambda b: b + 1),
+        _unary("Selu", lambda b: 2 * b + 2),
+        _unary("HardSigmoid", lambda b: 1),
+        _unary("HardSwish", lambda b: b + 1),
+        _unary("Celu", lambda b: b + 1),
+        _unary("ThresholdedRelu", alpha=0.5),
+        _positive_unary("Log", lambda b: max(1.0, np.log(b + 1))),
+        _positive_unary("Sqrt", lambda b: np.sqrt(b) + 1),
+        _positive_unary("Reciprocal", lambda b: 2.0),
+        _binary("Add", lambda a, b: a + b),
+        _binary("Sub", lambda a, b: a + b),
+        _binary("Mul", lambda a, b: a * b),
+        _binary("Max", max),
+        _binary("Min", max),
+        ("Div", _div),
+        ("Pow", _pow),
+        _variadic("Sum", sum),
+        _variadic("Mean", max),
+        ("MatMul", _matmul),
+        _reduce("ReduceSum", lambda b, n: b * n),
+        _reduce("ReduceMean", lambda b, n: b),
+        _reduce("ReduceMax", lambda b, n: b),
+        _reduce("ReduceMin", lambda b, n: b),
+        _reduce("ReduceL2", lambda b, n: b * np.sqrt(n)),
+        _reduce("ReduceSumSquare", lambda b, n: b * b * n),
+        _reduce("ReduceLogSumExp", lambda b, n: b + np.log(n)),
+        _last_axis("Softmax", lambda b: 1),
+        _last_axis("LogSoftmax", lambda b: 2 * b + 2),
+        ("CumSum", _cumsum),
+        ("LayerNormalization", _layernorm),
+        _channel_norm("InstanceNormalization"),
+        _channel_norm("BatchNormalization"),
+        ("Clip", _clip),
+        ("PRelu", _prelu),
+        ("Where", _where),
+        ("Reshape", _reshape),
+        ("Transpose", _transpose),
+        ("Unsqueeze", _unsqueeze_squeeze),
+        ("Concat", _concat),
+        ("Split", _split),
+        ("Slice", _slice),
+        ("Gather", _gather),
+        ("Expand", _expand),
+        ("Tile", _tile),
+        ("Pad", _pad),
+        ("Flatten", _flatten),
+        ("Cast", _cast_in),
+        ("CastDouble", _cast_out),
+        ("OtherTypes", _other_types),
+        ("If", _if),
+    ]
+)
 
 
 def _exp(g: Builder):
@@ -461,8 +550,12 @@ def onnx_graphs(draw, max_ops=16):
     if extra and draw(st.booleans()):  # fan-out to a graph output too
         outputs.append(draw(st.sampled_from(extra)))
     graph = helper.make_graph(
-        g.nodes, "fuzz", [helper.make_tensor_value_info(n, t, s) for n, t, s in INPUTS],
-        [helper.make_tensor_value_info(t, g.tensors[t][0], g.tensors[t][1]) for t in outputs], list(g.inits.values()))
+        g.nodes,
+        "fuzz",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in INPUTS],
+        [helper.make_tensor_value_info(t, g.tensors[t][0], g.tensors[t][1]) for t in outputs],
+        list(g.inits.values()),
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(model, full_check=True)
     return model
@@ -491,8 +584,10 @@ def check_rewrite(model: onnx.ModelProto, keep_io_types: bool = True, seed: int 
             assert after[name] == type_, f"{name}: {type_} became {after[name]}"
     again = amp_rewrite.rewrite(out, keep_io_types=keep_io_types).model
     assert again.SerializeToString() == out.SerializeToString(), "not idempotent"
-    assert amp_rewrite.rewrite(model, keep_io_types=keep_io_types).model.SerializeToString() == \
-        out.SerializeToString(), "reruns differ"
+    assert (
+        amp_rewrite.rewrite(model, keep_io_types=keep_io_types).model.SerializeToString()
+        == out.SerializeToString()
+    ), "reruns differ"
     feeds = synthesise(model, seed=seed)[0]
     expected = _run(model, feeds)
     out_inputs = {v.name: v.type.tensor_type.elem_type for v in out.graph.input}
@@ -506,8 +601,9 @@ def check_rewrite(model: onnx.ModelProto, keep_io_types: bool = True, seed: int 
         w64, g64 = w.astype(np.float64), g_.astype(np.float64)
         scale = 1.0 + np.max(np.abs(w64), initial=0.0)
         err = np.max(np.abs(g64 - w64), initial=0.0)
-        assert np.isfinite(g64).all() == np.isfinite(w64).all() and err <= 0.03 * scale, \
+        assert np.isfinite(g64).all() == np.isfinite(w64).all() and err <= 0.03 * scale, (
             f"{value.name}: error {err:.3g} over tolerance {0.03 * scale:.3g}"
+        )
 
 
 def _run(model, feeds):
@@ -570,7 +666,10 @@ def random_models(draw):
             used[x] += 1
         tensors.append(out)
     outputs = [t for t in tensors[1:] if not used[t]] or [tensors[-1]]
-    model = helper.make_model(helper.make_graph(nodes, "dag", [_value("x", [2, D])], [_value(t, [2, D]) for t in outputs], inits),
-                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    model = helper.make_model(
+        helper.make_graph(nodes, "dag", [_value("x", [2, D])], [_value(t, [2, D]) for t in outputs], inits),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
+    )
     onnx.checker.check_model(model, full_check=True)
     return model

@@ -70,7 +70,9 @@ def _attention(b: _Builder, x: str, prefix: str, hidden: int, heads: int) -> str
     scale = b.const(f"{prefix}/scale", np.array(math.sqrt(hidden // heads), np.float32))
     scores = b.op("Div", [b.op("MatMul", [q, k], f"{prefix}/qk"), scale], f"{prefix}/scaled")
     probs = b.op("Softmax", [b.op("Add", [scores, "mask"], f"{prefix}/masked")], f"{prefix}/softmax", axis=-1)
-    context = b.op("Transpose", [b.op("MatMul", [probs, v], f"{prefix}/pv")], f"{prefix}/merge_t", perm=[0, 2, 1, 3])
+    context = b.op(
+        "Transpose", [b.op("MatMul", [probs, v], f"{prefix}/pv")], f"{prefix}/merge_t", perm=[0, 2, 1, 3]
+    )
     merged = b.op("Reshape", [context, "shape/merge"], f"{prefix}/merge")
     return _linear(b, merged, f"{prefix}/out", hidden, hidden)
 
@@ -81,16 +83,22 @@ def _gelu(b: _Builder, x: str, prefix: str) -> str:
     one = b.const(f"{prefix}/one", np.array(1.0, np.float32))
     half = b.const(f"{prefix}/half", np.array(0.5, np.float32))
     erf = b.op("Erf", [b.op("Div", [x, root2], f"{prefix}/div")], f"{prefix}/erf")
-    return b.op("Mul", [b.op("Mul", [x, b.op("Add", [erf, one], f"{prefix}/add")], f"{prefix}/mul"), half],
-                f"{prefix}/half_mul")
+    return b.op(
+        "Mul",
+        [b.op("Mul", [x, b.op("Add", [erf, one], f"{prefix}/add")], f"{prefix}/mul"), half],
+        f"{prefix}/half_mul",
+    )
 
 
 def _block(b: _Builder, x: str, index: int, hidden: int, heads: int) -> str:
     prefix = f"layer{index}"
     attn = _attention(b, _layer_norm(b, x, f"{prefix}/ln1", hidden), f"{prefix}/attn", hidden, heads)
     x = b.op("Add", [x, attn], f"{prefix}/residual1")
-    up = _gelu(b, _linear(b, _layer_norm(b, x, f"{prefix}/ln2", hidden), f"{prefix}/fc1", hidden, 4 * hidden),
-               f"{prefix}/gelu")
+    up = _gelu(
+        b,
+        _linear(b, _layer_norm(b, x, f"{prefix}/ln2", hidden), f"{prefix}/fc1", hidden, 4 * hidden),
+        f"{prefix}/gelu",
+    )
     return b.op("Add", [x, _linear(b, up, f"{prefix}/fc2", 4 * hidden, hidden)], f"{prefix}/residual2")
 
 
@@ -113,13 +121,21 @@ def transformer_stack(num_nodes: int, hidden: int = 64, heads: int = 4, seed: in
     _layer_norm(b, x, "final", hidden)
     b.nodes[-1].output[0] = "y"
     graph = helper.make_graph(
-        b.nodes, f"transformer_stack_{num_nodes}",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden]),
-         helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", 1, 1, "seq"])],
+        b.nodes,
+        f"transformer_stack_{num_nodes}",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden]),
+            helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", 1, 1, "seq"]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", hidden])],
-        b.initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
-                             producer_name="amp-rewrite tools/synthetic.py")
+        b.initializers,
+    )
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name="amp-rewrite tools/synthetic.py",
+    )
 
 
 def sample_feeds(model: onnx.ModelProto, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:

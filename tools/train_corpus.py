@@ -22,10 +22,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import corpus
-
-from amp_rewrite.errors import AmpRewriteError
-from amp_rewrite.training import AdamW, Trainer
+import corpus  # noqa: E402 - after the sys.path line above
+from amp_rewrite.errors import AmpRewriteError  # noqa: E402 - after the sys.path line above
+from amp_rewrite.training import AdamW, Trainer  # noqa: E402 - after the sys.path line above
 
 
 def train(model, feeds: dict, precision: str, steps: int, optimizer=None):
@@ -54,8 +53,10 @@ def row(entry: corpus.Entry, steps: int, optimizer=None) -> str:
     trainer, l32, s32 = runs["float32"]
     _, l16, s16 = runs["float16"]
     count = sum(int(np.prod(v.shape)) for v in trainer.weights().values())
-    return (f"| {entry.name} | {entry.source} | {opset} | {len(trainer.trainable)} ({count:,}) | {s32} / {s16} | "
-            f"{_curve(l32)} / {_curve(l16)} |")
+    return (
+        f"| {entry.name} | {entry.source} | {opset} | {len(trainer.trainable)} ({count:,}) | {s32} / {s16} | "
+        f"{_curve(l32)} / {_curve(l16)} |"
+    )
 
 
 def _curve(losses: list[float]) -> str:
@@ -70,7 +71,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=0, help="with --lr: AdamW's warmup_steps")
     args = parser.parse_args(argv)
     optimizer = AdamW(args.lr, warmup_steps=args.warmup) if args.lr is not None else None
-    print("| model | source | opset | parameters (values) | skipped fp32 / fp16 | loss first -> last, fp32 / fp16 |")
+    print(
+        "| model | source | opset | parameters (values) | skipped fp32 / fp16 | loss first -> last, fp32 / fp16 |"
+    )
     print("|---|---|---|---|---|---|")
     for name in args.models.split(","):
         start = time.perf_counter()

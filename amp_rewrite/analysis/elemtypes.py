@@ -13,11 +13,11 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto
 
-from amp_rewrite.analysis import schemas
-from amp_rewrite.ir import read_scopes
-from amp_rewrite.io.skeleton import inference_skeleton
 from amp_rewrite import onnx_facts
+from amp_rewrite.analysis import schemas
 from amp_rewrite.errors import UsageError
+from amp_rewrite.io.skeleton import inference_skeleton
+from amp_rewrite.ir import read_scopes
 from amp_rewrite.onnx_facts import TYPE_OF_STRING, all_graphs
 
 
@@ -88,9 +88,15 @@ def _template(node_domain: str, op_type: str, n_inputs: int, n_outputs: int, ops
     sig = schemas.signature(domain, op_type, opsets[domain]) if domain in opsets else None
     if sig is None:
         return None
-    return [(group, _single_choice(sig, group.type_param)) for group in schemas.type_groups(sig, n_inputs, n_outputs)]
-def _collect_value_infos(graph: onnx.GraphProto, types: dict, shapes: dict, graphs=None, *,
-                         replace: bool = False) -> None:
+    return [
+        (group, _single_choice(sig, group.type_param))
+        for group in schemas.type_groups(sig, n_inputs, n_outputs)
+    ]
+
+
+def _collect_value_infos(
+    graph: onnx.GraphProto, types: dict, shapes: dict, graphs=None, *, replace: bool = False
+) -> None:
     """Declared types and shapes of `graph` and its subgraphs (`graphs`, when the caller has them).
     `replace`: these shapes win over ones already read (inferred with sized dims over declared)."""
     for g in graphs if graphs is not None else all_graphs(graph):
@@ -119,8 +125,11 @@ def sizes_dims(model: onnx.ModelProto) -> bool:
 
 def symbolic_dims(graph: onnx.GraphProto) -> list:
     """Names of the symbolic dims of the graph's inputs, in order of first use."""
-    return list(dict.fromkeys(d.dim_param for value in graph.input
-                              for d in value.type.tensor_type.shape.dim if d.dim_param))
+    return list(
+        dict.fromkeys(
+            d.dim_param for value in graph.input for d in value.type.tensor_type.shape.dim if d.dim_param
+        )
+    )
 
 
 def check_dims(graph: onnx.GraphProto, dims) -> None:
@@ -128,8 +137,14 @@ def check_dims(graph: onnx.GraphProto, dims) -> None:
     known = symbolic_dims(graph)
     unknown = [name for name in dims if name not in known]
     if unknown:
-        have = f"its inputs' symbolic dims are {', '.join(known)}" if known else "its inputs have no symbolic dims"
-        raise UsageError(f"dim {', '.join(map(repr, unknown))}: not a symbolic dim of the model's inputs ({have})")
+        have = (
+            f"its inputs' symbolic dims are {', '.join(known)}"
+            if known
+            else "its inputs have no symbolic dims"
+        )
+        raise UsageError(
+            f"dim {', '.join(map(repr, unknown))}: not a symbolic dim of the model's inputs ({have})"
+        )
 
 
 def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None, scopes=None, dims=None):

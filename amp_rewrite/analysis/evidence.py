@@ -110,8 +110,11 @@ class Bounds:
             scope = self.cg.scopes[found.scope]
             tensor = None
             if kind == "initializer":
-                tensor = self.cg.borrowed.get(name, scope.initializers.get(name)) if found.scope == 0 \
+                tensor = (
+                    self.cg.borrowed.get(name, scope.initializers.get(name))
+                    if found.scope == 0
                     else scope.initializers.get(name)
+                )
             elif kind == "node" and scope.op_types[n] == "Constant":
                 tensor = constant_tensor(scope.graph.node[n])
             if tensor is not None and tensor.data_type == FLOAT and int(np.prod(tensor.dims)) <= MAX_CONSTANT:
@@ -157,7 +160,11 @@ def settle(cg, colour, measure=None, skipped: str | None = None, low_io: frozens
         return plan, None
     tf_plan = colour("tf")
     tf_low = {v for v, c in tf_plan.colour.items() if c == "low"}
-    extras = [v for v, c in plan.colour.items() if c == "low" and v not in tf_low and not cg.vertices[v].group.output_only]
+    extras = [
+        v
+        for v, c in plan.colour.items()
+        if c == "low" and v not in tf_low and not cg.vertices[v].group.output_only
+    ]
     if not extras:
         return plan, None
     bounds = Bounds(cg, tf_low)
@@ -173,7 +180,9 @@ def settle(cg, colour, measure=None, skipped: str | None = None, low_io: frozens
             vertex = cg.vertices[v]
             tensors = group_tensors(cg, v)
             names = [x for x in tensors if not _is_constant(cg, vertex.scope, x)]
-            if all(_bounded(bounds.of(vertex.scope, x)) for x in names) or any(bounds.sentinel(vertex.scope, x) for x in tensors):
+            if all(_bounded(bounds.of(vertex.scope, x)) for x in names) or any(
+                bounds.sentinel(vertex.scope, x) for x in tensors
+            ):
                 proven.add(v)  # (a mask sentinel's reader: the constant scan's rule makes it +-65504 x mask)
             else:
                 unproven[v] = names
@@ -185,9 +194,11 @@ def settle(cg, colour, measure=None, skipped: str | None = None, low_io: frozens
             got = measure(wanted)
             seconds += time.perf_counter() - started
             if got is None:  # the model does not run on made-up inputs (indices, masks): no verdict
-                return plan, (f"range check: {len(unproven)} ops low by cost placement but float32 by TF's rule "
-                              "are not checked: the model did not run on synthesised inputs (calibrate with "
-                              "samples to check them)")
+                return plan, (
+                    f"range check: {len(unproven)} ops low by cost placement but float32 by TF's rule "
+                    "are not checked: the model did not run on synthesised inputs (calibrate with "
+                    "samples to check them)"
+                )
             else:
                 measured.update({x: got.get(x) for x in wanted})
         pins = {}
@@ -199,26 +210,37 @@ def settle(cg, colour, measure=None, skipped: str | None = None, low_io: frozens
                 count += 1
                 continue
             if why_not is not None:
-                pins[v] = (f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and no range "
-                           f"evidence could be had ({why_not})")
+                pins[v] = (
+                    f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and no range "
+                    f"evidence could be had ({why_not})"
+                )
             elif any(x is None for x in values):
-                pins[v] = (f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and "
-                           "its values could not be measured (a body's tensor)")
+                pins[v] = (
+                    f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and "
+                    "its values could not be measured (a body's tensor)"
+                )
             else:
-                pins[v] = (f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and "
-                           f"synthesised inputs reach {worst:.4g} (AutoCast's limit {MEASURED_LIMIT:g})")
+                pins[v] = (
+                    f"cost placement would make it {cg.target}, but TF's rule keeps it float32 and "
+                    f"synthesised inputs reach {worst:.4g} (AutoCast's limit {MEASURED_LIMIT:g})"
+                )
         if not pins:
             break
         for v, reason in pins.items():
             cg.vertices[v].blocked = reason
             failed.append(v)
         plan = colour("cost")
-        extras = [v for v, c in plan.colour.items()
-                  if c == "low" and v not in tf_low and not cg.vertices[v].group.output_only]
+        extras = [
+            v
+            for v, c in plan.colour.items()
+            if c == "low" and v not in tf_low and not cg.vertices[v].group.output_only
+        ]
     else:
         for v in extras:  # the rounds ran out: what is left unproven takes TF's colour
             if v not in proven:
-                cg.vertices[v].blocked = "cost placement would make it low; no range evidence after the last round"
+                cg.vertices[
+                    v
+                ].blocked = "cost placement would make it low; no range evidence after the last round"
                 failed.append(v)
         plan = colour("cost")
     return plan, _note(len(measured), count, len(failed), seconds, why_not)
@@ -228,8 +250,11 @@ def _note(tensors: int, proven: int, failed: int, seconds: float, why_not: str |
     if not tensors and not failed:
         return None
     if why_not is not None:
-        return (f"range check: {failed} ops low by cost placement but float32 by TF's rule had no data-free bound "
-                f"and were not measured ({why_not}); they stay float32")
-    return (f"range check: {tensors} tensors of ops low by cost placement but float32 by TF's rule measured on "
-            f"synthesised inputs in {seconds:.2f} s: {proven} within {MEASURED_LIMIT:g} stay low, {failed} stay float32")
-
+        return (
+            f"range check: {failed} ops low by cost placement but float32 by TF's rule had no data-free bound "
+            f"and were not measured ({why_not}); they stay float32"
+        )
+    return (
+        f"range check: {tensors} tensors of ops low by cost placement but float32 by TF's rule measured on "
+        f"synthesised inputs in {seconds:.2f} s: {proven} within {MEASURED_LIMIT:g} stay low, {failed} stay float32"
+    )

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import networkx as nx
 import onnx
 
+from amp_rewrite import onnx_facts
 from amp_rewrite.analysis import loops, schemas
 from amp_rewrite.analysis.oplists import OpLists, shipped_table
-from amp_rewrite import onnx_facts
 from amp_rewrite.ir import Found, Scope, read_scopes, record_uses, resolve
 from amp_rewrite.onnx_facts import FLOAT, LOW_ELEM
 
@@ -52,12 +52,20 @@ class ColouringGraph:
     types: dict  # tensor name -> element type
     shapes: dict  # tensor name -> TensorShapeProto when known
     notes: list  # (node label, text) for ops that could not be classified
-    borrowed: dict = field(default_factory=dict)  # main-graph initializer -> the caller's tensor (io.working_copy)
-    has_constant_nodes: bool = False  # some graph holds a Constant node (else the constant scan skips the nodes)
+    borrowed: dict = field(
+        default_factory=dict
+    )  # main-graph initializer -> the caller's tensor (io.working_copy)
+    has_constant_nodes: bool = (
+        False  # some graph holds a Constant node (else the constant scan skips the nodes)
+    )
     unsorted: bool = False  # some node reads a tensor made later in its graph: sort on output
     constant_nodes: set = field(default_factory=set)  # (scope, node) of Constant nodes: sources, not vertices
-    tied_tensors: list = field(default_factory=list)  # (scope, name) of tensors no Cast may split: sequences (ties.py)
-    carried_in: dict = field(default_factory=dict)  # (body scope, body input name) -> its Loop/Scan's carried vertex
+    tied_tensors: list = field(
+        default_factory=list
+    )  # (scope, name) of tensors no Cast may split: sequences (ties.py)
+    carried_in: dict = field(
+        default_factory=dict
+    )  # (body scope, body input name) -> its Loop/Scan's carried vertex
     carried_out: dict = field(default_factory=dict)  # (body scope, body output slot) -> its carried vertex
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
@@ -121,13 +129,27 @@ def build(
     target = op_lists.target
     opsets = onnx_facts.opsets(model)
     scopes = scopes if scopes is not None else read_scopes(model.graph)
-    cg = ColouringGraph(target, scopes, [], [], [], [[None] * len(scope.io) for scope in scopes],
-                        [[None] * len(scope.io) for scope in scopes], {}, types, shapes or {}, [], dict(borrowed or {}))
+    cg = ColouringGraph(
+        target,
+        scopes,
+        [],
+        [],
+        [],
+        [[None] * len(scope.io) for scope in scopes],
+        [[None] * len(scope.io) for scope in scopes],
+        {},
+        types,
+        shapes or {},
+        [],
+        dict(borrowed or {}),
+    )
     cg.uses, cg.unsorted = record_uses(scopes)
     keep_fp32_nodes = list(keep_fp32_nodes)
     keep = _keep_fp32_matcher(keep_fp32_nodes)
     owners = {scope.owner for scope in scopes[1:]}
-    body_of = {scope.owner: i for i, scope in enumerate(scopes) if scope.owner is not None}  # Loop/Scan: one body
+    body_of = {
+        scope.owner: i for i, scope in enumerate(scopes) if scope.owner is not None
+    }  # Loop/Scan: one body
     local_functions = {(f.domain, f.name) for f in model.functions}
 
     op_info: dict = {}  # (domain, op type) -> (signature, list entry, why it is skipped)
@@ -136,7 +158,9 @@ def build(
     maybe = []  # groups that hold a sequence or a tensor, as the value is: (sig, group, scope, inputs, outputs)
     for s, scope in enumerate(scopes):
         reads, writes, nodes = cg.reads[s], cg.writes[s], scope.graph.node
-        for n, key in enumerate(zip(scope.domains, scope.op_types)):  # as read_scopes read them: one read a node
+        for n, key in enumerate(
+            zip(scope.domains, scope.op_types)
+        ):  # as read_scopes read them: one read a node
             info = op_info.get(key)
             if info is None:
                 info = op_info[key] = _describe_op(*key, opsets, local_functions, op_lists)
@@ -157,33 +181,59 @@ def build(
             template = templates.get(shape_key)
             if template is None:
                 groups = schemas.type_groups(sig, len(inputs), len(outputs))
-                template = templates[shape_key] = _template(sig, entry, groups, target,
-                                                            _kernel_of(kernel_check, sig, opsets, cg.notes))
+                template = templates[shape_key] = _template(
+                    sig, entry, groups, target, _kernel_of(kernel_check, sig, opsets, cg.notes)
+                )
             if sig.probe and entry is not None and not holds_body:
                 in_types = [types.get(x) if x else 0 for x in inputs]
                 groups = tuple(group for group, _, _ in template)
-                float_params = {g.type_param for g in groups if first_type(group_names(inputs, outputs, g), types) == FLOAT}
+                float_params = {
+                    g.type_param
+                    for g in groups
+                    if first_type(group_names(inputs, outputs, g), types) == FLOAT
+                }
                 tied = schemas.tie(sig, nodes[n], opsets, in_types, groups, float_params, LOW_ELEM[target])
                 if tied is not groups:
-                    template = _template(sig, entry, tied, target, _kernel_of(kernel_check, sig, opsets, cg.notes))
+                    template = _template(
+                        sig, entry, tied, target, _kernel_of(kernel_check, sig, opsets, cg.notes)
+                    )
             if sig.containers and entry is not None and not holds_body:
-                template = _tie_containers(sig, entry, template, inputs, outputs, types, target,
-                                           _kernel_of(kernel_check, sig, opsets, cg.notes))
+                template = _tie_containers(
+                    sig,
+                    entry,
+                    template,
+                    inputs,
+                    outputs,
+                    types,
+                    target,
+                    _kernel_of(kernel_check, sig, opsets, cg.notes),
+                )
             carried = ()
             if holds_body and entry is not None and sig.domain == "" and key[1] in loops.CARRYING:
-                carried = loops.carried_slots(key[1], sig, nodes[n], inputs, outputs, scopes[body_of[(s, n)]].graph)
+                carried = loops.carried_slots(
+                    key[1], sig, nodes[n], inputs, outputs, scopes[body_of[(s, n)]].graph
+                )
                 if carried:
-                    template = loops.carrying_template(sig, template, carried, target,
-                                                       _kernel_of(kernel_check, sig, opsets, cg.notes))
-            op_list = "deny" if forced is not None else (entry.list if entry else None)  # forced: measured unsafe
+                    template = loops.carrying_template(
+                        sig, template, carried, target, _kernel_of(kernel_check, sig, opsets, cg.notes)
+                    )
+            op_list = (
+                "deny" if forced is not None else (entry.list if entry else None)
+            )  # forced: measured unsafe
             list_reason = entry.reason if entry else ""
             relaxed = None
             if relax and op_list == "deny" and forced is None:
                 relaxed = relax.get(name or (outputs[0] if outputs else ""))
                 if relaxed is not None:  # now an infer op: the provider must have its kernel
                     op_list, list_reason = "infer", relaxed
-                    template = _template(sig, entry, tuple(group for group, _, _ in template), target,
-                                         _kernel_of(kernel_check, sig, opsets, cg.notes), check_deny=True)
+                    template = _template(
+                        sig,
+                        entry,
+                        tuple(group for group, _, _ in template),
+                        target,
+                        _kernel_of(kernel_check, sig, opsets, cg.notes),
+                        check_deny=True,
+                    )
             for group, fixed, late in template:
                 names = []  # group_names and first_type, inlined: this runs for every group of every node
                 for i in group.inputs:
@@ -207,7 +257,9 @@ def build(
                     if kept:
                         blocked = "kept float32 by the user (keep_fp32_nodes)"
                     elif holds_body and not group.type_param.startswith("V["):
-                        blocked = f"{key[1]} boundary keeps the declared types of its bodies (inside is coloured)"
+                        blocked = (
+                            f"{key[1]} boundary keeps the declared types of its bodies (inside is coloured)"
+                        )
                     else:
                         blocked = late
                 if blocked is None and sig.probe:
@@ -217,7 +269,9 @@ def build(
                     if refused:
                         blocked = f"schema {key[1]}-{sig.since_version} inference refuses {target}: {refused}"
                 v = len(vertices)
-                vertices.append(Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed))
+                vertices.append(
+                    Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed)
+                )
                 if sig.maybe_containers:
                     if sig.is_container(group.type_param):
                         cg.tied_tensors.extend(_sequences(sig, group, s, inputs, outputs))
@@ -235,8 +289,9 @@ def build(
     if maybe:  # a value a sequence-only slot reads or writes is a sequence wherever it is read
         known = {name for _, name in cg.tied_tensors}
         for sig, group, s, inputs, outputs in maybe:
-            cg.tied_tensors.extend(t for t in _sequences(sig, group, s, inputs, outputs, sig.maybe_containers)
-                                   if t[1] in known)
+            cg.tied_tensors.extend(
+                t for t in _sequences(sig, group, s, inputs, outputs, sig.maybe_containers) if t[1] in known
+            )
     _add_edges(cg)
     return cg
 
@@ -252,7 +307,11 @@ def _describe_op(node_domain: str, op_type: str, opsets: dict, local_functions: 
         return None, None, f"op domain {domain!r} is not imported by the model; stays float32"
     sig = schemas.signature(domain, op_type, opsets[domain])
     if sig is None:
-        return None, None, f"no schema for {domain or 'ai.onnx'}:{op_type} at opset {opsets[domain]}; stays float32"
+        return (
+            None,
+            None,
+            f"no schema for {domain or 'ai.onnx'}:{op_type} at opset {opsets[domain]}; stays float32",
+        )
     return sig, op_lists.classify(domain, op_type), None
 
 
@@ -295,8 +354,10 @@ def _template(sig, entry, groups, target: str, kernel=None, check_deny: bool = F
         if entry is None:
             fixed = f"{sig.op_type} is in no op list"
         elif not sig.admits(group.type_param, target_string):
-            fixed = (f"schema {sig.op_type}-{sig.since_version} does not allow {target} "
-                     f"for {group.type_param.split('@')[0]}")
+            fixed = (
+                f"schema {sig.op_type}-{sig.since_version} does not allow {target} "
+                f"for {group.type_param.split('@')[0]}"
+            )
         elif sig.containers and not sig.is_container(group.type_param):
             late = f"schema {sig.op_type}-{sig.since_version} ties tensor types to sequence/optional elements"
         if fixed is None and kernel is not None and (check_deny or entry.list != "deny"):

@@ -28,8 +28,10 @@ REASON_PREFIX = "no {target} kernel on "
 def table(provider: str) -> dict:
     """'domain:op' -> [(since, until or None, {type param: frozenset of types})], newest first."""
     raw = shipped_table(f"kernels_{provider}.json")["kernels"]
-    return {key: [(since, until, {p: frozenset(t) for p, t in types.items()}) for since, until, types in rows]
-            for key, rows in raw.items()}
+    return {
+        key: [(since, until, {p: frozenset(t) for p, t in types.items()}) for since, until, types in rows]
+        for key, rows in raw.items()
+    }
 
 
 def is_kernel_reason(text: str | None) -> bool:
@@ -61,16 +63,24 @@ class KernelCheck:
         if "@" in type_param:  # a fixed-type slot (Resize scales): the schema decides, not kernels
             return None, None
         reason = f"no {self.target} kernel on {_NAMES[self.provider]} at opset {opset}"
-        row = next((r for r in self.kernels.get(f"{domain}:{op_type}", ())
-                    if r[0] <= opset and (r[1] is None or opset <= r[1])), None)
+        row = next(
+            (
+                r
+                for r in self.kernels.get(f"{domain}:{op_type}", ())
+                if r[0] <= opset and (r[1] is None or opset <= r[1])
+            ),
+            None,
+        )
         if row is None:
             return reason, None
         types = row[2]
         params = type_param.split("+")  # a tied group (schemas.tie) needs every part the row declares
         declared = [p for p in params if p in types]
         if not declared:
-            return None, (f"{_NAMES[self.provider]} kernel of {op_type} at opset {opset} declares no types for "
-                          f"{', '.join(params)}: its {self.target} support is unknown; colour unchanged")
+            return None, (
+                f"{_NAMES[self.provider]} kernel of {op_type} at opset {opset} declares no types for "
+                f"{', '.join(params)}: its {self.target} support is unknown; colour unchanged"
+            )
         sequence = f"seq(tensor({self.target}))"  # a sequence parameter runs the target as its element type
         if all(self.target in types[p] or sequence in types[p] for p in declared):
             return None, None
@@ -93,7 +103,10 @@ def newer_opset_advice(cg, check: KernelCheck, opsets: dict) -> list[str]:
     latest = onnx.defs.onnx_opset_version()
     blocked: dict = {}  # op type -> set of nodes
     for vertex in cg.vertices:
-        if is_kernel_reason(vertex.blocked) and cg.scopes[vertex.scope].domains[vertex.node] in ("", "ai.onnx"):
+        if is_kernel_reason(vertex.blocked) and cg.scopes[vertex.scope].domains[vertex.node] in (
+            "",
+            "ai.onnx",
+        ):
             blocked.setdefault(vertex.op_type, set()).add((vertex.scope, vertex.node))
     here = opsets.get("", 0)
     lines = []
@@ -102,10 +115,15 @@ def newer_opset_advice(cg, check: KernelCheck, opsets: dict) -> list[str]:
             sig = schemas.signature("", op_type, opset)
             if sig is None:
                 break
-            params = {f.type_param for f in (*sig.inputs, *sig.outputs)
-                      if "@" not in f.type_param and sig.admits(f.type_param, f"tensor({check.target})")}
+            params = {
+                f.type_param
+                for f in (*sig.inputs, *sig.outputs)
+                if "@" not in f.type_param and sig.admits(f.type_param, f"tensor({check.target})")
+            }
             if params and all(check.blocked("", op_type, opset, p)[0] is None for p in params):
-                lines.append(f"{len(nodes)} {op_type} node{'s' if len(nodes) > 1 else ''} stay float32 at opset "
-                             f"{here}: --opset {opset} runs them in {check.target}")
+                lines.append(
+                    f"{len(nodes)} {op_type} node{'s' if len(nodes) > 1 else ''} stay float32 at opset "
+                    f"{here}: --opset {opset} runs them in {check.target}"
+                )
                 break
     return lines

@@ -17,7 +17,6 @@ from amp_rewrite import onnx_facts
 from amp_rewrite.analysis import schemas
 from amp_rewrite.onnx_facts import FLOAT
 
-
 CARRYING = ("Loop", "Scan")
 
 
@@ -35,9 +34,14 @@ def carried_slots(op_type: str, sig, node, inputs, outputs, body=None) -> tuple:
     found = _slots(op_type, sig, node, inputs, outputs)
     if body is None:
         return found
-    return tuple(c for c in found if c.body_input < len(body.input) and c.body_output < len(body.output)
-                 and body.input[c.body_input].type.HasField("tensor_type")
-                 and body.output[c.body_output].type.HasField("tensor_type"))
+    return tuple(
+        c
+        for c in found
+        if c.body_input < len(body.input)
+        and c.body_output < len(body.output)
+        and body.input[c.body_input].type.HasField("tensor_type")
+        and body.output[c.body_output].type.HasField("tensor_type")
+    )
 
 
 def _slots(op_type: str, sig, node, inputs, outputs) -> tuple:
@@ -57,13 +61,23 @@ def carrying_template(sig, template, carried, target: str, kernel) -> list:
     in_carried = {c.node_input for c in carried}
     out_carried = {c.node_output for c in carried}
     target_string = onnx_facts.TYPE_STRING[target]
-    fixed = None if sig.admits("V", target_string) else f"schema {sig.op_type}-{sig.since_version} does not allow {target} for V"
+    fixed = (
+        None
+        if sig.admits("V", target_string)
+        else f"schema {sig.op_type}-{sig.since_version} does not allow {target} for V"
+    )
     if fixed is None and kernel is not None:
         fixed = kernel("V")
-    out = [(schemas.TypeGroup(f"V[{k}]", (c.node_input,), (c.node_output,)), fixed, None) for k, c in enumerate(carried)]
+    out = [
+        (schemas.TypeGroup(f"V[{k}]", (c.node_input,), (c.node_output,)), fixed, None)
+        for k, c in enumerate(carried)
+    ]
     for group, group_fixed, late in template:
-        rest = schemas.TypeGroup(group.type_param, tuple(i for i in group.inputs if i not in in_carried),
-                                 tuple(i for i in group.outputs if i not in out_carried))
+        rest = schemas.TypeGroup(
+            group.type_param,
+            tuple(i for i in group.inputs if i not in in_carried),
+            tuple(i for i in group.outputs if i not in out_carried),
+        )
         if rest.inputs or rest.outputs:
             out.append((rest, group_fixed, late))
     return out

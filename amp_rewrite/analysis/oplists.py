@@ -10,12 +10,12 @@ source is an error. Ops are keyed `OpType` for the default ONNX domain and `doma
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import json
 import os
-from functools import lru_cache
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import yaml
 
@@ -76,7 +76,9 @@ class _SafeLoader(yaml.SafeLoader):
         try:
             if self.depth > MAX_YAML_DEPTH:
                 event = self.peek_event()
-                raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels (line {event.start_mark.line + 1})")
+                raise yaml.YAMLError(
+                    f"nested deeper than {MAX_YAML_DEPTH} levels (line {event.start_mark.line + 1})"
+                )
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
@@ -156,8 +158,13 @@ def _parse_file(path: Path, chain: tuple[Path, ...] = ()) -> tuple[str | None, d
     if data.get("extends"):
         if not isinstance(data["extends"], str):
             raise OpListError(f"{path}: 'extends' must name one file")
-        base = contained_file(path.parent, data["extends"], what=f"{path}: 'extends'", error=OpListError,
-                              inside="the op list's folder")
+        base = contained_file(
+            path.parent,
+            data["extends"],
+            what=f"{path}: 'extends'",
+            error=OpListError,
+            inside="the op list's folder",
+        )
         base_target, entries = _parse_file(base, chain + (path,))
         target = target or base_target
     sections = {name: _entries_of(data.get(name), f"{path}: {name}") for name in LISTS}
@@ -176,7 +183,7 @@ def shipped_path(file_name: str) -> Path:
     raise OpListError(f"op_lists/{file_name} is missing from the installation")
 
 
-@lru_cache(maxsize=None)
+@cache
 def shipped_table(file_name: str) -> dict:
     """A shipped YAML or JSON table of op facts (kernels, scaling, parameter slots), read once."""
     path = shipped_path(file_name)
@@ -266,7 +273,9 @@ def check_named_ops(lists: OpLists, model) -> None:
         import difflib
 
         folded = {k.lower(): k for k in known}
-        close = ([folded[op.lower()]] if op.lower() in folded else []) or difflib.get_close_matches(op, sorted(known), n=3)
+        close = ([folded[op.lower()]] if op.lower() in folded else []) or difflib.get_close_matches(
+            op, sorted(known), n=3
+        )
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         text = f"{where}: unknown op type {op!r} (no ONNX schema, kernel or node of the model has it){hint}"
         if where.startswith("--"):

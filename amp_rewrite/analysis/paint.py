@@ -59,12 +59,16 @@ class _Masks:
 
     def passable(self, lists: tuple, painted: dict) -> list[bool]:
         """Per vertex: in one of `lists`, paintable, and not in `painted`."""
-        return [name in lists and ok and v not in painted
-                for v, (name, ok) in enumerate(zip(self.lists, self.paintable))]
+        return [
+            name in lists and ok and v not in painted
+            for v, (name, ok) in enumerate(zip(self.lists, self.paintable))
+        ]
 
 
 def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
-    return {v: Reason(Step.ALLOW_LIST) for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]}
+    return {
+        v: Reason(Step.ALLOW_LIST) for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]
+    }
 
 
 def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
@@ -73,8 +77,10 @@ def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
     upstream = reach([m.pred], roots, [name == "clear" for name in m.lists])
     deny_roots = [v for v in roots if m.lists[v] == "deny"]
     parent = reach([m.succ], deny_roots, m.inside(upstream, allow))
-    return {v: _deny_root(cg.vertices[v]) if p is None else Reason(Step.DOWNSTREAM_OF_DENY, p)
-            for v, p in parent.items()}
+    return {
+        v: _deny_root(cg.vertices[v]) if p is None else Reason(Step.DOWNSTREAM_OF_DENY, p)
+        for v, p in parent.items()
+    }
 
 
 def _deny_root(vertex) -> Reason:
@@ -165,7 +171,9 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
     return _freeze(cg, low, reasons)
 
 
-def drop_regions_without_allow(cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset()) -> dict:
+def drop_regions_without_allow(
+    cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset()
+) -> dict:
     """Regions of low vertices (joined by edges, the groups of one node, ties) with no allow op in
     them go back to float32, in place: casts pay off only around an allow op (TF: no allow op,
     nothing to do). Returns their reasons. One walk over the low vertices."""
@@ -197,8 +205,11 @@ def drop_regions_without_allow(cg: ColouringGraph, m: _Masks, low: dict, low_io:
         if not any(m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io)) for v in members):
             for v in members:
                 del low[v]
-                dropped[v] = Reason(Step.NOT_PAINTED, None, "a low-precision region without an allow op: "
-                                                            "its casts cannot pay off")
+                dropped[v] = Reason(
+                    Step.NOT_PAINTED,
+                    None,
+                    "a low-precision region without an allow op: its casts cannot pay off",
+                )
     return dropped
 
 
@@ -209,13 +220,19 @@ def _touches(cg: ColouringGraph, v: int, low_io: frozenset) -> bool:
     if vertex.scope != 0:
         return False
     inputs, outputs = cg.scopes[0].io[vertex.node]
-    return any(inputs[i] in low_io for i in vertex.group.inputs) or any(outputs[i] in low_io for i in vertex.group.outputs)
+    return any(inputs[i] in low_io for i in vertex.group.inputs) or any(
+        outputs[i] in low_io for i in vertex.group.outputs
+    )
 
 
 def _typed_output_keys(cg: ColouringGraph, low_io: frozenset) -> set:
     """Graph outputs whose declared type stays: every body's, and the main graph's not in `low_io`."""
-    return {(s, o.name) for s, scope in enumerate(cg.scopes) for o in scope.graph.output
-            if s > 0 or o.name not in low_io}
+    return {
+        (s, o.name)
+        for s, scope in enumerate(cg.scopes)
+        for o in scope.graph.output
+        if s > 0 or o.name not in low_io
+    }
 
 
 def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:
@@ -232,8 +249,12 @@ def _unpainted(vertex) -> Reason:
     if vertex.op_list == "deny":
         return Reason(Step.DENY_LIST)
     if vertex.group.output_only:
-        return Reason(Step.NOT_PAINTED, None, "output typed by an attribute: changed only when every reader is "
-                                              "low precision and it is not a graph output")
+        return Reason(
+            Step.NOT_PAINTED,
+            None,
+            "output typed by an attribute: changed only when every reader is "
+            "low precision and it is not a graph output",
+        )
     if vertex.op_list in ("infer", "clear"):
         return Reason(Step.NOT_PAINTED, None, f"{vertex.op_list} op not between low-precision ops")
     return Reason(Step.NOT_PAINTED)

@@ -85,8 +85,14 @@ def _term(cg: ColouringGraph, key, low_io: frozenset, cache: dict) -> Term | Non
             fp32_reader = True
         else:
             readers.add(v)
-    return Term(elements(cg, name, cache), producer, tuple(readers), fp32_reader,
-                kind == "input" and s == 0 and name in low_io, low_reader)
+    return Term(
+        elements(cg, name, cache),
+        producer,
+        tuple(readers),
+        fp32_reader,
+        kind == "input" and s == 0 and name in low_io,
+        low_reader,
+    )
 
 
 def vertex_elements(cg: ColouringGraph, v: int, cache: dict) -> int:
@@ -105,8 +111,10 @@ def estimate(cg: ColouringGraph, low, low_io: frozenset = frozenset()) -> int:
     graph's inputs and outputs in the target type): every group's reads and writes plus every cast.
     One pass over vertices and uses: linear."""
     cache = sizes(cg)
-    total = sum(vertex_elements(cg, v, cache) * (LOW_BYTES if v in low else FP32_BYTES)
-                for v in range(len(cg.vertices)))
+    total = sum(
+        vertex_elements(cg, v, cache) * (LOW_BYTES if v in low else FP32_BYTES)
+        for v in range(len(cg.vertices))
+    )
     for key in cg.uses:
         term = _term(cg, key, low_io, cache)
         if term is not None:
@@ -128,7 +136,9 @@ def _cast_bytes(term: Term, low) -> int:
 class Placement:
     low: set  # free vertices the cut put in low precision
     free: list
-    region: dict  # free vertex -> its region (free vertices the cut joins) number; absent: fixed before the cut
+    region: (
+        dict  # free vertex -> its region (free vertices the cut joins) number; absent: fixed before the cut
+    )
     regions: int
 
 
@@ -152,8 +162,9 @@ def place(cg: ColouringGraph, free: list, is_low, low_io: frozenset = frozenset(
     return Placement(low, list(free), region, count)
 
 
-def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, low_io: frozenset,
-           net: Network) -> None:
+def _build(
+    cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, low_io: frozenset, net: Network
+) -> None:
     """The network, in one visit of each free vertex: its edge from s (the bytes it saves in low
     precision) and the edges charging the casts of every float tensor it writes or reads, each
     tensor once (a free vertex's outputs under it, the tensors it reads from other producers once).
@@ -188,8 +199,11 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
             size = cache_get(x)
             if size is None:  # elements(), inlined
                 shape = shapes_get(x)
-                size = cache[x] = 1 if shape is None else math.prod(d.dim_value if d.dim_value > 0 else 1
-                                                                    for d in shape.dim)
+                size = cache[x] = (
+                    1
+                    if shape is None
+                    else math.prod(d.dim_value if d.dim_value > 0 else 1 for d in shape.dim)
+                )
             if ms == s:
                 total += size
             key = (ms, x)
@@ -215,7 +229,9 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
                 else:
                     to_t[v] = to_t.get(v, 0) + c
                 continue
-            loose, fixed_low, fixed_fp32 = _readers(tensor_uses, reads, free_set, is_low, x in low_io, carried_out)
+            loose, fixed_low, fixed_fp32 = _readers(
+                tensor_uses, reads, free_set, is_low, x in low_io, carried_out
+            )
             if fixed_low:  # a cast up whenever v is float32
                 to_s[v] += c
             elif len(loose) == 1:
@@ -269,7 +285,9 @@ def _build(cg: ColouringGraph, free: list, free_set: set, cache: dict, is_low, l
             if key in inputs_seen:
                 continue
             inputs_seen.add(key)
-            loose, fixed_low, fixed_fp32 = _readers(uses_get(key, ()), reads, free_set, is_low, x in low_io, carried_out)
+            loose, fixed_low, fixed_fp32 = _readers(
+                uses_get(key, ()), reads, free_set, is_low, x in low_io, carried_out
+            )
             c = size * CAST_BYTES
             if (p is not None and is_low(p)) or (kind == "input" and ds == 0 and x in low_io):
                 # a low source: a cast down, when some reader is float32
@@ -325,8 +343,11 @@ def _readers(tensor_uses, reads, free: set, is_low, low_output: bool, carried_ou
 
 def free_vertices(lists: list, paintable: list, allow: dict, deny: dict) -> list:
     """Infer and clear vertices that may be low and that no deny vertex reaches."""
-    return [v for v, name in enumerate(lists) if name in ("infer", "clear") and paintable[v]
-            and v not in deny and v not in allow]
+    return [
+        v
+        for v, name in enumerate(lists)
+        if name in ("infer", "clear") and paintable[v] and v not in deny and v not in allow
+    ]
 
 
 def colour_free(cg: ColouringGraph, m, allow: dict, deny: dict, low_io: frozenset = frozenset()):

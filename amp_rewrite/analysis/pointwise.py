@@ -35,7 +35,7 @@ from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite.io import tensordata
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, constant_tensor
 
-RTOL, ATOL = 1e-2, 2.0 ** -10
+RTOL, ATOL = 1e-2, 2.0**-10
 MAX_CHAIN = 64  # nodes; a longer pointwise chain is left to the lists
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -61,8 +61,11 @@ def relieved(scopes, lists: OpLists, types: dict, opsets: dict, borrowed=None) -
     range_ops = frozenset(range_ops)
     found, read_inside = {}, None
     for s, scope in enumerate(scopes):
-        candidates = [n for n, op_type in enumerate(scope.op_types)
-                      if op_type in range_ops and scope.graph.node[n].domain in DEFAULT_DOMAINS]
+        candidates = [
+            n
+            for n, op_type in enumerate(scope.op_types)
+            if op_type in range_ops and scope.graph.node[n].domain in DEFAULT_DOMAINS
+        ]
         if candidates:
             read_inside = read_inside or _read_by_bodies(scopes)  # only where a chain is traced
             view = _ScopeView(scope, borrowed if s == 0 else None, read_inside[s])
@@ -137,11 +140,14 @@ def _relieved_in(view: _ScopeView, candidates: list, types: dict, opsets: dict) 
             continue
         ok, detail = _verdict(description, _opset_key(opsets))
         if ok:
-            for n in chain:  # every range-deny op of the chain whose value was compared is proved by the same run
+            for (
+                n
+            ) in chain:  # every range-deny op of the chain whose value was compared is proved by the same run
                 if n in candidate_set and n in compared:
                     found[nodes[n].name or io[n][1][0]] = (
                         f"checked on every float16 value: the pointwise chain of {len(chain)} ops from "
-                        f"'{dynamic[0]}' agrees with float32 ({detail})")
+                        f"'{dynamic[0]}' agrees with float32 ({detail})"
+                    )
     return found
 
 
@@ -235,7 +241,9 @@ def _verdict(description: tuple, opsets: tuple) -> tuple[bool, str]:
     x16 = x16[~np.isnan(x16)]
     try:
         with np.errstate(all="ignore"):
-            e = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT)).run(None, {"x": x16.astype(np.float32)})
+            e = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT)).run(
+                None, {"x": x16.astype(np.float32)}
+            )
             a = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT16)).run(None, {"x": x16})
     except _OutOfRange as exc:
         return False, str(exc)
@@ -256,7 +264,10 @@ def _verdict(description: tuple, opsets: tuple) -> tuple[bool, str]:
             agree = (err <= allowed) | (np.isnan(ev) & np.isnan(av)) | (np.isinf(ev) & (av == ev))
             if not agree.all():
                 i = int(np.argmin(agree))
-                return False, f"float16 gives {av[i]:.4g} where float32 gives {ev[i]:.4g} at x = {float(xs[i]):.4g}"
+                return (
+                    False,
+                    f"float16 gives {av[i]:.4g} where float32 gives {ev[i]:.4g} at x = {float(xs[i]):.4g}",
+                )
             finite = np.isfinite(ev)
             if finite.any():
                 worst = max(worst, float(np.max(err[finite] / allowed[finite])))
@@ -289,9 +300,16 @@ def _model(description: tuple, opsets: tuple, elem: int) -> onnx.ModelProto:
             attr = node.attribute.add()
             attr.ParseFromString(raw)
         nodes.append(node)
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", elem, [None])],
-                              [helper.make_tensor_value_info(f"t{k}", elem, None) for k in leaving], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets], ir_version=8)
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", elem, [None])],
+        [helper.make_tensor_value_info(f"t{k}", elem, None) for k in leaving],
+        inits,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets], ir_version=8
+    )
 
 
 def _constant(name: str, key: tuple, elem: int) -> onnx.TensorProto:

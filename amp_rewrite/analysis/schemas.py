@@ -12,7 +12,7 @@ its allowed type list: no op-specific exceptions anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import onnx.defs
 
@@ -71,8 +71,8 @@ class TypeGroup:
 
 
 def _formal(param, fixed_prefix: str) -> Formal:
-    type_str = getattr(param, "type_str", None) or getattr(param, "typeStr")
-    option = getattr(param, "option")
+    type_str = getattr(param, "type_str", None) or param.typeStr
+    option = param.option
     variadic = int(option) == 2  # FormalParameterOption.Variadic in both registries
     # A fixed type ("tensor(float)") is a group of its own, named after the parameter.
     if type_str.startswith(("tensor(", "seq(", "optional(", "map(", "sparse_tensor(")):
@@ -90,7 +90,9 @@ def _signature_of(schema, domain: str, op_type: str) -> Signature:
     input_params = {f.type_param for f in inputs}
     # An output type no input shares (BitCast's `to`), or a function body whose own ops must
     # accept the types: only the schema's inference can tell whether a type choice is valid.
-    has_body = bool(getattr(schema, "has_function", False) or getattr(schema, "has_context_dependent_function", False))
+    has_body = bool(
+        getattr(schema, "has_function", False) or getattr(schema, "has_context_dependent_function", False)
+    )
     # Tensor attributes may have to match an input's type (TreeEnsemble's `nodes_splits`).
     tensor_attrs = any(int(a.type) in _TENSOR_ATTRIBUTE_TYPES for a in schema.attributes.values())
     probe = has_body or tensor_attrs or any(f.type_param not in input_params for f in outputs)
@@ -98,8 +100,18 @@ def _signature_of(schema, domain: str, op_type: str) -> Signature:
     containers = bool(container_params) and len(allowed) > len(container_params)
     # parameters that are sequences/optionals whatever the node (SequenceInsert's S), not Identity's V
     only_containers = {p for p in container_params if all(t.startswith(_CONTAINERS) for t in allowed[p])}
-    return Signature(domain, op_type, schema.since_version, inputs, outputs, allowed, probe, containers,
-                     frozenset(only_containers), frozenset(container_params))
+    return Signature(
+        domain,
+        op_type,
+        schema.since_version,
+        inputs,
+        outputs,
+        allowed,
+        probe,
+        containers,
+        frozenset(only_containers),
+        frozenset(container_params),
+    )
 
 
 _CONTAINERS = ("seq(", "optional(", "map(", "sparse_tensor(")
@@ -123,7 +135,7 @@ def _onnxruntime_schemas() -> dict:
     return table
 
 
-@lru_cache(maxsize=None)
+@cache
 def signature(domain: str, op_type: str, opset: int) -> Signature | None:
     """The schema of `op_type` in force at `opset`, or None if no registry knows it."""
     domain = "" if domain in DEFAULT_DOMAINS else domain
@@ -146,7 +158,7 @@ def formal_at(formals: tuple[Formal, ...], index: int) -> Formal | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def type_groups(sig: Signature, n_inputs: int, n_outputs: int) -> tuple[TypeGroup, ...]:
     """Group a node's input and output slots by the type parameter of their formal parameter."""
     inputs: dict[str, list[int]] = {}
@@ -202,9 +214,15 @@ def _probe(domain: str, op_type: str, opsets: tuple, node_bytes: bytes, in_types
             opset_map.update({i.domain: i.version for i in body.opset_import if i.domain not in opset_map})
             opset_map["amp.probe"] = 1
     inputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, in_types) if n]
-    graph = helper.make_graph(nodes, "probe", inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in outs if o])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opset_map.items()],
-                              ir_version=10, functions=functions)
+    graph = helper.make_graph(
+        nodes, "probe", inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in outs if o]
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid(d, v) for d, v in opset_map.items()],
+        ir_version=10,
+        functions=functions,
+    )
     try:
         if functions:
             model = onnx.inliner.inline_local_functions(model)
@@ -225,7 +243,9 @@ def _function_body(schema, node, in_types, opset: int):
     try:
         if schema.has_context_dependent_function:
             types = [helper.make_tensor_type_proto(t, None).SerializeToString() for t in in_types if t]
-            data = schema.get_context_dependent_function_with_opset_version(opset, node.SerializeToString(), types)
+            data = schema.get_context_dependent_function_with_opset_version(
+                opset, node.SerializeToString(), types
+            )
         elif schema.has_function:
             data = schema.get_function_with_opset_version(opset).SerializeToString()
         else:
@@ -266,7 +286,9 @@ def rejects(sig: Signature, node, opsets: dict, in_types: list, group: TypeGroup
     return None
 
 
-def tie(sig: Signature, node, opsets: dict, in_types: list, groups: tuple, float_params: set, low: int) -> tuple:
+def tie(
+    sig: Signature, node, opsets: dict, in_types: list, groups: tuple, float_params: set, low: int
+) -> tuple:
     """Merge the float groups a function body ties together into one group.
 
     Attention-23's body multiplies Q (T1) by V (T2): each alone in `low` is refused, all together
@@ -278,9 +300,11 @@ def tie(sig: Signature, node, opsets: dict, in_types: list, groups: tuple, float
         return groups
     if not any(rejects(sig, node, opsets, in_types, g, low) for g in candidates):
         return groups
-    merged = TypeGroup("+".join(g.type_param for g in candidates),
-                       tuple(sorted(i for g in candidates for i in g.inputs)),
-                       tuple(sorted(i for g in candidates for i in g.outputs)))
+    merged = TypeGroup(
+        "+".join(g.type_param for g in candidates),
+        tuple(sorted(i for g in candidates for i in g.inputs)),
+        tuple(sorted(i for g in candidates for i in g.outputs)),
+    )
     if rejects(sig, node, opsets, in_types, merged, low):
         return groups
     return (merged, *[g for g in groups if g not in candidates])
@@ -295,8 +319,11 @@ def tie_containers(sig: Signature, groups: tuple, float_groups: set) -> tuple:
     tied = [g for g in groups if g in float_groups]
     if len(tied) < 2 or not any(g.type_param in sig.container_params for g in tied):
         return groups
-    merged = TypeGroup("+".join(g.type_param for g in tied), tuple(sorted(i for g in tied for i in g.inputs)),
-                       tuple(sorted(i for g in tied for i in g.outputs)))
+    merged = TypeGroup(
+        "+".join(g.type_param for g in tied),
+        tuple(sorted(i for g in tied for i in g.inputs)),
+        tuple(sorted(i for g in tied for i in g.outputs)),
+    )
     return (merged, *[g for g in groups if g not in tied])
 
 
@@ -304,5 +331,7 @@ def container_slots(sig: Signature, group: TypeGroup, params=None) -> tuple[tupl
     """(input slots, output slots) of `group` whose parameter is one of `params` (default: the
     parameters that hold sequences/optionals only)."""
     params = sig.container_params if params is None else params
-    return (tuple(i for i in group.inputs if (f := formal_at(sig.inputs, i)) and f.type_param in params),
-            tuple(i for i in group.outputs if (f := formal_at(sig.outputs, i)) and f.type_param in params))
+    return (
+        tuple(i for i in group.inputs if (f := formal_at(sig.inputs, i)) and f.type_param in params),
+        tuple(i for i in group.outputs if (f := formal_at(sig.outputs, i)) and f.type_param in params),
+    )

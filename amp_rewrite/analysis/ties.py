@@ -56,27 +56,41 @@ def clusters(cg) -> list[Cluster]:
             producer = row[slot] if row else None
         ends = []
         if producer is not None and not cg.vertices[producer].group.output_only:
-            ends.append(producer)  # an output typed by an attribute follows its readers (SequenceEmpty's dtype)
+            ends.append(
+                producer
+            )  # an output typed by an attribute follows its readers (SequenceEmpty's dtype)
         fixed = None
         if producer is None:
             fixed = f"sequence '{name}' comes from {'a graph input' if kind != 'node' else 'a node of fixed type'}"
         for use_scope, node, use_slot in cg.uses.get((found.scope, name), ()):
             reader = cg.input_vertex(use_scope, node, use_slot)
             if reader is None:
-                fixed = fixed or (f"sequence '{name}' is a graph output" if node < 0
-                                  else f"sequence '{name}' is read by {cg.scopes[use_scope].op_types[node]}, "
-                                       "whose type is fixed")
+                fixed = fixed or (
+                    f"sequence '{name}' is a graph output"
+                    if node < 0
+                    else f"sequence '{name}' is read by {cg.scopes[use_scope].op_types[node]}, "
+                    "whose type is fixed"
+                )
             else:
                 ends.append(reader)
         for v in ends:
             join(ends[0], v)
         if fixed and ends:
-            pins.setdefault(ends[0], Reason(Step.TIED, None, f"{fixed}: it and every op tied to it stay float32"))
+            pins.setdefault(
+                ends[0], Reason(Step.TIED, None, f"{fixed}: it and every op tied to it stay float32")
+            )
     for v in parent:
         vertex = cg.vertices[v]
         if vertex.blocked is not None:
-            pins.setdefault(v, Reason(Step.TIED, v, f"tied by a sequence to {vertex.op_type} '{vertex.name}', "
-                                                    f"which stays float32 ({vertex.blocked})"))
+            pins.setdefault(
+                v,
+                Reason(
+                    Step.TIED,
+                    v,
+                    f"tied by a sequence to {vertex.op_type} '{vertex.name}', "
+                    f"which stays float32 ({vertex.blocked})",
+                ),
+            )
     grouped: dict = {}
     for v in parent:
         grouped.setdefault(find(v), []).append(v)
@@ -90,7 +104,13 @@ def clusters(cg) -> list[Cluster]:
 def pinned(cg, found: list) -> dict:
     """vertex -> reason, for every member of a pinned cluster (they leave the passes as float32)
     that is not blocked already (a blocked one keeps its own reason)."""
-    return {v: c.pinned for c in found if c.pinned is not None for v in c.members if cg.vertices[v].blocked is None}
+    return {
+        v: c.pinned
+        for c in found
+        if c.pinned is not None
+        for v in c.members
+        if cg.vertices[v].blocked is None
+    }
 
 
 def spread_deny_and_allow(found: list, allow: dict, deny: dict) -> None:
@@ -119,6 +139,9 @@ def match_low(found: list, low: dict) -> dict:
             continue
         source = next((v for v in c.members if v in low), None)
         if source is not None:
-            painted.update((v, Reason(Step.TIED, source, "tied by a sequence to a low-precision op"))
-                           for v in c.members if v not in low)
+            painted.update(
+                (v, Reason(Step.TIED, source, "tied by a sequence to a low-precision op"))
+                for v in c.members
+                if v not in low
+            )
     return painted

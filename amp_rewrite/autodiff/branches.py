@@ -104,4 +104,3 @@ def _rename_reads(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
     for out in graph.output:
         if out.name in renamed:
             out.name = renamed[out.name]
-

@@ -73,8 +73,20 @@ def build_gradient_graph(
 
 
 class _Builder:
-    def __init__(self, model, loss, wrt, stops, grad_output, unconnected, aggregation, *,
-                 seeds: dict[str, str] | None = None, taken=None, grad_names: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model,
+        loss,
+        wrt,
+        stops,
+        grad_output,
+        unconnected,
+        aggregation,
+        *,
+        seeds: dict[str, str] | None = None,
+        taken=None,
+        grad_names: dict[str, str] | None = None,
+    ):
         """seeds: {tensor: its incoming gradient} instead of a loss (the vector-Jacobian product an
         If branch's backward needs); taken: names already used around this graph (a subgraph's
         scopes); grad_names: the gradient outputs' names when not `<name>_grad`."""
@@ -90,7 +102,9 @@ class _Builder:
         self.aggregation = aggregation
         self.opset = model_opset(model)
         if self.opset < MIN_OPSET:
-            raise GradientError(f"autodiff needs opset {MIN_OPSET} or newer; the model has opset {self.opset}")
+            raise GradientError(
+                f"autodiff needs opset {MIN_OPSET} or newer; the model has opset {self.opset}"
+            )
         self.index = GraphIndex.of(self.graph)
         self.graph_inputs = {v.name for v in self.graph.input}
         self.info = TypeInfo.of(model)
@@ -159,7 +173,9 @@ class _Builder:
             seen.add(name)
             for n, slot in self.index.consumers.get(name, ()):
                 if self._carries(n, slot):
-                    stack.extend(o for o in self.nodes[n].output if o and self.info.is_float(o) and o not in self.stops)
+                    stack.extend(
+                        o for o in self.nodes[n].output if o and self.info.is_float(o) and o not in self.stops
+                    )
         return seen
 
     # -- the walk ------------------------------------------------------------------------------
@@ -222,7 +238,9 @@ class _Builder:
         grads: list[str | None] = []
         if any(output_grads):
             self.emit.scope = f"grad/{node.name or node.op_type + str(n)}"
-            ctx = GradContext(node, output_grads, needs, self.emit, self.info, self.index, inputs, _differentiate_body)
+            ctx = GradContext(
+                node, output_grads, needs, self.emit, self.info, self.index, inputs, _differentiate_body
+            )
             start = len(self.emit.new_nodes)
             grads = list(self.rules[n].fn(ctx) or ())
             self.emitted_by[n] = (start, len(self.emit.new_nodes))
@@ -282,8 +300,12 @@ class _Builder:
     def _zeros(self, name: str) -> None:
         """`<name>_grad` as zeros shaped like name: a source the loss does not (or only trivially) reach."""
         elem = self.info.elem.get(name, onnx.TensorProto.FLOAT)
-        self.emit.op("ConstantOfShape", [self.emit.shape(name)], [self._final_name(name)],
-                     value=helper.make_tensor("value", elem, [1], [0]))
+        self.emit.op(
+            "ConstantOfShape",
+            [self.emit.shape(name)],
+            [self._final_name(name)],
+            value=helper.make_tensor("value", elem, [1], [0]),
+        )
 
     def _add_outputs(self) -> None:
         self.emit.scope = "grad/unconnected"
@@ -293,10 +315,14 @@ class _Builder:
                     continue
                 self._zeros(name)
             elem = self.info.elem.get(name, onnx.TensorProto.FLOAT)
-            self.graph.output.append(helper.make_tensor_value_info(self._grad_name(name), elem, self.info.dims.get(name)))
+            self.graph.output.append(
+                helper.make_tensor_value_info(self._grad_name(name), elem, self.info.dims.get(name))
+            )
         self.graph.node.extend(self.emit.new_nodes)
 
 
 def _differentiate_body(model, wanted, seeds, taken, grad_names) -> None:
     """`GradContext.differentiate`: the builder run on an If branch made a model of its own."""
-    _Builder(model, None, wanted, set(), None, "zeros", "sum", seeds=seeds, taken=taken, grad_names=grad_names).run()
+    _Builder(
+        model, None, wanted, set(), None, "zeros", "sum", seeds=seeds, taken=taken, grad_names=grad_names
+    ).run()

@@ -54,8 +54,10 @@ class _Node:
         return value.decode() if isinstance(value, bytes) else value
 
     def error(self, why: str) -> GradientError:
-        return GradientError(f"cannot decompose {self.node.domain}::{self.node.op_type} node '{self.node.name}' "
-                             f"for its gradient: {why}")
+        return GradientError(
+            f"cannot decompose {self.node.domain}::{self.node.op_type} node '{self.node.name}' "
+            f"for its gradient: {why}"
+        )
 
     def out(self, i: int, op: str, inputs, **attrs) -> str:
         """Emit the op writing output i under its own name (or a fresh one when the node lacks it)."""
@@ -72,8 +74,12 @@ def _gelu_erf(n: _Node, x: str, i: int = 0) -> str:
 def _gelu_tanh(n: _Node, x: str) -> str:
     e = n.e
     cube = e.op("Mul", [e.op("Mul", [x, x]), x])
-    inner = e.op("Mul", [e.op("Add", [x, e.op("Mul", [cube, n.const(0.044715)])]), n.const(math.sqrt(2 / math.pi))])
-    return n.out(0, "Mul", [e.op("Mul", [x, n.const(0.5)]), e.op("Add", [n.const(1.0), e.op("Tanh", [inner])])])
+    inner = e.op(
+        "Mul", [e.op("Add", [x, e.op("Mul", [cube, n.const(0.044715)])]), n.const(math.sqrt(2 / math.pi))]
+    )
+    return n.out(
+        0, "Mul", [e.op("Mul", [x, n.const(0.5)]), e.op("Add", [n.const(1.0), e.op("Tanh", [inner])])]
+    )
 
 
 def _with_bias(n: _Node, x: str, bias_slot: int) -> str:
@@ -101,7 +107,9 @@ def quick_gelu(n: _Node) -> None:
     n.out(0, "Mul", [n.x(0), e.op("Sigmoid", [e.op("Mul", [n.x(0), n.const(n.attr("alpha", 1.702))])])])
 
 
-def _layer_norm(n: _Node, x: str, gamma: str, beta: str, simplified: bool = False, stats: bool = True) -> None:
+def _layer_norm(
+    n: _Node, x: str, gamma: str, beta: str, simplified: bool = False, stats: bool = True
+) -> None:
     """LayerNorm (or RMSNorm) over the last axis with the node's epsilon, written to output 0; with
     `stats`, outputs 1 and 2 (mean, inverse standard deviation) where the node has them."""
     e = n.e
@@ -215,7 +223,9 @@ def _attention_masks(n: _Node, q: str, k: str) -> list[str]:
     filter_value = n.const(n.attr("mask_filter_value", -10000.0))
     zero = n.const(0.0)
     biases = []
-    key_positions = e.op("Range", [e.const(0, INT64), e.op("Reshape", [e.dim(k, 2), e.ints([])]), e.const(1, INT64)])
+    key_positions = e.op(
+        "Range", [e.const(0, INT64), e.op("Reshape", [e.dim(k, 2), e.ints([])]), e.const(1, INT64)]
+    )
     if n.x(3):
         rank = len(n.dims(n.x(3)))
         if rank == 1:  # keys at or past each row's end position are masked: [B, 1, 1, T]
@@ -224,12 +234,18 @@ def _attention_masks(n: _Node, q: str, k: str) -> list[str]:
             biases.append(e.unsqueeze(e.op("Where", [masked, filter_value, zero]), [1, 2]))
         else:  # raw 0/1 masks, [B, T] or [B, S, T]
             masked = e.op("Equal", [n.x(3), e.const(0, n._elem.get(n.x(3), TensorProto.INT32))])
-            biases.append(e.unsqueeze(e.op("Where", [masked, filter_value, zero]), [1, 2] if rank == 2 else [1]))
+            biases.append(
+                e.unsqueeze(e.op("Where", [masked, filter_value, zero]), [1, 2] if rank == 2 else [1])
+            )
     if n.attr("unidirectional", 0):  # query i (at past + i) sees keys j <= past + i
         past = e.op("Sub", [e.dim(k, 2), e.dim(q, 2)])
-        queries = e.op("Range", [e.const(0, INT64), e.op("Reshape", [e.dim(q, 2), e.ints([])]), e.const(1, INT64)])
+        queries = e.op(
+            "Range", [e.const(0, INT64), e.op("Reshape", [e.dim(q, 2), e.ints([])]), e.const(1, INT64)]
+        )
         limit = e.unsqueeze(e.op("Add", [queries, past]), [1])
-        biases.append(e.op("Where", [e.op("Greater", [e.unsqueeze(key_positions, [0]), limit]), filter_value, zero]))
+        biases.append(
+            e.op("Where", [e.op("Greater", [e.unsqueeze(key_positions, [0]), limit]), filter_value, zero])
+        )
     if n.x(5):
         biases.append(n.x(5))
     return biases

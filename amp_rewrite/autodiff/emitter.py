@@ -43,7 +43,9 @@ class Emitter:
     training a node belongs to. Constants of equal value and type are shared.
     """
 
-    def __init__(self, nodes, initializers, opset: int, taken: Iterable[str] | UniqueNames, scope: str = "grad"):
+    def __init__(
+        self, nodes, initializers, opset: int, taken: Iterable[str] | UniqueNames, scope: str = "grad"
+    ):
         self.nodes = nodes  # where new nodes are appended (a list, or a graph's node field)
         self.initializers = initializers  # where new constants are appended
         self.opset = opset
@@ -53,12 +55,14 @@ class Emitter:
         self._constants: dict[tuple, str] = {}
 
     @classmethod
-    def for_graph(cls, graph: onnx.GraphProto, opset: int, taken: Iterable[str] | None = None, scope: str = "grad"):
+    def for_graph(
+        cls, graph: onnx.GraphProto, opset: int, taken: Iterable[str] | None = None, scope: str = "grad"
+    ):
         """New nodes collected in `new_nodes` (appended to the graph by the caller), constants
         straight into `graph`; `taken` defaults to every name in the graph."""
         return cls([], graph.initializer, opset, names_in(graph) if taken is None else taken, scope)
 
-    def body(self, scope: str | None = None) -> "Emitter":
+    def body(self, scope: str | None = None) -> Emitter:
         """An emitter for a subgraph body (a Scan the backward runs): its own node list, names
         and constants shared with this graph (the body reads constants from the outer scope)."""
         other = Emitter([], self.initializers, self.opset, self.names, scope or self.scope)
@@ -69,7 +73,7 @@ class Emitter:
     def new_nodes(self):
         return self.nodes
 
-    def scoped(self, scope: str) -> "Emitter":
+    def scoped(self, scope: str) -> Emitter:
         """An emitter writing to the same graph, names and constants under another scope."""
         other = Emitter(self.nodes, self.initializers, self.opset, self.names, scope)
         other._constants = self._constants
@@ -92,8 +96,15 @@ class Emitter:
         self.taken.update(names)
 
     # -- nodes ---------------------------------------------------------------------------------
-    def op(self, op_type: str, inputs: Sequence[str | None], outputs: int | str | Sequence[str] = 1, *,
-           out: str | None = None, **attrs):
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str | None],
+        outputs: int | str | Sequence[str] = 1,
+        *,
+        out: str | None = None,
+        **attrs,
+    ):
         """Emit one node; returns its output name, or a list of names when it has several.
 
         `outputs`: how many, their exact names, or (a str) a hint naming the one output
@@ -141,8 +152,9 @@ class Emitter:
         return self.const(np.asarray(value), elem_type)
 
     # -- opset-aware helpers -------------------------------------------------------------------
-    def axes_op(self, op_type: str, x: str, axes: Sequence[int] | str | None, hint: str | None = None,
-                **attrs) -> str:
+    def axes_op(
+        self, op_type: str, x: str, axes: Sequence[int] | str | None, hint: str | None = None, **attrs
+    ) -> str:
         """Reduce/Squeeze/Unsqueeze with `axes` as attribute or input, whichever the opset wants
         (None: all axes). `axes` may be a name of a runtime tensor only where the opset takes
         axes as an input."""
@@ -156,7 +168,9 @@ class Emitter:
             raise ValueError(f"{op_type} at opset {self.opset} needs constant axes")
         return self.op(op_type, [x], outputs, axes=list(axes), **attrs)
 
-    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: int, hint: str | None = None) -> str:
+    def reduce(
+        self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: int, hint: str | None = None
+    ) -> str:
         """ReduceX over `axes` (None: all axes)."""
         return self.axes_op(op_type, x, axes, hint, keepdims=keepdims)
 

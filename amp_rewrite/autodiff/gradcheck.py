@@ -35,7 +35,10 @@ def numeric_gradients(
         if size > max_coords:
             coords = np.sort(rng.choice(size, max_coords, replace=False))
         derivatives = [
-            (_loss_shifted(evaluator, loss, feeds, name, flat, eps) - _loss_shifted(evaluator, loss, feeds, name, flat, -eps))
+            (
+                _loss_shifted(evaluator, loss, feeds, name, flat, eps)
+                - _loss_shifted(evaluator, loss, feeds, name, flat, -eps)
+            )
             / (2 * eps)
             for flat in coords
         ]
@@ -57,5 +60,8 @@ def max_gradient_error(
     worst = 0.0
     for name, (coords, derivatives) in numeric.items():
         got = np.asarray(analytic[name], dtype=np.float64).reshape(-1)[coords]
-        worst = max(worst, float(np.max(np.abs(got - derivatives) / np.maximum(1.0, np.abs(derivatives)), initial=0.0)))
+        worst = max(
+            worst,
+            float(np.max(np.abs(got - derivatives) / np.maximum(1.0, np.abs(derivatives)), initial=0.0)),
+        )
     return worst

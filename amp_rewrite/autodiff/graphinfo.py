@@ -27,10 +27,12 @@ class GraphIndex:
     producer: dict[str, int] = field(default_factory=dict)
     consumers: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     constants: dict[str, onnx.TensorProto] = field(default_factory=dict)
-    inputs: list[list[str]] = field(default_factory=list)  # per node: its inputs, then what its bodies capture
+    inputs: list[list[str]] = field(
+        default_factory=list
+    )  # per node: its inputs, then what its bodies capture
 
     @classmethod
-    def of(cls, graph: onnx.GraphProto) -> "GraphIndex":
+    def of(cls, graph: onnx.GraphProto) -> GraphIndex:
         index = cls(producer=ir.producers(node.output for node in graph.node))
         for init in graph.initializer:
             index.constants[init.name] = init
@@ -71,7 +73,7 @@ class TypeInfo:
     dims: dict[str, Dims | None] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: onnx.ModelProto) -> "TypeInfo":
+    def of(cls, model: onnx.ModelProto) -> TypeInfo:
         info = cls()
         try:
             inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
@@ -86,7 +88,7 @@ class TypeInfo:
         info._fill_ranks(model.graph, GraphIndex.of(model.graph))
         return info
 
-    def _fill_ranks(self, graph: onnx.GraphProto, index: "GraphIndex") -> None:
+    def _fill_ranks(self, graph: onnx.GraphProto, index: GraphIndex) -> None:
         """Ranks (dims unknown) where shape inference gave up: a Reshape to a shape tensor of static
         length (computed shapes, as exporters and the opset converter write them), and the ops
         whose output rank is their input's or the inputs' broadcast rank. One pass in graph order."""
@@ -121,14 +123,71 @@ class TypeInfo:
         return self.elem.get(name, TensorProto.FLOAT) in FLOAT_TYPES
 
 
-SAME_RANK = frozenset({"Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Relu", "LeakyRelu", "Sigmoid", "Tanh",
-                       "HardSigmoid", "HardSwish", "Elu", "Selu", "Softplus", "Erf", "Gelu", "Clip", "Cast",
-                       "Identity", "Dropout", "Softmax", "LogSoftmax", "Transpose", "BatchNormalization",
-                       "LayerNormalization", "InstanceNormalization", "Floor", "Ceil", "Round", "Sign",
-                       "Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool",
-                       "Resize", "Pad", "Slice", "Tile", "Mish", "Swish"})
-BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu", "Equal", "Less",
-                       "Greater", "And", "Or"})
+SAME_RANK = frozenset(
+    {
+        "Abs",
+        "Neg",
+        "Exp",
+        "Log",
+        "Sqrt",
+        "Reciprocal",
+        "Relu",
+        "LeakyRelu",
+        "Sigmoid",
+        "Tanh",
+        "HardSigmoid",
+        "HardSwish",
+        "Elu",
+        "Selu",
+        "Softplus",
+        "Erf",
+        "Gelu",
+        "Clip",
+        "Cast",
+        "Identity",
+        "Dropout",
+        "Softmax",
+        "LogSoftmax",
+        "Transpose",
+        "BatchNormalization",
+        "LayerNormalization",
+        "InstanceNormalization",
+        "Floor",
+        "Ceil",
+        "Round",
+        "Sign",
+        "Conv",
+        "ConvTranspose",
+        "MaxPool",
+        "AveragePool",
+        "GlobalAveragePool",
+        "GlobalMaxPool",
+        "Resize",
+        "Pad",
+        "Slice",
+        "Tile",
+        "Mish",
+        "Swish",
+    }
+)
+BROADCAST = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Max",
+        "Min",
+        "Where",
+        "PRelu",
+        "Equal",
+        "Less",
+        "Greater",
+        "And",
+        "Or",
+    }
+)
 
 
 def _concat_length(node: onnx.NodeProto, dims: dict) -> int | None:
@@ -139,7 +198,7 @@ def _concat_length(node: onnx.NodeProto, dims: dict) -> int | None:
     return None
 
 
-def _output_rank(node: onnx.NodeProto, dims: dict, index: "GraphIndex") -> int | None:
+def _output_rank(node: onnx.NodeProto, dims: dict, index: GraphIndex) -> int | None:
     ranks = [len(dims[n]) if dims.get(n) is not None else None for n in node.input if n]
     if node.op_type == "Reshape" and len(node.input) > 1:
         shape = dims.get(node.input[1])

@@ -60,9 +60,13 @@ class RecomputePlan:
         return json.dumps([asdict(s) for s in self.segments])
 
     @classmethod
-    def from_json(cls, text: str) -> "RecomputePlan":
-        return cls(tuple(Segment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-                         for d in json.loads(text)))
+    def from_json(cls, text: str) -> RecomputePlan:
+        return cls(
+            tuple(
+                Segment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+                for d in json.loads(text)
+            )
+        )
 
 
 def plan_of(model: onnx.ModelProto) -> RecomputePlan | None:
@@ -79,8 +83,11 @@ def copies(model: onnx.ModelProto) -> dict[str, str]:
     if plan_of(model) is None:
         return {}
     names = {node.name for node in model.graph.node}
-    return {node.name: node.name[: -len(COPY_SUFFIX)] for node in model.graph.node
-            if node.name.endswith(COPY_SUFFIX) and node.name[: -len(COPY_SUFFIX)] in names}
+    return {
+        node.name: node.name[: -len(COPY_SUFFIX)]
+        for node in model.graph.node
+        if node.name.endswith(COPY_SUFFIX) and node.name[: -len(COPY_SUFFIX)] in names
+    }
 
 
 def report_section(model: onnx.ModelProto) -> dict | None:
@@ -88,8 +95,17 @@ def report_section(model: onnx.ModelProto) -> dict | None:
     plan = plan_of(model)
     if plan is None:
         return None
-    return {"segments": [{"name": s.name, "nodes": len(s.nodes), "recomputed": list(s.recomputed),
-                          "checkpoints": list(s.checkpoints)} for s in plan.segments]}
+    return {
+        "segments": [
+            {
+                "name": s.name,
+                "nodes": len(s.nodes),
+                "recomputed": list(s.recomputed),
+                "checkpoints": list(s.checkpoints),
+            }
+            for s in plan.segments
+        ]
+    }
 
 
 class Forward:
@@ -116,7 +132,7 @@ def apply(builder, spec) -> RecomputePlan:
     graph = builder.graph
     fw = Forward(graph, builder.forward_count)
     loss_node = fw.producer.get(builder.loss, len(fw.nodes))
-    backward = list(graph.node[builder.forward_count:])
+    backward = list(graph.node[builder.forward_count :])
     saved = {t for node in backward for t in node.input}
     groups = _groups(spec, fw, builder, loss_node, saved)
     position = ir.producers(node.output for node in backward)
@@ -152,7 +168,9 @@ def apply(builder, spec) -> RecomputePlan:
 def _groups(spec, fw: Forward, builder, loss_node: int, saved: set[str]) -> list[tuple[str, list[int]]]:
     if isinstance(spec, str):
         if spec != "auto":
-            raise GradientError(f"recompute must be 'auto', a byte budget or a list of node-name patterns, not {spec!r}")
+            raise GradientError(
+                f"recompute must be 'auto', a byte budget or a list of node-name patterns, not {spec!r}"
+            )
         return select.auto_groups(fw, builder.on_path, saved, loss_node, builder.info, None)
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         if spec <= 0:
@@ -161,7 +179,9 @@ def _groups(spec, fw: Forward, builder, loss_node: int, saved: set[str]) -> list
     try:
         patterns = list(spec)
     except TypeError:
-        raise GradientError(f"recompute must be 'auto', a byte budget or a list of node-name patterns, not {spec!r}") from None
+        raise GradientError(
+            f"recompute must be 'auto', a byte budget or a list of node-name patterns, not {spec!r}"
+        ) from None
     return select.regex_groups(patterns, [node.name for node in fw.nodes])
 
 
@@ -172,14 +192,22 @@ class _Work:
         self.key, self.fw, self.b = key, fw, b
         self.members = sorted(set(nodes))
         if loss_node in self.members:
-            raise GradientError(f"recompute segment '{key}' contains the loss node '{fw.nodes[loss_node].name}'")
+            raise GradientError(
+                f"recompute segment '{key}' contains the loss node '{fw.nodes[loss_node].name}'"
+            )
         inside = set(self.members)
         produced = [t for n in self.members for t in fw.nodes[n].output if t]
-        boundary = {t for t in produced if t in fw.graph_outputs or any(r not in inside for r in fw.readers.get(t, ()))}
+        boundary = {
+            t
+            for t in produced
+            if t in fw.graph_outputs or any(r not in inside for r in fw.readers.get(t, ()))
+        }
         self.internal = [t for t in produced if t not in boundary]
         if not any(t in b.on_path for t in produced):
-            raise GradientError(f"recompute segment '{key}' has no differentiable path from a weight to the loss "
-                                f"(nodes {fw.nodes[self.members[0]].name!r}...)")
+            raise GradientError(
+                f"recompute segment '{key}' has no differentiable path from a weight to the loss "
+                f"(nodes {fw.nodes[self.members[0]].name!r}...)"
+            )
         # the dependency: the segment output gradient that is complete first, so it precedes every
         # backward node of the segment
         grads = [b.done[t] for t in boundary if b.done.get(t)]
@@ -313,7 +341,9 @@ class _Work:
             r = ratio_name if self.b.info.elem.get(ratio_name) == elem else e.cast(ratio_name, elem)
             keep = e.op("Sub", [e.const(1, elem), r])
         scaled = e.op("Div", [x, keep])
-        return e.op("Mul", [scaled, e.cast(node.output[1], elem)], [e.fresh(f"{node.output[0]}{COPY_SUFFIX}")])
+        return e.op(
+            "Mul", [scaled, e.cast(node.output[1], elem)], [e.fresh(f"{node.output[0]}{COPY_SUFFIX}")]
+        )
 
     def record(self) -> Segment:
         names = tuple(self.fw.nodes[n].name for n in self.members)
@@ -332,7 +362,7 @@ def _dropout_mode(node, index) -> str | None:
     return "training" if bool(np.asarray(value)) else "inference"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _draws_random_values(op_type: str, domain: str, opset: int) -> bool:
     """The op's schema says it is non-deterministic (RandomNormal(Like), RandomUniform(Like),
     Bernoulli, Multinomial...): a copy would draw new values, so its output is read from the forward."""

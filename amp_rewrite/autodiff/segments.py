@@ -29,8 +29,12 @@ import onnx
 from amp_rewrite.errors import GradientError
 from amp_rewrite.flops import estimate_flops
 
-ELEM_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.FLOAT16: 2,
-              onnx.TensorProto.BFLOAT16: 2}
+ELEM_BYTES = {
+    onnx.TensorProto.FLOAT: 4,
+    onnx.TensorProto.DOUBLE: 8,
+    onnx.TensorProto.FLOAT16: 2,
+    onnx.TensorProto.BFLOAT16: 2,
+}
 GRID = 48  # thresholds tried between the smallest block and the whole graph
 
 
@@ -43,7 +47,9 @@ def regex_groups(patterns, names: list[str]) -> list[tuple[str, list[int]]]:
         try:
             compiled.append((p, re.compile(p), _head(p)))
         except re.error as error:
-            raise GradientError(f"recompute pattern {p!r} is not a valid regular expression: {error}") from None
+            raise GradientError(
+                f"recompute pattern {p!r} is not a valid regular expression: {error}"
+            ) from None
     groups: dict[str, list[int]] = {}
     used = set()
     for n, name in enumerate(names):
@@ -86,26 +92,34 @@ class Block:
     flops: int  # estimated FLOPs of the block's nodes (MatMul/Gemm/Conv; one per element otherwise)
 
 
-def auto_groups(forward, on_path: set[str], saved: set[str], loss_node: int, info,
-                budget: int | None) -> list[tuple[str, list[int]]]:
+def auto_groups(
+    forward, on_path: set[str], saved: set[str], loss_node: int, info, budget: int | None
+) -> list[tuple[str, list[int]]]:
     """Segments for "auto" (budget None) or for a byte budget. `saved`: tensors the backward reads."""
     blocks, tail_bytes = _blocks(forward, on_path, saved, loss_node, info, budget is not None)
     if not blocks:
         if budget is not None and tail_bytes > budget:
-            raise GradientError(f"recompute budget {budget} bytes is below reach: the forward graph has no "
-                                f"checkpoint candidate; smallest estimated activation peak {tail_bytes} bytes")
+            raise GradientError(
+                f"recompute budget {budget} bytes is below reach: the forward graph has no "
+                f"checkpoint candidate; smallest estimated activation peak {tail_bytes} bytes"
+            )
         return []
     # the last segment is never recomputed: its backward starts at once, while it is still alive
     plans = [(segs, frozenset({len(segs) - 1})) for segs in (_greedy(blocks, t) for t in _thresholds(blocks))]
     if budget is None:
         best = min(plans, key=lambda p: (_peak(blocks, *p, tail_bytes), len(p[0])))
     else:
-        fitting = [p for p in (_trim(blocks, segs, tail_bytes, budget) for segs, _ in plans)
-                   if _peak(blocks, *p, tail_bytes) <= budget]
+        fitting = [
+            p
+            for p in (_trim(blocks, segs, tail_bytes, budget) for segs, _ in plans)
+            if _peak(blocks, *p, tail_bytes) <= budget
+        ]
         if not fitting:
             low = min(_peak(blocks, *p, tail_bytes) for p in plans)
-            raise GradientError(f"recompute budget {budget} bytes is below reach: the smallest estimated "
-                                f"activation peak is {low} bytes")
+            raise GradientError(
+                f"recompute budget {budget} bytes is below reach: the smallest estimated "
+                f"activation peak is {low} bytes"
+            )
         best = min(fitting, key=lambda p: (_flops(blocks, *p), _peak(blocks, *p, tail_bytes)))
     segments, kept = best
     chosen = [seg for k, seg in enumerate(segments) if k not in kept]
@@ -150,9 +164,15 @@ def _blocks(forward, on_path, saved, loss_node, info, need_static):
         weight = (lambda t: sizes[t]) if use_bytes else (lambda t: 1)
         ckpt = [t for t in forward.nodes[nodes[-1]].output if t in sizes][0]
         flops = sum(_node_flops(forward.nodes[n], info) for n in nodes)
-        out.append(Block(nodes, sum(weight(t) for t in made if t != ckpt) + weight(ckpt), weight(ckpt), flops))
-    tail_bytes = sum((sizes.get(t) or 1) if use_bytes else 1
-                     for n in tail for t in forward.nodes[n].output if t in saved and t in forward.data)
+        out.append(
+            Block(nodes, sum(weight(t) for t in made if t != ckpt) + weight(ckpt), weight(ckpt), flops)
+        )
+    tail_bytes = sum(
+        (sizes.get(t) or 1) if use_bytes else 1
+        for n in tail
+        for t in forward.nodes[n].output
+        if t in saved and t in forward.data
+    )
     return out, tail_bytes
 
 
@@ -160,11 +180,15 @@ def _bytes(t, info, need_static) -> int | None:
     dims = info.dims.get(t)
     if dims is None or any(d is None for d in dims):
         if need_static:
-            raise GradientError(f"a recompute budget needs known shapes; tensor '{t}' has none (declare input shapes)")
+            raise GradientError(
+                f"a recompute budget needs known shapes; tensor '{t}' has none (declare input shapes)"
+            )
         return None
     if need_static and any(isinstance(d, str) for d in dims):
         raise GradientError(f"a recompute budget needs static shapes; tensor '{t}' has symbolic dims {dims}")
-    return ELEM_BYTES.get(info.elem.get(t, onnx.TensorProto.FLOAT), 4) * math.prod(d if isinstance(d, int) else 1 for d in dims)
+    return ELEM_BYTES.get(info.elem.get(t, onnx.TensorProto.FLOAT), 4) * math.prod(
+        d if isinstance(d, int) else 1 for d in dims
+    )
 
 
 def _node_flops(node, info) -> int:
@@ -220,6 +244,7 @@ def _flops(blocks, segments, kept) -> int:
 
 def _trim(blocks, segments, tail_bytes, budget):
     """Keep segments whole (no recompute), most FLOPs per byte first, while the estimate fits."""
+
     def density(k):
         return -sum(blocks[j].flops for j in segments[k]) / max(1, sum(blocks[j].bytes for j in segments[k]))
 

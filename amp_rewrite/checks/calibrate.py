@@ -46,8 +46,7 @@ from amp_rewrite.io import load
 from amp_rewrite.transform.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
-FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2,
-         "bfloat16": 9.183549615799121e-41 / 2}
+FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2, "bfloat16": 9.183549615799121e-41 / 2}
 SENTINEL = float(np.finfo(np.float32).max)  # +-this: "as large as float32 allows", see above
 DEFAULT_SAFETY = 4.0
 DEFAULT_RELAX_MARGIN = 16.0
@@ -77,9 +76,16 @@ class TensorRange:
         return self.flushed / self.nonzero if self.nonzero else 0.0
 
     def to_dict(self) -> dict:
-        return {"tensor": self.name, "producer": self.producer, "op_type": self.op_type,
-                "max_abs": self.max_abs, "flushed_share": round(self.flushed_share, 6),
-                "nonfinite": self.nonfinite, "sentinels": self.sentinels, "sentinel_rows": self.sentinel_rows}
+        return {
+            "tensor": self.name,
+            "producer": self.producer,
+            "op_type": self.op_type,
+            "max_abs": self.max_abs,
+            "flushed_share": round(self.flushed_share, 6),
+            "nonfinite": self.nonfinite,
+            "sentinels": self.sentinels,
+            "sentinel_rows": self.sentinel_rows,
+        }
 
 
 @dataclass
@@ -115,7 +121,9 @@ class CalibrationResult:
         forced: dict = {}
         for r in self.culprits(target):  # largest first: the first reason a node gets is its largest value
             if r.producer is not None:
-                forced.setdefault(r.producer, f"calibrated: output {r.name!r} reaches {r.max_abs:.4g} > {bound}")
+                forced.setdefault(
+                    r.producer, f"calibrated: output {r.name!r} reaches {r.max_abs:.4g} > {bound}"
+                )
             for key, _ in self.consumers.get(r.name, []):
                 forced.setdefault(key, f"calibrated: input {r.name!r} reaches {r.max_abs:.4g} > {bound}")
         if exempt:
@@ -123,8 +131,10 @@ class CalibrationResult:
         for r in self.with_sentinels():
             if not r.sentinel_rows:
                 continue
-            said = (f"has {r.sentinel_rows} row(s) of only +-{SENTINEL:.8g} sentinels (fully masked): "
-                    f"in {target} they are inf and such a row becomes NaN (-inf - -inf)")
+            said = (
+                f"has {r.sentinel_rows} row(s) of only +-{SENTINEL:.8g} sentinels (fully masked): "
+                f"in {target} they are inf and such a row becomes NaN (-inf - -inf)"
+            )
             if r.producer is not None:
                 forced.setdefault(r.producer, f"calibrated: output {r.name!r} {said}")
             for key, _ in self.consumers.get(r.name, []):
@@ -149,12 +159,17 @@ class CalibrationResult:
         for key, (op_type, measured) in seen.items():
             if not any(role == "output" for role, _ in measured):
                 continue
-            if all(r.count and r.max_abs <= bound and not r.flushed and not r.nonfinite and not r.sentinels
-                   for _, r in measured):
+            if all(
+                r.count and r.max_abs <= bound and not r.flushed and not r.nonfinite and not r.sentinels
+                for _, r in measured
+            ):
                 maxima = {f"{role} {r.name!r}": r.max_abs for role, r in measured}
                 said = ", ".join(f"{k} reaches {v:.4g}" for k, v in maxima.items())
-                relaxed[key] = (f"calibrated: {op_type} relaxed from deny to infer, {said} <= {bound:.6g} "
-                                f"({LIMITS[target or self.target]:.6g}/{margin:g}), none flushed to zero", maxima)
+                relaxed[key] = (
+                    f"calibrated: {op_type} relaxed from deny to infer, {said} <= {bound:.6g} "
+                    f"({LIMITS[target or self.target]:.6g}/{margin:g}), none flushed to zero",
+                    maxima,
+                )
         return relaxed
 
     def to_dict(self, target: str | None = None, exempt=frozenset(), relax_margin: float = 0.0) -> dict:
@@ -163,12 +178,21 @@ class CalibrationResult:
         largest = sorted(self.ranges.values(), key=lambda r: -r.max_abs)[:10]
         flushing = sorted((r for r in self.ranges.values() if r.flushed), key=lambda r: -r.flushed_share)[:10]
         return {
-            "samples": self.samples, "provider": self.provider, "tensors": len(self.ranges),
-            "safety": self.safety, "threshold": self.threshold,
+            "samples": self.samples,
+            "provider": self.provider,
+            "tensors": len(self.ranges),
+            "safety": self.safety,
+            "threshold": self.threshold,
             "culprits": [r.to_dict() for r in self.culprits(target)],
             "forced": [{"node": k, "reason": v} for k, v in forced.items()],
-            **({"relax_margin": relax_margin,
-                "relaxed": [{"node": k, "reason": v[0], "maxima": v[1]} for k, v in relaxed.items()]} if relax_margin else {}),
+            **(
+                {
+                    "relax_margin": relax_margin,
+                    "relaxed": [{"node": k, "reason": v[0], "maxima": v[1]} for k, v in relaxed.items()],
+                }
+                if relax_margin
+                else {}
+            ),
             "largest": [r.to_dict() for r in largest],
             "flush_to_zero": [r.to_dict() for r in flushing],
             "sentinels": [r.to_dict() for r in self.with_sentinels()],
@@ -176,17 +200,23 @@ class CalibrationResult:
         }
 
     def to_text(self) -> str:
-        lines = [f"calibration: {self.samples} sample(s) on {self.provider}, {len(self.ranges)} float tensors; "
-                 f"limit {self.threshold:.6g}"]
+        lines = [
+            f"calibration: {self.samples} sample(s) on {self.provider}, {len(self.ranges)} float tensors; "
+            f"limit {self.threshold:.6g}"
+        ]
         for r in self.culprits()[:20]:
             lines.append(f"  {r.name!r} from {r.op_type} '{r.producer}' reaches {r.max_abs:.4g}")
         held = self.with_sentinels()
         if held:
             lines.append(f"sentinels (+-{SENTINEL:.8g}, not overflow) in {len(held)} tensor(s):")
             for r in held[:20]:
-                rows = f", {r.sentinel_rows} row(s) of only sentinels: kept float32" if r.sentinel_rows else ""
-                lines.append(f"  {r.name!r} from {r.op_type} '{r.producer}': {r.sentinels} value(s), "
-                             f"others reach {r.max_abs:.4g}{rows}")
+                rows = (
+                    f", {r.sentinel_rows} row(s) of only sentinels: kept float32" if r.sentinel_rows else ""
+                )
+                lines.append(
+                    f"  {r.name!r} from {r.op_type} '{r.producer}': {r.sentinels} value(s), "
+                    f"others reach {r.max_abs:.4g}{rows}"
+                )
         return "\n".join(lines)
 
 
@@ -210,8 +240,9 @@ def _measured_tensors(model: onnx.ModelProto, types: dict):
     return producers
 
 
-def calibrate(model, samples=None, *, deployment: Deployment = DEFAULT, safety: float = DEFAULT_SAFETY,
-              progress=None) -> CalibrationResult:
+def calibrate(
+    model, samples=None, *, deployment: Deployment = DEFAULT, safety: float = DEFAULT_SAFETY, progress=None
+) -> CalibrationResult:
     """Run the float32 `model` on `samples` (synthesised if None, at the deployment's dims) on the
     deployment's device and measure every float tensor against its target's range."""
     model = load(model).model if not isinstance(model, onnx.ModelProto) else model
@@ -220,8 +251,11 @@ def calibrate(model, samples=None, *, deployment: Deployment = DEFAULT, safety: 
     types, _ = tensor_types(model)
     producers = _measured_tensors(model, types)
     nodes = model.graph.node
-    consumers = {name: [(_node_key(nodes[i]), nodes[i].op_type) for i in rows]
-                 for name, rows in ir.readers(node.input for node in nodes).items() if name in producers}
+    consumers = {
+        name: [(_node_key(nodes[i]), nodes[i].op_type) for i in rows]
+        for name, rows in ir.readers(node.input for node in nodes).items()
+        if name in producers
+    }
     exposed = val.expose(model, list(producers))
     sess, used = open_checked(exposed, deployment.device, progress=progress, label="calibrate")
     names = [o.name for o in sess.get_outputs() if o.name in producers]
@@ -235,7 +269,9 @@ def calibrate(model, samples=None, *, deployment: Deployment = DEFAULT, safety: 
             bar.step()
     result = CalibrationResult(target, len(samples), safety, ranges, consumers, used)
     if len(val.feed_inputs(model)) and len(samples) == 1:
-        result.notes.append("one sample: ranges on real data can be larger (use --inputs with several samples)")
+        result.notes.append(
+            "one sample: ranges on real data can be larger (use --inputs with several samples)"
+        )
     if any(a.HasField("g") or a.graphs for n in model.graph.node for a in n.attribute):
         result.notes.append("tensors inside If/Loop/Scan bodies are not measured")
     return result
@@ -259,11 +295,11 @@ def _accumulate(r: TensorRange, array: np.ndarray, flush: float) -> None:
         top = float(values.max()) if values.size else 0.0
         rows = a.reshape(-1, a.shape[-1] if a.ndim else 1)
         finite_sentinel = rows == SENTINEL
-        r.sentinel_rows += int(np.count_nonzero((finite_sentinel | np.isinf(rows)).all(axis=1)
-                                                & finite_sentinel.any(axis=1)))
+        r.sentinel_rows += int(
+            np.count_nonzero((finite_sentinel | np.isinf(rows)).all(axis=1) & finite_sentinel.any(axis=1))
+        )
     if values.size:
         r.max_abs = max(r.max_abs, top)
         nonzero = values > 0
         r.nonzero += int(nonzero.sum())
         r.flushed += int((nonzero & (values < flush)).sum())
-

@@ -45,8 +45,13 @@ class FallbackResult:
     history: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "validation_runs": self.runs, "pinned": list(self.pinned),
-                "reasons": self.pinned, "history": self.history}
+        return {
+            "passed": self.passed,
+            "validation_runs": self.runs,
+            "pinned": list(self.pinned),
+            "reasons": self.pinned,
+            "history": self.history,
+        }
 
 
 def _rel_error(ref: list, got: list) -> float:
@@ -112,19 +117,25 @@ def _unscaled(result: RewriteResult, tensors: dict) -> dict:
     scaled = result.report.sections.get("scaling", {}).get("scaled_tensors", {})
     if not scaled:
         return tensors
-    return {run: {t: [np.asarray(a, np.float64) * 2.0 ** scaled[t] for a in arrays] if t in scaled else arrays
-                  for t, arrays in per_run.items()} for run, per_run in tensors.items()}
+    return {
+        run: {
+            t: [np.asarray(a, np.float64) * 2.0 ** scaled[t] for a in arrays] if t in scaled else arrays
+            for t, arrays in per_run.items()
+        }
+        for run, per_run in tensors.items()
+    }
 
 
-def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, device: str, reference,
-              progress) -> tuple[dict, dict]:
+def _evaluate(
+    candidate: onnx.ModelProto, samples, names: list, measured: list, device: str, reference, progress
+) -> tuple[dict, dict]:
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
     exposed = val.expose(candidate, measured)
     sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate")
     available = [o.name for o in sess.get_outputs()]
     inter = [m for m in measured if m in available and m not in names]
     got = val.run_samples(sess, samples, outputs=names + inter, progress=progress, label="fallback: validate")
-    outputs = {f"ort:{used}": [g[:len(names)] for g in got]}
+    outputs = {f"ort:{used}": [g[: len(names)] for g in got]}
     tensors = {f"ort:{used}": {t: [g[len(names) + i] for g in got] for i, t in enumerate(inter)}}
     if val.use_reference(candidate, used, reference):
         from onnx.reference import ReferenceEvaluator
@@ -132,7 +143,10 @@ def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, 
         try:
             evaluator = ReferenceEvaluator(candidate)
             rows = []
-            with val.Progress(len(samples), "fallback: reference", progress) as bar, np.errstate(all="ignore"):
+            with (
+                val.Progress(len(samples), "fallback: reference", progress) as bar,
+                np.errstate(all="ignore"),
+            ):
                 for feeds in samples:
                     rows.append(evaluator.run(None, feeds, intermediate=True))
                     bar.step()
@@ -143,15 +157,30 @@ def _evaluate(candidate: onnx.ModelProto, samples, names: list, measured: list, 
     return outputs, tensors
 
 
-def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, calibration=None, max_runs: int = 10,
-        reference="auto", progress=None, options: RewriteOptions | None = None, **fields) -> FallbackResult:
+def fit(
+    model,
+    samples=None,
+    *,
+    rtol: float = 1e-2,
+    atol: float = 1e-3,
+    calibration=None,
+    max_runs: int = 10,
+    reference="auto",
+    progress=None,
+    options: RewriteOptions | None = None,
+    **fields,
+) -> FallbackResult:
     """Rewrite `model`, then pin a few nodes float32 until it validates within rtol/atol.
 
     `calibration` (a CalibrationResult) is applied to every candidate; `options` (changed by
     `fields`, RewriteOptions' own) are the rewrite's, their deployment where the runs go. At most
     `max_runs` validation runs, the final clean check included.
     """
-    options = options.replace(**fields) if options is not None and fields else options or RewriteOptions.of(**fields)
+    options = (
+        options.replace(**fields)
+        if options is not None and fields
+        else options or RewriteOptions.of(**fields)
+    )
     deployment = options.deployment
     device = deployment.device
     loaded = _shared(load(model))
@@ -163,11 +192,13 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, calibrat
     st = _structure(model, measured)
     names = [o.name for o in model.graph.output]
     measured_names = [t for t in measured if t not in names] + [t for t in names if t in measured]
-    ref_sess, ref_used = open_checked(val.expose(model, measured_names), device, progress=progress,
-                                      label="fallback: original")
+    ref_sess, ref_used = open_checked(
+        val.expose(model, measured_names), device, progress=progress, label="fallback: original"
+    )
     ref_available = [o.name for o in ref_sess.get_outputs()]
-    ref_rows = val.run_samples(ref_sess, samples, outputs=ref_available, progress=progress,
-                               label="fallback: original")
+    ref_rows = val.run_samples(
+        ref_sess, samples, outputs=ref_available, progress=progress, label="fallback: original"
+    )
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
     skipped: list = []  # decided once, on the original: every candidate has its shapes
     reference = val.use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
@@ -181,27 +212,50 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, calibrat
         return rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
 
     def record(pins: dict, passed: bool, worst_rel: float, worst_abs: float, **extra) -> None:
-        history.append({"run": runs, "pinned": len(pins), "passed": passed, **extra,
-                        "worst_max_rel": worst_rel, "worst_max_abs": worst_abs})
+        history.append(
+            {
+                "run": runs,
+                "pinned": len(pins),
+                "passed": passed,
+                **extra,
+                "worst_max_rel": worst_rel,
+                "worst_max_abs": worst_abs,
+            }
+        )
 
     def attempt(pins: dict):
         """One run of the rewrite with `pins`, every tensor exposed for the ranking: (result, passed, tensors)."""
         nonlocal runs
         candidate = rewritten(pins)
-        outputs, tensors = _evaluate(candidate.model, samples, names, measured_names, device, reference, progress)
+        outputs, tensors = _evaluate(
+            candidate.model, samples, names, measured_names, device, reference, progress
+        )
         runs += 1
         stats = [s for run, got in outputs.items() for s in val._compare_all(names, ref_out, got, rtol, atol)]
         passed = all(s["passed"] for s in stats)
-        record(pins, passed, max((s["max_rel"] if np.isfinite(s["max_rel"]) else HUGE) for s in stats),
-               max(s["max_abs"] for s in stats))
+        record(
+            pins,
+            passed,
+            max((s["max_rel"] if np.isfinite(s["max_rel"]) else HUGE) for s in stats),
+            max(s["max_abs"] for s in stats),
+        )
         return candidate, passed, tensors
 
     def check(candidate: RewriteResult, pins: dict, **extra) -> val.ValidationResult:
         """The outputs alone, as the final check runs them (exposing every tensor, as `attempt`
         does, stops ORT's fusions and moves the numbers: a prefix found at the edge must pass here)."""
         nonlocal runs
-        validation = val.validate(model, candidate.model, samples, deployment=deployment, rtol=rtol, atol=atol,
-                                  reference=reference, progress=progress, expected=(names, ref_out, ref_used))
+        validation = val.validate(
+            model,
+            candidate.model,
+            samples,
+            deployment=deployment,
+            rtol=rtol,
+            atol=atol,
+            reference=reference,
+            progress=progress,
+            expected=(names, ref_out, ref_used),
+        )
         runs += 1
         record(pins, validation.passed, validation.worst("max_rel"), validation.worst("max_abs"), **extra)
         return validation
@@ -224,7 +278,7 @@ def fit(model, samples=None, *, rtol: float = 1e-2, atol: float = 1e-3, calibrat
     else:
         result, passed = rewritten(pinned), False
     if passed and len(batch) > 1:  # runs left: pin only as much of the last batch as it takes
-        before = dict(list(pinned.items())[:len(pinned) - len(batch)])
+        before = dict(list(pinned.items())[: len(pinned) - len(batch)])
         low, high = 0, len(batch)
         while high - low > 1 and runs < max_runs - 1:
             middle = (low + high) // 2
@@ -253,7 +307,9 @@ def _growth(result: RewriteResult, st: _Structure, max_runs: int) -> float:
     return max(2.0, low ** (1.0 / searches)) if searches > 0 and low > 1 else 2.0
 
 
-def _rank(result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int) -> list:
+def _rank(
+    result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int
+) -> list:
     """[(node key, reason)] best first: nodes where the relative error jumps most."""
     error: dict = {}
     for per_run in tensors.values():
@@ -273,7 +329,9 @@ def _rank(result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dic
         if jump <= 1e-7:
             continue
         if precision.get(key, "float32") != "float32" and key not in pinned:
-            why = f"accuracy fallback (run {run}): relative error of {t_out!r} jumps {e_in:.3g} -> {e_out:.3g}"
+            why = (
+                f"accuracy fallback (run {run}): relative error of {t_out!r} jumps {e_in:.3g} -> {e_out:.3g}"
+            )
             if jump > scores.get(key, (0.0, ""))[0]:
                 scores[key] = (jump, why)
         else:  # float32 already: it amplifies its inputs' rounding; blame its low-precision producers
@@ -281,8 +339,10 @@ def _rank(result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dic
                 p = st.producer.get(t)
                 if p is None or p in pinned or precision.get(p, "float32") == "float32":
                     continue
-                why = (f"accuracy fallback (run {run}): feeds {t!r} to float32 '{key}', whose output error "
-                       f"jumps {e_in:.3g} -> {e_out:.3g}")
+                why = (
+                    f"accuracy fallback (run {run}): feeds {t!r} to float32 '{key}', whose output error "
+                    f"jumps {e_in:.3g} -> {e_out:.3g}"
+                )
                 if jump > scores.get(p, (0.0, ""))[0]:
                     scores[p] = (jump, why)
     return [(key, why) for key, (_, why) in sorted(scores.items(), key=lambda kv: -kv[1][0])]

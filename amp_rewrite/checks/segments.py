@@ -69,9 +69,12 @@ def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
     last_read: dict = {}
     used_by = []
     for index, start in enumerate(starts):
-        used = list(dict.fromkeys(x for names in reads[start:start + size] for x in names if x))
-        outer = [x for x in used if made_in.get(x, -1) != index and x not in initializers
-                 and (x in made_in or x in graph_inputs)]
+        used = list(dict.fromkeys(x for names in reads[start : start + size] for x in names if x))
+        outer = [
+            x
+            for x in used
+            if made_in.get(x, -1) != index and x not in initializers and (x in made_in or x in graph_inputs)
+        ]
         if any(made_in.get(x, -1) > index for x in outer):
             return None  # not in topological order
         for x in outer:
@@ -83,8 +86,13 @@ def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
         return None  # an output that is a weight: rare, run whole
     out = []
     for index, (start, (used, outer)) in enumerate(zip(starts, used_by)):
-        outputs = [x for made in writes[start:start + size] for x in made if x in wanted or last_read.get(x, -1) > index]
-        out.append((nodes[start:start + size], outer, [x for x in used if x in initializers], outputs))
+        outputs = [
+            x
+            for made in writes[start : start + size]
+            for x in made
+            if x in wanted or last_read.get(x, -1) > index
+        ]
+        out.append((nodes[start : start + size], outer, [x for x in used if x in initializers], outputs))
     return out
 
 
@@ -120,8 +128,15 @@ class SegmentedSession:
         return [live[n] for n in wanted]
 
 
-def open_checked(model: onnx.ModelProto, device: str = "cpu", *, progress=None, label: str = "session",
-                 size: int = SEGMENT_NODES, **session_kwargs):
+def open_checked(
+    model: onnx.ModelProto,
+    device: str = "cpu",
+    *,
+    progress=None,
+    label: str = "session",
+    size: int = SEGMENT_NODES,
+    **session_kwargs,
+):
     """(session, ORT provider used) on `device` ("cuda" or "cpu", as `Deployment.device` resolved
     it): ORT's session, or a SegmentedSession for a model over `size` nodes.
     A piece's outputs are declared untyped (ORT infers them); the types it reports type the next
@@ -136,9 +151,13 @@ def open_checked(model: onnx.ModelProto, device: str = "cpu", *, progress=None, 
     sessions, used = [], None
     with Progress(len(pieces), f"{label}: session setup", progress) as bar:
         for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
-            graph = helper.make_graph(nodes, f"{model.graph.name or 'graph'}_{index}", [typed[n] for n in inputs],
-                                      [helper.make_value_info(n, onnx.TypeProto()) for n in outputs],
-                                      [by_name[n] for n in weights])
+            graph = helper.make_graph(
+                nodes,
+                f"{model.graph.name or 'graph'}_{index}",
+                [typed[n] for n in inputs],
+                [helper.make_value_info(n, onnx.TypeProto()) for n in outputs],
+                [by_name[n] for n in weights],
+            )
             piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
             piece.functions.extend(model.functions)
             session, used = open_session(_serialised(piece), device, options=options, **session_kwargs)
@@ -167,7 +186,9 @@ def _basic():
     return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 
 
-_TENSOR_TYPES = {f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value}
+_TENSOR_TYPES = {
+    f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value
+}
 
 
 def _serialised(piece: onnx.ModelProto):
@@ -185,7 +206,9 @@ def _basic():
     return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 
 
-_TENSOR_TYPES = {f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value}
+_TENSOR_TYPES = {
+    f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value
+}
 
 
 def _same(used: str) -> str:

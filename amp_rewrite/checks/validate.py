@@ -35,8 +35,11 @@ from amp_rewrite.runtime import CPU, CUDA
 # 4e7 multiply-adds a second on this project's CPUs. Automatic only below about 20 s of that.
 REFERENCE_WORK_LIMIT = 2e8
 NODE_WORK = 2000  # its per-node overhead, in the same units (10k-node stack: about 0.5 ms a node)
-CPU_NOTE = ("ORT CPU computes many float16 ops in float32 and can hide overflow; "
-            "pass reference=True (--reference) to also run onnx.reference")
+CPU_NOTE = (
+    "ORT CPU computes many float16 ops in float32 and can hide overflow; "
+    "pass reference=True (--reference) to also run onnx.reference"
+)
+
 
 def parse_dims(items) -> dict:
     """['batch=8', 'seq=128'] -> {'batch': 8, 'seq': 128}."""
@@ -76,11 +79,20 @@ def load_samples(path, model: onnx.ModelProto) -> list:
 def as_declared(model: onnx.ModelProto, samples) -> list:
     """`samples` with each float input converted to the element type `model` declares for it (a
     rewrite's float16 inputs read the original's float32 samples rounded, as a caller would feed)."""
-    declared = {v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type) for v in model.graph.input
-                if v.type.tensor_type.elem_type}
-    return [{name: value.astype(declared[name]) if name in declared and value.dtype != declared[name]
-             and np.issubdtype(value.dtype, np.floating) else value for name, value in feeds.items()}
-            for feeds in samples]
+    declared = {
+        v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+        for v in model.graph.input
+        if v.type.tensor_type.elem_type
+    }
+    return [
+        {
+            name: value.astype(declared[name])
+            if name in declared and value.dtype != declared[name] and np.issubdtype(value.dtype, np.floating)
+            else value
+            for name, value in feeds.items()
+        }
+        for feeds in samples
+    ]
 
 
 def _check_sample(what: str, index: str, value: onnx.ValueInfoProto, array: np.ndarray) -> None:
@@ -90,14 +102,18 @@ def _check_sample(what: str, index: str, value: onnx.ValueInfoProto, array: np.n
     declared = value.type.tensor_type
     expected = helper.tensor_dtype_to_np_dtype(declared.elem_type)
     if array.dtype != expected:
-        raise UsageError(f"{what}: sample {index} input {value.name!r} is {array.dtype}, the model declares {np.dtype(expected)}")
+        raise UsageError(
+            f"{what}: sample {index} input {value.name!r} is {array.dtype}, the model declares {np.dtype(expected)}"
+        )
     if not declared.HasField("shape"):
         return
     dims = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
     if len(dims) != array.ndim or any(d is not None and d != n for d, n in zip(dims, array.shape)):
         shown = [d if d is not None else "?" for d in dims]
-        raise UsageError(f"{what}: sample {index} input {value.name!r} has shape {list(array.shape)}, "
-                         f"the model declares {shown}")
+        raise UsageError(
+            f"{what}: sample {index} input {value.name!r} has shape {list(array.shape)}, "
+            f"the model declares {shown}"
+        )
 
 
 def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> list:
@@ -124,20 +140,42 @@ def run_reference(model: onnx.ModelProto, samples, *, outputs=None, progress=Non
 
 # --- comparison ------------------------------------------------------------------------------------
 
+
 def compare(reference, candidate, *, rtol: float, atol: float, name: str = "") -> dict:
     """Figures for one output over all samples (lists of arrays, one per sample)."""
     ref = [np.asarray(r) for r in reference]
     cand = [np.asarray(c) for c in candidate]
     stats = {"name": name, "shape": list(ref[0].shape) if ref else [], "passed": True}
     if any(r.shape != c.shape for r, c in zip(ref, cand)):
-        stats.update(passed=False, error="shape differs", max_abs=float("inf"), max_rel=float("inf"), cosine=0.0,
-                     nan=0, inf=0, ref_nan=0, ref_inf=0, top1=None, within=0.0)
+        stats.update(
+            passed=False,
+            error="shape differs",
+            max_abs=float("inf"),
+            max_rel=float("inf"),
+            cosine=0.0,
+            nan=0,
+            inf=0,
+            ref_nan=0,
+            ref_inf=0,
+            top1=None,
+            within=0.0,
+        )
         return stats
     if any(not _numeric(x) for x in (*ref, *cand)):  # strings, objects: the rewrite must keep them exactly
         same = all(r.dtype == c.dtype and np.array_equal(r, c) for r, c in zip(ref, cand))
-        stats.update(passed=same, max_abs=0.0 if same else float("inf"), max_rel=0.0 if same else float("inf"),
-                     cosine=1.0 if same else 0.0, nan=0, inf=0, ref_nan=0, ref_inf=0, top1=None,
-                     within=1.0 if same else 0.0, **({} if same else {"error": "values differ"}))
+        stats.update(
+            passed=same,
+            max_abs=0.0 if same else float("inf"),
+            max_rel=0.0 if same else float("inf"),
+            cosine=1.0 if same else 0.0,
+            nan=0,
+            inf=0,
+            ref_nan=0,
+            ref_inf=0,
+            top1=None,
+            within=1.0 if same else 0.0,
+            **({} if same else {"error": "values differ"}),
+        )
         return stats
     r = np.concatenate([x.astype(np.float64).ravel() for x in ref]) if ref else np.zeros(0)
     c = np.concatenate([x.astype(np.float64).ravel() for x in cand]) if cand else np.zeros(0)
@@ -153,8 +191,10 @@ def compare(reference, candidate, *, rtol: float, atol: float, name: str = "") -
         max_abs=float(diff.max()) if diff.size else 0.0,
         max_rel=float((diff[rel_mask] / mag[rel_mask]).max()) if rel_mask.any() else 0.0,
         cosine=dot / norm if norm > 0 else (1.0 if not diff.size or diff.max() == 0 else 0.0),
-        nan=int(np.isnan(c).sum()), inf=int(np.isinf(c).sum()),
-        ref_nan=int(np.isnan(r).sum()), ref_inf=int(np.isinf(r).sum()),
+        nan=int(np.isnan(c).sum()),
+        inf=int(np.isinf(c).sum()),
+        ref_nan=int(np.isnan(r).sum()),
+        ref_inf=int(np.isinf(r).sum()),
         within=float(within.mean()) if within.size else 1.0,
         top1=_top1(ref, cand),
     )
@@ -199,27 +239,44 @@ class ValidationResult:
         return max(values) if values else 0.0
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "provider": self.provider, "samples": self.samples, "rtol": self.rtol,
-                "atol": self.atol, "runs": self.runs, "notes": self.notes}
+        return {
+            "passed": self.passed,
+            "provider": self.provider,
+            "samples": self.samples,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "runs": self.runs,
+            "notes": self.notes,
+        }
 
     def to_text(self) -> str:
-        lines = [f"validation on {self.provider}, {self.samples} sample(s): " + ("PASSED" if self.passed else "FAILED"),
-                 f"  ok: every value within |new - float32| <= atol + rtol x |float32| (atol {self.atol:g}, "
-                 f"rtol {self.rtol:g}; numpy.allclose's rule), no new NaN/Inf; max rel alone may exceed rtol"]
+        lines = [
+            f"validation on {self.provider}, {self.samples} sample(s): "
+            + ("PASSED" if self.passed else "FAILED"),
+            f"  ok: every value within |new - float32| <= atol + rtol x |float32| (atol {self.atol:g}, "
+            f"rtol {self.rtol:g}; numpy.allclose's rule), no new NaN/Inf; max rel alone may exceed rtol",
+        ]
         head = f"  {'run':<26}{'output':<20}{'max abs':>11}{'max rel':>11}{'cosine':>10}{'NaN':>6}{'Inf':>6}{'top1':>7}  ok"
         lines.append(head)
         for run, stats in self.runs.items():
             for s in stats:
                 top1 = "-" if s.get("top1") is None else f"{s['top1']:.3f}"
-                lines.append(f"  {run:<26}{s['name'][:19]:<20}{s['max_abs']:>11.3g}{s['max_rel']:>11.3g}"
-                             f"{s['cosine']:>10.6f}{s['nan']:>6}{s['inf']:>6}{top1:>7}  {'yes' if s['passed'] else 'NO'}")
+                lines.append(
+                    f"  {run:<26}{s['name'][:19]:<20}{s['max_abs']:>11.3g}{s['max_rel']:>11.3g}"
+                    f"{s['cosine']:>10.6f}{s['nan']:>6}{s['inf']:>6}{top1:>7}  {'yes' if s['passed'] else 'NO'}"
+                )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def raise_if_failed(self) -> None:
         if not self.passed:
-            bad = [f"{run} {s['name']} (max abs {s['max_abs']:.3g}, max rel {s['max_rel']:.3g}, NaN {s['nan']}, "
-                   f"Inf {s['inf']})" for run, stats in self.runs.items() for s in stats if not s["passed"]]
+            bad = [
+                f"{run} {s['name']} (max abs {s['max_abs']:.3g}, max rel {s['max_rel']:.3g}, NaN {s['nan']}, "
+                f"Inf {s['inf']})"
+                for run, stats in self.runs.items()
+                for s in stats
+                if not s["passed"]
+            ]
             raise ValidationError(f"over tolerance rtol {self.rtol:g} atol {self.atol:g}: " + "; ".join(bad))
 
 
@@ -259,8 +316,9 @@ def reference_work(model: onnx.ModelProto, samples, repeats: int = 1) -> float:
     return work * runs
 
 
-def use_reference(model: onnx.ModelProto, provider_used: str, reference, samples=(), notes=None,
-                  repeats: int = 1) -> bool:
+def use_reference(
+    model: onnx.ModelProto, provider_used: str, reference, samples=(), notes=None, repeats: int = 1
+) -> bool:
     """Whether onnx.reference runs: True/False, or "auto": on CPU when `reference_work` (over
     `repeats` runs of the samples: the fallback's search) is within REFERENCE_WORK_LIMIT (a skip
     is said in `notes`)."""
@@ -272,9 +330,15 @@ def use_reference(model: onnx.ModelProto, provider_used: str, reference, samples
     if work <= REFERENCE_WORK_LIMIT:
         return True
     if notes is not None:
-        size = "beyond shape inference's node limit" if work == float("inf") else f"about {work:.2g} element operations"
-        notes.append(f"onnx.reference skipped: {size}, over the automatic limit {REFERENCE_WORK_LIMIT:.0e} "
-                     "(--reference runs it anyway)")
+        size = (
+            "beyond shape inference's node limit"
+            if work == float("inf")
+            else f"about {work:.2g} element operations"
+        )
+        notes.append(
+            f"onnx.reference skipped: {size}, over the automatic limit {REFERENCE_WORK_LIMIT:.0e} "
+            "(--reference runs it anyway)"
+        )
     return False
 
 
@@ -285,8 +349,18 @@ def reference_outputs(original: onnx.ModelProto, samples, deployment: Deployment
     return names, run_samples(sess, samples, progress=progress, label="validate: original"), used
 
 
-def validate(original, rewritten, samples=None, *, deployment: Deployment = DEFAULT, rtol: float = 1e-2,
-             atol: float = 1e-3, reference="auto", progress=None, expected=None) -> ValidationResult:
+def validate(
+    original,
+    rewritten,
+    samples=None,
+    *,
+    deployment: Deployment = DEFAULT,
+    rtol: float = 1e-2,
+    atol: float = 1e-3,
+    reference="auto",
+    progress=None,
+    expected=None,
+) -> ValidationResult:
     """Compare `rewritten` with `original` (paths or ModelProtos) on `samples` (synthesised if None).
 
     `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU
@@ -303,26 +377,33 @@ def validate(original, rewritten, samples=None, *, deployment: Deployment = DEFA
     if deployment.provider == "cuda" and used != CUDA:
         result.notes.append("CUDA provider did not load; validated on CPU")
     samples = as_declared(rewritten, samples)  # float16 inputs (low_precision_io, keep_io_types=False)
-    sess, used_new = open_checked(rewritten, deployment.device, progress=progress, label="validate: rewritten")
+    sess, used_new = open_checked(
+        rewritten, deployment.device, progress=progress, label="validate: rewritten"
+    )
     got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
     result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)
     skipped: list = []
     if use_reference(rewritten, used_new, reference, samples, skipped):
         try:
-            emulated = run_reference(rewritten, samples, outputs=names, progress=progress,
-                                     label="validate: reference")
+            emulated = run_reference(
+                rewritten, samples, outputs=names, progress=progress, label="validate: reference"
+            )
             result.runs["reference"] = _compare_all(names, ref, emulated, rtol, atol)
         except Exception as exc:  # an op the reference evaluator lacks: say so, keep ORT's verdict
-            result.notes.append(f"onnx.reference could not run the rewritten model: {type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0] if str(exc) else ''}")
+            result.notes.append(
+                f"onnx.reference could not run the rewritten model: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            )
     elif used_new == CPU:
         result.notes += skipped or [CPU_NOTE]
     return result
 
 
 def _compare_all(names, ref, got, rtol, atol) -> list:
-    return [compare([r[i] for r in ref], [g[i] for g in got], rtol=rtol, atol=atol, name=name)
-            for i, name in enumerate(names)]
+    return [
+        compare([r[i] for r in ref], [g[i] for g in got], rtol=rtol, atol=atol, name=name)
+        for i, name in enumerate(names)
+    ]
 
 
 def expose(model: onnx.ModelProto, names) -> onnx.ModelProto:

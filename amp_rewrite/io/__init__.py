@@ -11,5 +11,19 @@ from amp_rewrite.io.save import atomic_write, atomic_write_bytes, save
 from amp_rewrite.io.skeleton import byte_size, checker_target
 from amp_rewrite.io.working_copy import restore_borrowed, working_copy
 
-__all__ = ["LoadedModel", "OutputPair", "OutputPlan", "Validated", "atomic_write", "atomic_write_bytes", "byte_size",
-           "checker_target", "load", "ort_limits", "restore_borrowed", "save", "validate", "working_copy"]
+__all__ = [
+    "LoadedModel",
+    "OutputPair",
+    "OutputPlan",
+    "Validated",
+    "atomic_write",
+    "atomic_write_bytes",
+    "byte_size",
+    "checker_target",
+    "load",
+    "ort_limits",
+    "restore_borrowed",
+    "save",
+    "validate",
+    "working_copy",
+]

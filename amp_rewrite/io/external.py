@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import onnx
 from onnx import TensorProto
@@ -23,17 +23,26 @@ from amp_rewrite.errors import ModelError
 from amp_rewrite.onnx_facts import ELEMENT_SIZE, walk
 
 MAX_NAME = 4096  # longer names are refused before the file system sees them (PATH_MAX)
-_PACKED_4BIT = {getattr(TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, name)}
-_BYTE_TYPES = {getattr(TensorProto, name) for name in ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2",
-                                                       "FLOAT8E5M2FNUZ", "FLOAT8E8M0") if hasattr(TensorProto, name)}
+_PACKED_4BIT = {
+    getattr(TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(TensorProto, name)
+}
+_BYTE_TYPES = {
+    getattr(TensorProto, name)
+    for name in ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ", "FLOAT8E8M0")
+    if hasattr(TensorProto, name)
+}
 
 
 def shown(name: str) -> str:
     """A name as an error line shows it: quoted, control characters escaped, long ones cut."""
-    return repr(name if len(name) <= 120 else name[:100] + "...") + ("" if len(name) <= 120 else f" ({len(name)} characters)")
+    return repr(name if len(name) <= 120 else name[:100] + "...") + (
+        "" if len(name) <= 120 else f" ({len(name)} characters)"
+    )
 
 
-def contained_file(folder: Path, name: str, *, what: str, error=ModelError, inside: str = "the model's folder") -> Path:
+def contained_file(
+    folder: Path, name: str, *, what: str, error=ModelError, inside: str = "the model's folder"
+) -> Path:
     """`name` resolved inside `folder` (symlinks followed, then checked), a regular file; else one line.
 
     `what` says what the name is ("external data file", "op list") and `inside` what the folder
@@ -42,7 +51,9 @@ def contained_file(folder: Path, name: str, *, what: str, error=ModelError, insi
         raise error(f"{what} has no file name")
     if "\0" in name:
         raise error(f"{what} {shown(name)} contains a NUL byte")
-    if len(name) > MAX_NAME or any(len(part.encode("utf-8", "surrogateescape")) > 255 for part in name.split("/")):
+    if len(name) > MAX_NAME or any(
+        len(part.encode("utf-8", "surrogateescape")) > 255 for part in name.split("/")
+    ):
         raise error(f"{what} {shown(name)} is too long to be a file name")
     if os.path.isabs(name) or name.startswith(("\\", "/")):
         raise error(f"{what} {shown(name)} must be a relative path inside {inside}")
@@ -52,9 +63,13 @@ def contained_file(folder: Path, name: str, *, what: str, error=ModelError, insi
     except FileNotFoundError:
         raise error(f"{what} {shown(name)} is missing") from None
     except OSError as exc:  # ELOOP, ENAMETOOLONG, EACCES: a name that cannot be a file here
-        raise error(f"{what} {shown(name)} cannot be resolved ({os.strerror(exc.errno) if exc.errno else exc})") from None
+        raise error(
+            f"{what} {shown(name)} cannot be resolved ({os.strerror(exc.errno) if exc.errno else exc})"
+        ) from None
     except (RuntimeError, ValueError) as exc:  # older Pythons: a symlink loop is a RuntimeError
-        raise error(f"{what} {shown(name)} cannot be resolved ({'symlink loop' if isinstance(exc, RuntimeError) else exc})") from None
+        raise error(
+            f"{what} {shown(name)} cannot be resolved ({'symlink loop' if isinstance(exc, RuntimeError) else exc})"
+        ) from None
     if target != base and base not in target.parents:
         raise error(f"{what} {shown(name)} escapes {inside}")
     try:
@@ -69,7 +84,12 @@ def contained_file(folder: Path, name: str, *, what: str, error=ModelError, insi
 def open_regular(path: Path, *, what: str, error=ModelError):
     """Open `path` for reading, refusing anything but a regular file at the moment it is opened
     (O_NONBLOCK: a FIFO swapped in after the check cannot hang the open)."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    flags = (
+        os.O_RDONLY
+        | getattr(os, "O_NONBLOCK", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+        | getattr(os, "O_NOFOLLOW", 0)
+    )
     try:
         fd = os.open(path, flags)
     except OSError as exc:
@@ -182,8 +202,10 @@ class Reference:
             handle.seek(self.offset)
             data = handle.read(self.length)
         if len(data) != self.length:
-            raise ModelError(f"external data file {shown(str(self.path))} changed while being read "
-                             f"(expected {self.length} bytes at offset {self.offset})")
+            raise ModelError(
+                f"external data file {shown(str(self.path))} changed while being read "
+                f"(expected {self.length} bytes at offset {self.offset})"
+            )
         return data
 
     def parts(self, size: int) -> Iterator[memoryview]:
@@ -194,10 +216,12 @@ class Reference:
             handle.seek(self.offset)
             left = self.length
             while left:
-                got = handle.readinto(buffer[:min(size, left)])
+                got = handle.readinto(buffer[: min(size, left)])
                 if not got:
-                    raise ModelError(f"external data file {shown(str(self.path))} changed while being read "
-                                     f"(expected {self.length} bytes at offset {self.offset})")
+                    raise ModelError(
+                        f"external data file {shown(str(self.path))} changed while being read "
+                        f"(expected {self.length} bytes at offset {self.offset})"
+                    )
                 left -= got
                 yield buffer[:got]
 
@@ -207,8 +231,10 @@ def _number(info: dict, key: str, name: str, where) -> int | None:
     if value is None or value == "":
         return None
     if not (value.isascii() and value.isdigit()) or len(value) > 20:
-        raise ModelError(f"{where}: external data of tensor {shown(name)} has {key} {shown(value)}, "
-                         f"not a whole number of bytes")
+        raise ModelError(
+            f"{where}: external data of tensor {shown(name)} has {key} {shown(value)}, "
+            f"not a whole number of bytes"
+        )
     return int(value)
 
 
@@ -222,7 +248,9 @@ def resolve(tensor: TensorProto, folder: Path, where) -> Reference:
         raise ModelError(f"{where}: an external data reference is not valid UTF-8 text") from None
     need = declared_bytes(tensor)
     if need is None:
-        raise ModelError(f"{where}: tensor {shown(name)} of element type {tensor.data_type} cannot have external data")
+        raise ModelError(
+            f"{where}: tensor {shown(name)} of element type {tensor.data_type} cannot have external data"
+        )
     what = f"{where}: external data of tensor {shown(name)}:"
     path = contained_file(folder, info.get("location", ""), what=f"{what} file")
     offset = _number(info, "offset", name, where) or 0
@@ -230,12 +258,16 @@ def resolve(tensor: TensorProto, folder: Path, where) -> Reference:
     if length is None:
         length = need
     if length != need:
-        raise ModelError(f"{where}: tensor {shown(name)} has {length} bytes of external data but its shape "
-                         f"{list(tensor.dims)} needs {need}")
+        raise ModelError(
+            f"{where}: tensor {shown(name)} has {length} bytes of external data but its shape "
+            f"{list(tensor.dims)} needs {need}"
+        )
     size = os.stat(path).st_size
     if offset + length > size:
-        raise ModelError(f"{what} bytes {offset}..{offset + length} run past the end of "
-                         f"{shown(info.get('location', ''))} ({size} bytes)")
+        raise ModelError(
+            f"{what} bytes {offset}..{offset + length} run past the end of "
+            f"{shown(info.get('location', ''))} ({size} bytes)"
+        )
     return Reference(path, offset, length)
 
 
@@ -252,6 +284,8 @@ def checked_reference(tensor: TensorProto) -> Reference:
     info = {entry.key: entry.value for entry in tensor.external_data}
     location = info.get("location", "")
     if not os.path.isabs(location) or "length" not in info:
-        raise ModelError(f"tensor {shown(tensor.name)} refers to external data that was not loaded through "
-                         f"its model's path (pass the model as a path)")
+        raise ModelError(
+            f"tensor {shown(tensor.name)} refers to external data that was not loaded through "
+            f"its model's path (pass the model as a path)"
+        )
     return Reference(Path(location), int(info.get("offset") or 0), int(info["length"]))

@@ -41,8 +41,6 @@ def _fail(path, message: str):
     raise ModelError(f"{path}: {message}")
 
 
-
-
 def ort_limits() -> tuple[int, dict[str, int]]:
     """(max IR version, {domain: max opset}) that the installed ONNX Runtime accepts."""
     if "ort" in _LIMITS_CACHE:
@@ -61,16 +59,23 @@ def ort_limits() -> tuple[int, dict[str, int]]:
     known = sorted(k for k in ORT_LIMITS if k <= version) or sorted(ORT_LIMITS)[:1]
     max_ir, max_opset = ORT_LIMITS[known[-1]]
     opsets = {d: v for d, v in registry.items() if d not in ("", "ai.onnx")}
-    opsets[""] = min(max_opset, registry.get("", max_opset)) if known[-1] == version else registry.get("", max_opset)
+    opsets[""] = (
+        min(max_opset, registry.get("", max_opset)) if known[-1] == version else registry.get("", max_opset)
+    )
     _LIMITS_CACHE["ort"] = (max_ir, opsets)
     return _LIMITS_CACHE["ort"]
 
 
 _LIMITS_CACHE: dict = {}
+
+
 def _where(path) -> str:
     return str(path) if path is not None else "model"
 
-def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, walked=None) -> tuple[int, int]:
+
+def _check_tensor_sizes(
+    model: onnx.ModelProto, path, in_memory: bool = False, walked=None
+) -> tuple[int, int]:
     """Every tensor holds exactly the data its shape asks for; returns the bytes of data, all and
     of float tensors. `in_memory`: the model came as a ModelProto, so external data has no folder
     to come from. `walked`: `walk(model.graph)` when the caller has it."""
@@ -86,21 +91,29 @@ def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, w
         size = ELEMENT_SIZE.get(data_type)
         if data_type in FLOAT_TYPES:
             floats += count * size  # what it holds, once the checks below pass
-        external = tensor.data_location == TensorProto.EXTERNAL  # tensordata.is_external, inlined: once per tensor
+        external = (
+            tensor.data_location == TensorProto.EXTERNAL
+        )  # tensordata.is_external, inlined: once per tensor
         if external and in_memory:
             raise ModelError("model refers to external data but came in memory: pass its path instead")
         if external and size is not None:  # left on disk by lazy_weights
             have, need = int(tensordata.external_info(tensor)["length"]), count * size
             total += need
             if have != need:
-                _fail(path, f"tensor {tensor.name!r} has {have} bytes of external data but its shape "
-                            f"{list(tensor.dims)} needs {need}")
+                _fail(
+                    path,
+                    f"tensor {tensor.name!r} has {have} bytes of external data but its shape "
+                    f"{list(tensor.dims)} needs {need}",
+                )
         elif tensor.HasField("raw_data") and size is not None:
             have, need = len(tensor.raw_data), count * size
             total += have
             if have != need:
-                _fail(path, f"tensor {tensor.name!r} holds {have} bytes of data but its shape "
-                            f"{list(tensor.dims)} needs {need}")
+                _fail(
+                    path,
+                    f"tensor {tensor.name!r} holds {have} bytes of data but its shape "
+                    f"{list(tensor.dims)} needs {need}",
+                )
         elif tensor.data_type in (TensorProto.STRING,):
             continue
         elif size is not None:
@@ -110,8 +123,11 @@ def _check_tensor_sizes(model: onnx.ModelProto, path, in_memory: bool = False, w
                 have //= 2
             total += have * size
             if have != count:
-                _fail(path, f"tensor {tensor.name!r} holds {have} values but its shape {list(tensor.dims)} "
-                            f"needs {count}")
+                _fail(
+                    path,
+                    f"tensor {tensor.name!r} holds {have} values but its shape {list(tensor.dims)} "
+                    f"needs {count}",
+                )
     return total, floats
 
 
@@ -125,8 +141,10 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str =
         if kind == "tensor_type" and not value.type.tensor_type.elem_type:
             _fail(path, f"{label}: {value.name!r} has no element type")
     defined: dict[str, str] = {}
-    for kind, names in (("graph input", [v.name for v in graph.input]),
-                        ("initializer", [t.name for t in graph.initializer])):
+    for kind, names in (
+        ("graph input", [v.name for v in graph.input]),
+        ("initializer", [t.name for t in graph.initializer]),
+    ):
         for name in names:
             if not name:
                 _fail(path, f"{label}: an {kind} has an empty name")
@@ -138,14 +156,19 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str =
     for i, node in enumerate(graph.node):
         if node.name:
             if node.name in node_names:
-                _fail(path, f"{label}: node name {node.name!r} is used twice (ONNX requires unique node names)")
+                _fail(
+                    path, f"{label}: node name {node.name!r} is used twice (ONNX requires unique node names)"
+                )
             node_names.add(node.name)
         for name in node.output:
             if not name:
                 continue
             if name in defined or name in producer:
-                _fail(path, f"{label}: tensor name {name!r} is defined twice (output of node "
-                            f"{node.name or node.op_type!r})")
+                _fail(
+                    path,
+                    f"{label}: tensor name {name!r} is defined twice (output of node "
+                    f"{node.name or node.op_type!r})",
+                )
             producer[name] = i
     visible = outer | set(defined) | set(producer)
     deps = nx.DiGraph()
@@ -154,11 +177,15 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], path, label: str =
         reads = [name for name in node.input if name]
         for attr in node.attribute:
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                _check_structure(sub, visible, path, f"subgraph {attr.name!r} of node {node.name or node.op_type!r}")
+                _check_structure(
+                    sub, visible, path, f"subgraph {attr.name!r} of node {node.name or node.op_type!r}"
+                )
                 reads.extend(ir.captures(sub))
         for name in reads:
             if name not in visible:
-                _fail(path, f"{label}: node {node.name or node.op_type!r} reads {name!r}, which nothing defines")
+                _fail(
+                    path, f"{label}: node {node.name or node.op_type!r} reads {name!r}, which nothing defines"
+                )
             if name in producer:
                 deps.add_edge(producer[name], i)
     for value in graph.output:
@@ -208,8 +235,15 @@ class Validated(NamedTuple):
     nested: bool  # some node holds a subgraph
 
 
-def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_memory: bool = False,
-             checker: bool = True, walked=None) -> Validated:
+def validate(
+    model: onnx.ModelProto,
+    path=None,
+    *,
+    skeleton: bool = False,
+    in_memory: bool = False,
+    checker: bool = True,
+    walked=None,
+) -> Validated:
     """Refuse a model that is invalid or that ONNX Runtime could not load: one ModelError line.
     Returns the bytes of tensor data it counted on the way and whether it holds subgraphs.
 
@@ -225,8 +259,11 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
         _fail(where, "model has no IR version")
     max_ir, max_opsets = ort_limits()
     if model.ir_version > max(max_ir, 3) or model.ir_version > onnx.IR_VERSION:
-        _fail(where, f"IR version {model.ir_version} is newer than ONNX Runtime supports (at most {max_ir}); "
-                     f"re-export with an older IR version")
+        _fail(
+            where,
+            f"IR version {model.ir_version} is newer than ONNX Runtime supports (at most {max_ir}); "
+            f"re-export with an older IR version",
+        )
     seen_domains = set()
     for opset in model.opset_import:
         domain = "" if opset.domain == "ai.onnx" else opset.domain
@@ -237,13 +274,21 @@ def validate(model: onnx.ModelProto, path=None, *, skeleton: bool = False, in_me
         if domain == "" and opset.version > onnx.defs.onnx_opset_version():
             limit = min(limit or opset.version, onnx.defs.onnx_opset_version())
         if limit is not None and opset.version > limit:
-            _fail(where, f"opset {opset.version} of domain {opset.domain or 'ai.onnx'!r} is newer than "
-                         f"ONNX Runtime supports (at most {limit})")
+            _fail(
+                where,
+                f"opset {opset.version} of domain {opset.domain or 'ai.onnx'!r} is newer than "
+                f"ONNX Runtime supports (at most {limit})",
+            )
         if opset.version < 1:
-            _fail(where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid")
+            _fail(
+                where, f"opset version {opset.version} of domain {opset.domain or 'ai.onnx'!r} is not valid"
+            )
         if domain == "" and opset.version < ORT_MIN_OPSET:
-            _fail(where, f"opset {opset.version} of domain 'ai.onnx' is older than ONNX Runtime supports (at least "
-                         f"{ORT_MIN_OPSET}); convert it with onnx.version_converter")
+            _fail(
+                where,
+                f"opset {opset.version} of domain 'ai.onnx' is older than ONNX Runtime supports (at least "
+                f"{ORT_MIN_OPSET}); convert it with onnx.version_converter",
+            )
     if not seen_domains:
         _fail(where, "model imports no opset")
     if not model.graph.output:
@@ -319,12 +364,21 @@ def _bad_text(message, label: str):
 def _check_call(where: str, node: onnx.NodeProto, function: onnx.FunctionProto) -> None:
     """A call passes no more inputs and outputs than the function declares, and every input its
     body reads (the inliner asserts on the first and leaves an empty name for the second)."""
-    for kind, given, declared in (("inputs", node.input, function.input), ("outputs", node.output, function.output)):
+    for kind, given, declared in (
+        ("inputs", node.input, function.input),
+        ("outputs", node.output, function.output),
+    ):
         if len(given) > len(declared):
-            _fail(where, f"node {node.name or node.op_type!r} calls function {function.name!r} with {len(given)} "
-                         f"{kind}; it declares {len(declared)}")
+            _fail(
+                where,
+                f"node {node.name or node.op_type!r} calls function {function.name!r} with {len(given)} "
+                f"{kind}; it declares {len(declared)}",
+            )
     read = {name for body_node in function.node for name in body_node.input}
     for i, formal in enumerate(function.input):
         if formal in read and (i >= len(node.input) or not node.input[i]):
-            _fail(where, f"node {node.name or node.op_type!r} calls function {function.name!r} without its "
-                         f"input {formal!r}, which the function reads")
+            _fail(
+                where,
+                f"node {node.name or node.op_type!r} calls function {function.name!r} without its "
+                f"input {formal!r}, which the function reads",
+            )

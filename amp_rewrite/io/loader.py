@@ -20,6 +20,7 @@ from amp_rewrite.io import external
 from amp_rewrite.io.input_checks import check_after_failure, validate
 from amp_rewrite.onnx_facts import all_graphs, walk
 
+
 @dataclass
 class LoadedModel:
     model: onnx.ModelProto
@@ -42,8 +43,12 @@ class LoadedModel:
         else:
             model = self.model
             if not self.checked:
-                validate(model, self.path if self.path is not None else "model", skeleton=self.lazy,
-                         in_memory=self.path is None)
+                validate(
+                    model,
+                    self.path if self.path is not None else "model",
+                    skeleton=self.lazy,
+                    in_memory=self.path is None,
+                )
         check_after_failure(model, self.path if self.path is not None else "model")
         self.checked = True
 
@@ -56,8 +61,9 @@ MAX_MODEL_BYTES = 2**31  # protobuf cannot parse more: larger weights must be ex
 LAZY_MIN_BYTES = 2**20  # with lazy_weights, external tensors from this size stay on disk
 
 
-def _load_external_data(model: onnx.ModelProto, path: Path, lazy: bool = False, outputs=None,
-                        walked=None, sparse=None) -> tuple[tuple[Path, ...], bool]:
+def _load_external_data(
+    model: onnx.ModelProto, path: Path, lazy: bool = False, outputs=None, walked=None, sparse=None
+) -> tuple[tuple[Path, ...], bool]:
     """Check every external reference anywhere in the model (external.resolve), then read each
     (or, with `lazy`, point at it): (the data files read, whether any tensor was left on disk).
     Every reference is checked, and the data files against `outputs` (an OutputPlan), before
@@ -105,8 +111,16 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
             source = _copied(source)
             notes = (unique_node_names(all_graphs(source.graph)),)
         found = validate(source, "model", in_memory=True, checker=checker)
-        return LoadedModel(source, None, False, data_bytes=found.data_bytes, float_bytes=found.float_bytes,
-                           nested=found.nested, checked=checker, notes=notes)
+        return LoadedModel(
+            source,
+            None,
+            False,
+            data_bytes=found.data_bytes,
+            float_bytes=found.float_bytes,
+            nested=found.nested,
+            checked=checker,
+            notes=notes,
+        )
     if not isinstance(source, (str, os.PathLike)):
         raise ModelError(f"expected a path or an onnx.ModelProto, got {type(source).__name__}")
     path = Path(source)
@@ -126,8 +140,11 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
         model.ParseFromString(data)
     except Exception as exc:
         if "MaxDepth" in str(exc):  # upb's limit: 100 nested messages, 31 levels of subgraphs
-            _fail(path, "messages nested deeper than protobuf's limit of 100 (about 31 levels of nested "
-                        "subgraphs); ONNX Runtime cannot load it either")
+            _fail(
+                path,
+                "messages nested deeper than protobuf's limit of 100 (about 31 levels of nested "
+                "subgraphs); ONNX Runtime cannot load it either",
+            )
         _fail(path, "not an ONNX model (protobuf parse failed: truncated or not a model file)")
     del data
     if not model.HasField("graph") or not model.opset_import:
@@ -137,8 +154,19 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
     data_files, lazy = _load_external_data(model, path, lazy_weights, outputs, walked, sparse)
     notes = (unique_node_names(walked[0]),) if _repeated_node_names(walked[0]) else ()
     found = validate(model, path, skeleton=lazy, checker=checker, walked=walked)
-    return LoadedModel(model, path, bool(data_files), data_files, owned=True, lazy=lazy, data_bytes=found.data_bytes,
-                       float_bytes=found.float_bytes, nested=found.nested, checked=checker, notes=notes)
+    return LoadedModel(
+        model,
+        path,
+        bool(data_files),
+        data_files,
+        owned=True,
+        lazy=lazy,
+        data_bytes=found.data_bytes,
+        float_bytes=found.float_bytes,
+        nested=found.nested,
+        checked=checker,
+        notes=notes,
+    )
 
 
 def _repeated_node_names(graphs) -> bool:
@@ -171,13 +199,13 @@ def unique_node_names(graphs) -> str:
             seen.add(node.name)
     count = sum(len(v) for v in renamed.values())
     shown = ", ".join(f"{old!r} x{len(new) + 1}" for old, new in list(renamed.items())[:3])
-    return (f"renamed {count} nodes whose names repeat ({shown}{' ...' if len(renamed) > 3 else ''}): ONNX requires "
-            f"unique node names; the later ones became name_1, name_2, ... (the input is unchanged)")
+    return (
+        f"renamed {count} nodes whose names repeat ({shown}{' ...' if len(renamed) > 3 else ''}): ONNX requires "
+        f"unique node names; the later ones became name_1, name_2, ... (the input is unchanged)"
+    )
 
 
 def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     return copy
-
-

@@ -45,8 +45,18 @@ def read_npz(path, *, what: str, error=UsageError, limit: int | None = None) -> 
                 infos = archive.infolist()
                 _check_directory(infos, limit, what, error)
                 return {info.filename[:-4]: _read_member(archive, info, what, error) for info in infos}
-        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError, RuntimeError, ValueError) as exc:
-            raise error(f"{what}: not a readable .npz ({' '.join(str(exc).split())[:200] or type(exc).__name__})") from None
+        except (
+            zipfile.BadZipFile,
+            zlib.error,
+            EOFError,
+            OSError,
+            NotImplementedError,
+            RuntimeError,
+            ValueError,
+        ) as exc:
+            raise error(
+                f"{what}: not a readable .npz ({' '.join(str(exc).split())[:200] or type(exc).__name__})"
+            ) from None
         except MemoryError:
             raise error(f"{what}: too large to read") from None
 
@@ -65,11 +75,15 @@ def _check_directory(infos, limit: int, what: str, error) -> None:
         if info.flag_bits & 0x1:
             raise error(f"{what}: member {shown(name)} is encrypted")
         if info.compress_type not in _METHODS:
-            raise error(f"{what}: member {shown(name)} uses an unsupported compression ({info.compress_type})")
+            raise error(
+                f"{what}: member {shown(name)} uses an unsupported compression ({info.compress_type})"
+            )
         total += info.file_size
         if total > limit:
-            raise error(f"{what}: its arrays would take more than {limit} bytes (the zip directory says "
-                        f"{total} so far); not inflated")
+            raise error(
+                f"{what}: its arrays would take more than {limit} bytes (the zip directory says "
+                f"{total} so far); not inflated"
+            )
 
 
 def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, what: str, error) -> np.ndarray:
@@ -83,7 +97,7 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, what: str, err
             chunk = member.read(min(CHUNK, info.file_size - done))
             if not chunk:
                 raise error(f"{what}: member {name} is shorter than the zip directory says")
-            view[done:done + len(chunk)] = chunk
+            view[done : done + len(chunk)] = chunk
             done += len(chunk)
         if member.read(1):
             raise error(f"{what}: member {name} is longer than the zip directory says")
@@ -102,7 +116,9 @@ def _parse_npy(buffer: bytearray, name: str, what: str, error) -> np.ndarray:
         else:
             raise error(f"{what}: member {name} is a .npy of version {version}, not 1.0 or 2.0")
     except (ValueError, TypeError, SyntaxError, EOFError) as exc:
-        raise error(f"{what}: member {name} is not a valid .npy array ({' '.join(str(exc).split())[:160]})") from None
+        raise error(
+            f"{what}: member {name} is not a valid .npy array ({' '.join(str(exc).split())[:160]})"
+        ) from None
     if dtype.hasobject:
         raise error(f"{what}: member {name} is an object array (not loaded: reading it would unpickle)")
     count = 1
@@ -110,7 +126,9 @@ def _parse_npy(buffer: bytearray, name: str, what: str, error) -> np.ndarray:
         count *= dim
     need, have = count * dtype.itemsize, len(buffer) - fp.tell()
     if need != have:
-        raise error(f"{what}: member {name} holds {have} bytes of data but its shape {list(shape)} of "
-                    f"{dtype} needs {need}")
+        raise error(
+            f"{what}: member {name} holds {have} bytes of data but its shape {list(shape)} of "
+            f"{dtype} needs {need}"
+        )
     array = np.frombuffer(buffer, dtype=dtype, count=count, offset=fp.tell())
     return array.reshape(shape, order="F" if fortran else "C")

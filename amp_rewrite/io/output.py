@@ -19,15 +19,18 @@ import secrets
 import stat
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable
+from typing import BinaryIO
 
 import onnx
 
 from amp_rewrite.errors import OutputError
 from amp_rewrite.io import external
 
-OLD_MODEL_PARSE_LIMIT = 64 * 2**20  # a model file with external data is small; a bigger one names none of ours
+OLD_MODEL_PARSE_LIMIT = (
+    64 * 2**20
+)  # a model file with external data is small; a bigger one names none of ours
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -62,7 +65,9 @@ class OutputPlan:
             is_dir = path.is_dir()
             special = exists and path.exists() and not path.is_file()
         except (OSError, ValueError) as exc:
-            raise OutputError(f"{path}: {flag} cannot be written ({getattr(exc, 'strerror', None) or exc})") from None
+            raise OutputError(
+                f"{path}: {flag} cannot be written ({getattr(exc, 'strerror', None) or exc})"
+            ) from None
         if is_dir:
             raise OutputError(f"{path}: is a directory")
         if special:  # a device, a FIFO, a socket: never replaced, even with --force
@@ -149,7 +154,10 @@ def _sync_folder(folder: Path) -> None:
 
 def _ours(path: Path, name: str) -> bool:
     """A data file name this module gives the output `path`: `<name>.data` or `<name>.<run>.data`."""
-    return name == f"{path.name}.data" or re.fullmatch(re.escape(path.name) + r"\.[0-9a-f]{8}\.data", name) is not None
+    return (
+        name == f"{path.name}.data"
+        or re.fullmatch(re.escape(path.name) + r"\.[0-9a-f]{8}\.data", name) is not None
+    )
 
 
 def old_data_files(path: Path) -> list[Path]:
@@ -161,8 +169,13 @@ def old_data_files(path: Path) -> list[Path]:
             return []
         old = onnx.ModelProto()
         old.ParseFromString(external.read_bounded(path, OLD_MODEL_PARSE_LIMIT, what="old output"))
-        names = {e.value for t in external.model_tensors(old) if external.is_external(t)
-                 for e in t.external_data if e.key == "location"}
+        names = {
+            e.value
+            for t in external.model_tensors(old)
+            if external.is_external(t)
+            for e in t.external_data
+            if e.key == "location"
+        }
     except Exception:  # not a model, unreadable: it names nothing we would remove
         return []
     return [path.parent / n for n in sorted(names) if "/" not in n and os.sep not in n and _ours(path, n)]
@@ -177,7 +190,14 @@ def _place(tmp: str, target: Path) -> None:
     except FileExistsError:
         raise
     except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK):
+        if exc.errno not in (
+            errno.EPERM,
+            errno.ENOTSUP,
+            errno.EOPNOTSUPP,
+            errno.ENOSYS,
+            errno.EXDEV,
+            errno.EMLINK,
+        ):
             raise
     if os.path.lexists(target):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
@@ -206,7 +226,7 @@ class OutputPair:
         self._linked = False
         self._committed = False
 
-    def __enter__(self) -> "OutputPair":
+    def __enter__(self) -> OutputPair:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,8 +16,15 @@ def feed_inputs(model: onnx.ModelProto) -> list:
     return [v for v in model.graph.input if v.name not in initializers]
 
 
-def synthesise(model: onnx.ModelProto, *, dims=None, count: int = 1, seed: int = 0, scale: float = 1.0,
-               default_dim: int = 1) -> list:
+def synthesise(
+    model: onnx.ModelProto,
+    *,
+    dims=None,
+    count: int = 1,
+    seed: int = 0,
+    scale: float = 1.0,
+    default_dim: int = 1,
+) -> list:
     """`count` random samples from the declared input types; symbolic dims from `dims`, else `default_dim`.
 
     Floats are standard normal x `scale`, integers in [0, 3) (safe as indices), bools random.

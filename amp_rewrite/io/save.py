@@ -67,8 +67,9 @@ def _big_tensors(model: onnx.ModelProto):
                 yield tensor
 
 
-def save(model: onnx.ModelProto, path, *, external_data: bool | str = False, keep_model: bool = True,
-         keep=()) -> None:
+def save(
+    model: onnx.ModelProto, path, *, external_data: bool | str = False, keep_model: bool = True, keep=()
+) -> None:
     """Save atomically; with external data (or above 2 GB, unasked) weights go to one data file
     beside it, `external_data` its name when a string (a plain file name in the model's folder).
 

@@ -76,6 +76,8 @@ def _tensor_type(elem_type: int, dims) -> onnx.TypeProto:
     for d in dims:
         shape.dim.add().dim_value = d
     return proto
+
+
 def data_size(model: onnx.ModelProto) -> int:
     """Bytes of tensor data in the model (without serialising it)."""
     total = 0
@@ -98,7 +100,9 @@ def byte_size(model: onnx.ModelProto, data: int | None = None) -> int:
     return data + 64 * (len(model.graph.node) + len(model.graph.initializer))  # subgraphs: small, left out
 
 
-def checker_target(model: onnx.ModelProto, data: int | None = None, *, skeleton: bool = False) -> onnx.ModelProto:
+def checker_target(
+    model: onnx.ModelProto, data: int | None = None, *, skeleton: bool = False
+) -> onnx.ModelProto:
     """What onnx.checker should see: the model, or above CHECK_IN_FULL_LIMIT (or with weights
     left on disk) its data-free skeleton."""
     data = data_size(model) if data is None else data

@@ -12,7 +12,7 @@ with the model (tools/big_model.py measures it).
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -23,7 +23,9 @@ from amp_rewrite.onnx_facts import np_dtype
 
 CHUNK_BYTES = 16 * 2**20  # what `chunks` reads at once: big enough for full disk speed, small beside 1 GB
 ORT_CAST_MIN_VALUES = 4096  # below this, numpy's astype beats the cost of a session call
-PENDING = "amp_rewrite.convert"  # external_data key of a pending conversion (never saved: `save` writes bytes)
+PENDING = (
+    "amp_rewrite.convert"  # external_data key of a pending conversion (never saved: `save` writes bytes)
+)
 MODES = ("cast", "saturate", "clip")
 _LARGEST = {TensorProto.FLOAT16: float(np.finfo(np.float16).max)}  # bfloat16 holds float32's range
 
@@ -117,9 +119,12 @@ def _ort_float16_cast():
     try:
         import onnxruntime as ort
 
-        graph = helper.make_graph([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)], "cast",
-                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None])])
+        graph = helper.make_graph(
+            [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)],
+            "cast",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None])],
+        )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1  # chunks are small: threads cost more than they give

@@ -14,8 +14,18 @@ from onnx import TensorProto
 
 from amp_rewrite.io.skeleton import INFERENCE_DATA_LIMIT
 
-_DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data"}
-_TENSOR_RARE_META = [f for f in TensorProto.DESCRIPTOR.fields if f.name not in _DATA_FIELDS | {"name", "data_type", "dims"}]
+_DATA_FIELDS = {
+    "raw_data",
+    "float_data",
+    "int32_data",
+    "string_data",
+    "int64_data",
+    "double_data",
+    "uint64_data",
+}
+_TENSOR_RARE_META = [
+    f for f in TensorProto.DESCRIPTOR.fields if f.name not in _DATA_FIELDS | {"name", "data_type", "dims"}
+]
 
 
 def working_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:

@@ -47,7 +47,11 @@ def annotate(model: onnx.ModelProto, report) -> int:
         node = scopes[scope].get(name) if scope < len(scopes) else None
         if node is not None:
             to_name = onnx.TensorProto.DataType.Name(to).lower()
-            _write(node, to_name, f"Cast inserted by amp-rewrite: '{tensor}' to {to_name} for the readers that need it")
+            _write(
+                node,
+                to_name,
+                f"Cast inserted by amp-rewrite: '{tensor}' to {to_name} for the readers that need it",
+            )
             done += 1
     return done
 
@@ -59,6 +63,6 @@ def read(node: onnx.NodeProto) -> tuple[str, str] | None:
         return props[PRECISION_KEY], props.get(REASON_KEY, "")
     prefix = "amp-rewrite: "
     if node.doc_string.startswith(prefix):
-        precision, _, reason = node.doc_string[len(prefix):].partition(". ")
+        precision, _, reason = node.doc_string[len(prefix) :].partition(". ")
         return precision, reason
     return None

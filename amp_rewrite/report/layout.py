@@ -69,7 +69,7 @@ def layout(count: int, edges: list) -> tuple[list[int], list[list[int]]]:
             position[entry] = k
     for sweep in range(SWEEPS if depth > 1 else 0):
         neighbours = up if sweep % 2 == 0 else down
-        for lay in (range(1, depth) if sweep % 2 == 0 else range(depth - 2, -1, -1)):
+        for lay in range(1, depth) if sweep % 2 == 0 else range(depth - 2, -1, -1):
             row = rows[lay]
             if len(row) < 2:
                 continue

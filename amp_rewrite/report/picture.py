@@ -16,7 +16,9 @@ from importlib import resources
 
 import onnx
 
-from amp_rewrite.report import layout as report_layout, picture_graph as report_graph, regions as report_regions
+from amp_rewrite.report import layout as report_layout
+from amp_rewrite.report import picture_graph as report_graph
+from amp_rewrite.report import regions as report_regions
 
 COLOURS = {"low": "#26a269", "mixed": "#9141ac", "float32": "#e66100", "other": "#b8b8b8"}
 COMPRESS_OVER = 256 * 1024
@@ -117,20 +119,42 @@ def page_data(report, model: onnx.ModelProto) -> dict:
         elist = [(index[a], index[b], c) for (a, b), c in edges[gid].items()]
         _, rows = report_layout.layout(len(group.items), elist)
         count, mix, casts = totals[gid]
-        out_groups.append({"l": group.label, "s": group.short, "i": group.items, "r": rows,
-                           "e": [list(e) for e in elist], "st": [[index[k], *v] for k, v in stubs[gid].items()],
-                           "n": count, "m": mix, "c": casts})
+        out_groups.append(
+            {
+                "l": group.label,
+                "s": group.short,
+                "i": group.items,
+                "r": rows,
+                "e": [list(e) for e in elist],
+                "st": [[index[k], *v] for k, v in stubs[gid].items()],
+                "n": count,
+                "m": mix,
+                "c": casts,
+            }
+        )
     reasons: dict = {}
     ops: dict = {}
     op_ids = [ops.setdefault(o, len(ops)) for o in g.op]
     return {
-        "target": report.target, "kinds": list(report_graph.KINDS), "colours": COLOURS,
-        "ops": list(ops), "op": op_ids, "name": g.name,
-        "kind": "".join(map(str, g.kind)), "why": [reasons.setdefault(r, len(reasons)) for r in g.reason],
-        "reasons": list(reasons), "island": g.island, "islands": [list(i) for i in g.islands],
-        "weights": g.weights, "measured": g.measured, "groups": out_groups,
-        "casts": len(g.casts) + sum(g.inner_casts.values()), "loose": loose,
-        "open": [~i for i in groups[0].items if i < 0 and groups[~i].flat] if phases else [],  # phases drawn open
+        "target": report.target,
+        "kinds": list(report_graph.KINDS),
+        "colours": COLOURS,
+        "ops": list(ops),
+        "op": op_ids,
+        "name": g.name,
+        "kind": "".join(map(str, g.kind)),
+        "why": [reasons.setdefault(r, len(reasons)) for r in g.reason],
+        "reasons": list(reasons),
+        "island": g.island,
+        "islands": [list(i) for i in g.islands],
+        "weights": g.weights,
+        "measured": g.measured,
+        "groups": out_groups,
+        "casts": len(g.casts) + sum(g.inner_casts.values()),
+        "loose": loose,
+        "open": [~i for i in groups[0].items if i < 0 and groups[~i].flat]
+        if phases
+        else [],  # phases drawn open
     }
 
 
@@ -149,20 +173,33 @@ def section(report, model: onnx.ModelProto) -> str:
     n, root = len(data["op"]), data["groups"][0]
     regions = sum(1 for item in root["i"] if item < 0)
     folded = len(model.graph.node) - n + len(model.graph.initializer)
-    caption = (f"{n} compute nodes ({folded} constants and initializers folded into their readers)"
-               + (f", collapsed into {regions} regions: click a region to open it in place" if regions else "")
-               + f"; {data['casts']} casts inserted. Drag to pan, wheel to zoom, click a box for its reason.")
+    caption = (
+        f"{n} compute nodes ({folded} constants and initializers folded into their readers)"
+        + (f", collapsed into {regions} regions: click a region to open it in place" if regions else "")
+        + f"; {data['casts']} casts inserted. Drag to pan, wheel to zoom, click a box for its reason."
+    )
     e = html.escape
-    legend = "".join(f'<span><i class="sw" style="background:{COLOURS[k]}"></i>{e(label)}</span>' for k, label in (
-        ("low", report.target), ("float32", "float32"), ("mixed", "mixed"), ("other", "no float tensors")))
-    legend += ('<span><i class="sw island"></i>float32 island (click for why)</span>'
-               '<span><i class="sw cast"></i>inserted Cast</span>'
-               '<span><i class="sw measured"></i>kept float32 by calibration / fallback / pin</span>')
+    legend = "".join(
+        f'<span><i class="sw" style="background:{COLOURS[k]}"></i>{e(label)}</span>'
+        for k, label in (
+            ("low", report.target),
+            ("float32", "float32"),
+            ("mixed", "mixed"),
+            ("other", "no float tensors"),
+        )
+    )
+    legend += (
+        '<span><i class="sw island"></i>float32 island (click for why)</span>'
+        '<span><i class="sw cast"></i>inserted Cast</span>'
+        '<span><i class="sw measured"></i>kept float32 by calibration / fallback / pin</span>'
+    )
     script = resources.files("amp_rewrite.report").joinpath("picture.js").read_text()
-    return (f'<div class="picture"><p class="legend">{legend}</p><p class="sub" id="amp-caption">{e(caption)}</p>'
-            '<div class="toolbar"><button data-act="fit">Fit</button><button data-act="in">+</button>'
-            '<button data-act="out">&minus;</button><button data-act="collapse">Collapse all</button>'
-            '<span id="amp-info">Click a node or region.</span></div>'
-            '<div class="graph" id="amp-graph"><svg id="amp-svg" xmlns="http://www.w3.org/2000/svg" '
-            'font-family="system-ui,sans-serif"><g id="amp-vp"></g></svg></div>'
-            f"{_script_json(data)}<script>{script}</script></div>")
+    return (
+        f'<div class="picture"><p class="legend">{legend}</p><p class="sub" id="amp-caption">{e(caption)}</p>'
+        '<div class="toolbar"><button data-act="fit">Fit</button><button data-act="in">+</button>'
+        '<button data-act="out">&minus;</button><button data-act="collapse">Collapse all</button>'
+        '<span id="amp-info">Click a node or region.</span></div>'
+        '<div class="graph" id="amp-graph"><svg id="amp-svg" xmlns="http://www.w3.org/2000/svg" '
+        'font-family="system-ui,sans-serif"><g id="amp-vp"></g></svg></div>'
+        f"{_script_json(data)}<script>{script}</script></div>"
+    )

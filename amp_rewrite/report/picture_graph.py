@@ -47,7 +47,9 @@ def facts(cg, materialised) -> Facts:
         if d is None:  # a producer renamed for a graph output writes a new name; the Cast the old one
             d = main.defs.get(output)
         readers = [u.node for u in materialised.cast_uses.get(output, ()) if u.scope == 0 and u.node >= 0]
-        places.append((d.node if d is not None and d.kind == "node" else None, min(readers, default=None), elem))
+        places.append(
+            (d.node if d is not None and d.kind == "node" else None, min(readers, default=None), elem)
+        )
     return Facts(main.io, main.names, places)
 
 
@@ -63,7 +65,9 @@ class PictureGraph:
     reason: list = field(default_factory=list)
     weights: list = field(default_factory=list)  # folded constants / initializers read
     succ: list = field(default_factory=list)  # distinct successors, per node
-    measured: list = field(default_factory=list)  # nodes made deny roots by calibration, the fallback or the user
+    measured: list = field(
+        default_factory=list
+    )  # nodes made deny roots by calibration, the fallback or the user
     island: list = field(default_factory=list)  # float32 island id or -1
     islands: list = field(default_factory=list)  # per island: (size, reason)
     casts: list = field(default_factory=list)  # (producer or None, first reader or None, to elem type)
@@ -131,7 +135,13 @@ def _read(report, model: onnx.ModelProto):
             return [io[0] for io in f.io], [io[1] for io in f.io], f.names, f.casts, True
     nodes = model.graph.node  # the casts sit in the rewritten graph: drawn apart, not on an edge
     loose = [(None, None, cast[3]) for cast in getattr(report, "casts", ())]
-    return [tuple(n.input) for n in nodes], [tuple(n.output) for n in nodes], [n.name for n in nodes], loose, False
+    return (
+        [tuple(n.input) for n in nodes],
+        [tuple(n.output) for n in nodes],
+        [n.name for n in nodes],
+        loose,
+        False,
+    )
 
 
 def build(report, model: onnx.ModelProto) -> PictureGraph:
@@ -159,7 +169,9 @@ def build(report, model: onnx.ModelProto) -> PictureGraph:
         g.kind.append(_kind(entry, target))
         if entry and entry["precision"] == "float32" and entry.get("step") == Step.MEASURED.value:
             g.measured.append(k)
-        g.reason.append(entry["because"] if entry else f"{ops[i]} '{names[i]}': no float tensors, not coloured")
+        g.reason.append(
+            entry["because"] if entry else f"{ops[i]} '{names[i]}': no float tensors, not coloured"
+        )
         folded = 0
         seen = set()
         for x in inputs[i]:

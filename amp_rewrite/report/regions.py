@@ -143,7 +143,9 @@ def _split(groups: list, gid: int, succ: list, names: list, ops: list) -> None:
             a, b = _item_label(groups, names, ops, chunk[0]), _item_label(groups, names, ops, chunk[-1])
             child = len(groups)
             label = f"{a} … {b}"
-            groups.append(Group(f"{groups[gid].label}: {label}" if groups[gid].label else label, label, gid, chunk))
+            groups.append(
+                Group(f"{groups[gid].label}: {label}" if groups[gid].label else label, label, gid, chunk)
+            )
             for item in chunk:
                 if item < 0:
                     groups[~item].parent = child

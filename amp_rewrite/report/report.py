@@ -10,13 +10,11 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
-
 from amp_rewrite.analysis import kernels
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.plan import LOW, Plan, Step
-
-from amp_rewrite.report import picture_graph
 from amp_rewrite.flops import HEAVY
+from amp_rewrite.plan import LOW, Plan, Step
+from amp_rewrite.report import picture_graph
 from amp_rewrite.report.sentences import explain, removed, sentence
 
 SHOWN_PINS = 10  # the text shows the fallback's first pins; the report and --report JSON keep them all
@@ -65,8 +63,17 @@ class Report:
         for n in self.nodes:
             if n.get("removed"):  # not in the result
                 continue
-            row = rows.setdefault(n["op_type"], {"op_type": n["op_type"], "list": n["list"], "nodes": 0,
-                                                 self.target: 0, "mixed": 0, "float32": 0})
+            row = rows.setdefault(
+                n["op_type"],
+                {
+                    "op_type": n["op_type"],
+                    "list": n["list"],
+                    "nodes": 0,
+                    self.target: 0,
+                    "mixed": 0,
+                    "float32": 0,
+                },
+            )
             row["nodes"] += 1
             row[n["precision"]] += 1
             lists = set(str(row["list"]).split("/")) | {str(n["list"])}
@@ -85,8 +92,10 @@ class Report:
         head = f"{'op type':<24}{'list':<12}{'nodes':>7}{self.target:>10}{'mixed':>7}{'float32':>9}"
         lines = [head, "-" * len(head)]
         for r in rows:
-            lines.append(f"{r['op_type']:<24}{str(r['list'] or '-'):<12}{r['nodes']:>7}{r[self.target]:>10}"
-                         f"{r['mixed']:>7}{r['float32']:>9}")
+            lines.append(
+                f"{r['op_type']:<24}{str(r['list'] or '-'):<12}{r['nodes']:>7}{r[self.target]:>10}"
+                f"{r['mixed']:>7}{r['float32']:>9}"
+            )
         return "\n".join(lines)
 
     def node(self, name: str) -> dict | None:
@@ -98,60 +107,106 @@ class Report:
             f"target {self.target}: {s['nodes_low']} of {s['nodes_float']} float nodes in {self.target}"
             f" ({s['nodes_mixed']} mixed), {s['groups_low']} of {s['groups']} type groups",
             f"casts inserted: {s['casts_inserted']}"
-            + (f", the model's own removed (converting nothing): {s['casts_removed']}" if s.get("casts_removed") else "")
+            + (
+                f", the model's own removed (converting nothing): {s['casts_removed']}"
+                if s.get("casts_removed")
+                else ""
+            )
             + f"; constants converted {s['constants_converted']}, duplicated {s['constants_duplicated']}",
             f"compute-heavy ops (allow list) in {self.target}: {s['allow_ops_low']}/{s['allow_ops']}"
             f" ({100 * s['allow_share']:.1f}%)",
             f"deny ops: {s['deny_ops']}, nodes they kept float32: {s['deny_blocked']}",
-            *([f"nodes kept float32 for want of a {self.target} kernel on the provider: {s['kernel_blocked']}"]
-              if s.get("kernel_blocked") else []),
-            *([f"deny ops relaxed to infer (every float16 value checked, or calibrated): {s['deny_relaxed']}"]
-              if s.get("deny_relaxed") else []),
+            *(
+                [
+                    f"nodes kept float32 for want of a {self.target} kernel on the provider: {s['kernel_blocked']}"
+                ]
+                if s.get("kernel_blocked")
+                else []
+            ),
+            *(
+                [
+                    f"deny ops relaxed to infer (every float16 value checked, or calibrated): {s['deny_relaxed']}"
+                ]
+                if s.get("deny_relaxed")
+                else []
+            ),
             f"model size: {s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB",
         ]
         if "bytes_moved" in s:
             sized = "".join(f", {name}={size}" for name, size in s.get("dims", {}).items())
-            lines.insert(-1, f"estimated bytes moved ({s['placement']} placement{sized}): "
-                             f"{s['bytes_moved_float32'] / 1e6:.3f} MB in float32 -> {s['bytes_moved'] / 1e6:.3f} MB")
+            lines.insert(
+                -1,
+                f"estimated bytes moved ({s['placement']} placement{sized}): "
+                f"{s['bytes_moved_float32'] / 1e6:.3f} MB in float32 -> {s['bytes_moved'] / 1e6:.3f} MB",
+            )
         if "low_by_list" in s:
-            lines.insert(1, "low-precision nodes by list: " + (", ".join(
-                f"{k} {v}" for k, v in s["low_by_list"].items()) or "none"))
+            lines.insert(
+                1,
+                "low-precision nodes by list: "
+                + (", ".join(f"{k} {v}" for k, v in s["low_by_list"].items()) or "none"),
+            )
         if s.get("flops_total"):
-            lines.insert(-1, f"compute-heavy FLOPs in {self.target}: {100 * s['flops_share']:.1f}% of "
-                             f"{s['flops_total']:.3g} (shapes known for {s['flops_ops_known']}/{s['allow_ops']} ops)")
+            lines.insert(
+                -1,
+                f"compute-heavy FLOPs in {self.target}: {100 * s['flops_share']:.1f}% of "
+                f"{s['flops_total']:.3g} (shapes known for {s['flops_ops_known']}/{s['allow_ops']} ops)",
+            )
         if "weight_bytes_before" in s:
-            lines.insert(-1, f"weights: {s['weight_bytes_before'] / 1e6:.3f} MB -> {s['weight_bytes_after'] / 1e6:.3f} MB")
+            lines.insert(
+                -1,
+                f"weights: {s['weight_bytes_before'] / 1e6:.3f} MB -> {s['weight_bytes_after'] / 1e6:.3f} MB",
+            )
         cal = self.sections.get("calibration")
         if cal:
-            lines.append(f"calibration: {cal['samples']} sample(s), {cal['tensors']} tensors measured, "
-                         f"{len(cal['forced'])} node(s) forced float32")
+            lines.append(
+                f"calibration: {cal['samples']} sample(s), {cal['tensors']} tensors measured, "
+                f"{len(cal['forced'])} node(s) forced float32"
+            )
             lines += [f"  {f['node']}: {f['reason']}" for f in cal["forced"]]
             held = [s["tensor"] for s in cal.get("sentinels", ())]
             if held:
-                lines.append(f"calibration: {len(held)} tensor(s) held +-finfo(float32).max sentinels, not counted as "
-                             f"overflow: {', '.join(map(repr, held[:5]))}{', ...' if len(held) > 5 else ''}")
+                lines.append(
+                    f"calibration: {len(held)} tensor(s) held +-finfo(float32).max sentinels, not counted as "
+                    f"overflow: {', '.join(map(repr, held[:5]))}{', ...' if len(held) > 5 else ''}"
+                )
             if cal.get("relaxed"):
-                lines.append(f"calibration relaxed {len(cal['relaxed'])} deny op(s) to infer "
-                             f"(margin {cal['relax_margin']:g})")
+                lines.append(
+                    f"calibration relaxed {len(cal['relaxed'])} deny op(s) to infer "
+                    f"(margin {cal['relax_margin']:g})"
+                )
                 lines += [f"  {r['node']}: {r['reason']}" for r in cal["relaxed"]]
         scaled = self.sections.get("scaling")
         if scaled:
-            lines.append(f"power-of-two scaling: {len(scaled['regions'])} region(s) computed on scaled values "
-                         f"(limit {scaled['threshold']:.6g})")
-            lines += [f"  region {r['region']!r} ({len(r['nodes'])} nodes): x 2^-{r['k']}, calibrated max "
-                      f"{r['max_abs']:.4g} at {r['tensor']!r}" for r in scaled["regions"]]
+            lines.append(
+                f"power-of-two scaling: {len(scaled['regions'])} region(s) computed on scaled values "
+                f"(limit {scaled['threshold']:.6g})"
+            )
+            lines += [
+                f"  region {r['region']!r} ({len(r['nodes'])} nodes): x 2^-{r['k']}, calibrated max "
+                f"{r['max_abs']:.4g} at {r['tensor']!r}"
+                for r in scaled["regions"]
+            ]
         fb = self.sections.get("fallback")
         if fb:
             pinned = fb["pinned"]
-            lines.append(f"fallback: {'passed' if fb['passed'] else 'NOT passed'} after {fb['validation_runs']} "
-                         f"validation run(s); {len(pinned)} node(s) pinned float32"
-                         + (f", the first {SHOWN_PINS} (largest error jumps; --report lists all):" if len(pinned) > SHOWN_PINS
-                            else ":" if pinned else ""))
+            lines.append(
+                f"fallback: {'passed' if fb['passed'] else 'NOT passed'} after {fb['validation_runs']} "
+                f"validation run(s); {len(pinned)} node(s) pinned float32"
+                + (
+                    f", the first {SHOWN_PINS} (largest error jumps; --report lists all):"
+                    if len(pinned) > SHOWN_PINS
+                    else ":"
+                    if pinned
+                    else ""
+                )
+            )
             lines += [f"  {key}: {fb['reasons'].get(key, '')}" for key in pinned[:SHOWN_PINS]]
         rc = self.sections.get("recompute")
         if rc:
-            lines.append(f"recomputed segments ({len(rc['segments'])}): "
-                         + ", ".join(f"{s['name']} ({s['nodes']} nodes)" for s in rc["segments"]))
+            lines.append(
+                f"recomputed segments ({len(rc['segments'])}): "
+                + ", ".join(f"{s['name']} ({s['nodes']} nodes)" for s in rc["segments"])
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -160,13 +215,24 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops, gone:
     """`gone`: why the node was removed (a Cast of the model that converts nothing), else None."""
     first = cg.vertices[vs[0]]
     entry = {
-        "name": first.name, "op_type": first.op_type, "scope": key[0], "index": key[1], "list": first.op_list,
-        "precision": precision, "flops": flops,
-        "because": sentence(cg, plan, vs[0]), "step": plan.reason[vs[0]].step.value,
-        "groups": {cg.vertices[v].group.type_param.split("@")[0]: {
-            "precision": cg.target if plan.colour[v] == LOW else "float32",
-            "reason": explain(cg, plan, v), "because": sentence(cg, plan, v),
-            "step": plan.reason[v].step.value} for v in vs},
+        "name": first.name,
+        "op_type": first.op_type,
+        "scope": key[0],
+        "index": key[1],
+        "list": first.op_list,
+        "precision": precision,
+        "flops": flops,
+        "because": sentence(cg, plan, vs[0]),
+        "step": plan.reason[vs[0]].step.value,
+        "groups": {
+            cg.vertices[v].group.type_param.split("@")[0]: {
+                "precision": cg.target if plan.colour[v] == LOW else "float32",
+                "reason": explain(cg, plan, v),
+                "because": sentence(cg, plan, v),
+                "step": plan.reason[v].step.value,
+            }
+            for v in vs
+        },
     }
     if first.relaxed:  # a deny op made an infer op: why
         entry["relaxed"] = first.relaxed
@@ -175,9 +241,19 @@ def _node_entry(cg: ColouringGraph, plan: Plan, key, vs, precision, flops, gone:
     return entry
 
 
-def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, bytes_after: int,
-          seconds: float = 0.0, weights_before: int | None = None, weights_after: int | None = None,
-          node_flops: dict | None = None, moved=None) -> Report:
+def build(
+    cg: ColouringGraph,
+    plan: Plan,
+    materialised,
+    *,
+    bytes_before: int,
+    bytes_after: int,
+    seconds: float = 0.0,
+    weights_before: int | None = None,
+    weights_after: int | None = None,
+    node_flops: dict | None = None,
+    moved=None,
+) -> Report:
     """The report of one rewrite. Its figures and per-node entries are worked out on first use:
     a caller that wants only the model (an export pipeline) does not pay for them."""
 
@@ -217,10 +293,17 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
                     flops_known += 1
                     flops_total += flops
                     flops_low += flops if precision != "float32" else 0
-        no_kernel = sum(1 for vs in by_node.values() if any(kernels.is_kernel_reason(vertices[v].blocked) for v in vs))
+        no_kernel = sum(
+            1 for vs in by_node.values() if any(kernels.is_kernel_reason(vertices[v].blocked) for v in vs)
+        )
         deny_roots = sum(1 for vs in by_node.values() if cg.vertices[vs[0]].op_list == "deny")
-        deny_blocked = len({(cg.vertices[v].scope, cg.vertices[v].node) for v, r in plan.reason.items()
-                            if r.step is Step.DOWNSTREAM_OF_DENY})
+        deny_blocked = len(
+            {
+                (cg.vertices[v].scope, cg.vertices[v].node)
+                for v, r in plan.reason.items()
+                if r.step is Step.DOWNSTREAM_OF_DENY
+            }
+        )
         summary = {
             "groups": len(cg.vertices),
             "groups_low": sum(1 for c in plan.colour.values() if c == LOW),
@@ -260,8 +343,16 @@ def build(cg: ColouringGraph, plan: Plan, materialised, *, bytes_before: int, by
     def make_nodes():
         _, by_node, precisions, flops_of = figures()
         gone = {(s, n): why for s, n, _, _, _, why in materialised.removed_casts}
-        return [_node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key), gone.get(key))
-                for key, vs in by_node.items()]
+        return [
+            _node_entry(cg, plan, key, vs, precisions[key], flops_of.get(key), gone.get(key))
+            for key, vs in by_node.items()
+        ]
 
-    return Report(cg.target, lambda: figures()[0], make_nodes, [f"{label}: {text}" for label, text in cg.notes],
-                  casts=materialised.casts, picture_facts=functools.partial(picture_graph.facts, cg, materialised))
+    return Report(
+        cg.target,
+        lambda: figures()[0],
+        make_nodes,
+        [f"{label}: {text}" for label, text in cg.notes],
+        casts=materialised.casts,
+        picture_facts=functools.partial(picture_graph.facts, cg, materialised),
+    )

@@ -15,7 +15,11 @@ MAX_CHAIN = 32
 
 def _label(cg: ColouringGraph, v: int) -> str:
     vertex = cg.vertices[v]
-    return f"{vertex.op_type} '{vertex.name}'" if vertex.name else f"{vertex.op_type} (unnamed, scope {vertex.scope} #{vertex.node})"
+    return (
+        f"{vertex.op_type} '{vertex.name}'"
+        if vertex.name
+        else f"{vertex.op_type} (unnamed, scope {vertex.scope} #{vertex.node})"
+    )
 
 
 def chain(cg: ColouringGraph, plan: Plan, v: int) -> list[str]:

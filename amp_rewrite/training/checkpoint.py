@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
@@ -41,14 +41,18 @@ def read_checkpoint(path, expected_meta: Mapping, expected_state: Mapping[str, n
     meta = _meta(arrays, where)
     for key in MATCHING:
         if meta[key] != expected_meta[key]:
-            raise TrainingError(f"{where}: {key} {meta[key]!r} does not match this trainer's {expected_meta[key]!r}")
+            raise TrainingError(
+                f"{where}: {key} {meta[key]!r} does not match this trainer's {expected_meta[key]!r}"
+            )
     names = _names(arrays, where)
     extra = sorted(set(arrays) - {"meta", "names"} - {f"state_{i}" for i in range(len(names))})
     if extra:
         raise TrainingError(f"{where}: unexpected array {extra[0]!r}")
     if set(names) != set(expected_state):
         differs = sorted(set(names) ^ set(expected_state))
-        raise TrainingError(f"{where}: state does not match this trainer's step graph (differs in {differs[0]!r})")
+        raise TrainingError(
+            f"{where}: state does not match this trainer's step graph (differs in {differs[0]!r})"
+        )
     state = {}
     for i, name in enumerate(names):
         key = f"state_{i}"
@@ -56,8 +60,10 @@ def read_checkpoint(path, expected_meta: Mapping, expected_state: Mapping[str, n
             raise TrainingError(f"{where}: state tensor {name!r} ({key}) is missing")
         value, reference = arrays[key], expected_state[name]
         if value.shape != reference.shape or value.dtype != reference.dtype:
-            raise TrainingError(f"{where}: state {name!r} is {value.dtype}{list(value.shape)}, "
-                                f"expected {reference.dtype}{list(reference.shape)}")
+            raise TrainingError(
+                f"{where}: state {name!r} is {value.dtype}{list(value.shape)}, "
+                f"expected {reference.dtype}{list(reference.shape)}"
+            )
         state[name] = value
     return Checkpoint(meta, state)
 

@@ -42,7 +42,9 @@ def mpi():
     try:
         from mpi4py import MPI
     except ImportError as error:
-        raise TrainingError(f"distributed='mpi' needs mpi4py and an MPI ({error}): pip install 'amp-rewrite[mpi]'") from None
+        raise TrainingError(
+            f"distributed='mpi' needs mpi4py and an MPI ({error}): pip install 'amp-rewrite[mpi]'"
+        ) from None
     return MPI
 
 
@@ -61,8 +63,10 @@ def install_abort_hook(comm=None) -> None:
     def abort(kind, error, traceback):
         if not issubclass(kind, AmpRewriteError):
             previous(kind, error, traceback)  # an unexpected error keeps its traceback
-        sys.stderr.write(f"amp-rewrite: rank {comm.Get_rank()} of {comm.Get_size()} failed: "
-                         f"{kind.__name__}: {error}; aborting all ranks\n")
+        sys.stderr.write(
+            f"amp-rewrite: rank {comm.Get_rank()} of {comm.Get_size()} failed: "
+            f"{kind.__name__}: {error}; aborting all ranks\n"
+        )
         sys.stderr.flush()
         # Abort kills every rank at once, and the launcher drops what it has not yet forwarded
         # from our stderr pipe: give it a moment, so the one line reaches the user on a busy machine.
@@ -88,9 +92,9 @@ def shard(data, rank: int | None = None, size: int | None = None):
         if len(lengths) != 1:
             raise TrainingError(f"shard: the arrays' first dimensions differ ({sorted(lengths)})")
         per_rank = lengths.pop() // size
-        return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in data.items()}
+        return {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in data.items()}
     items = list(data)
-    return items[rank:len(items) // size * size:size]
+    return items[rank : len(items) // size * size : size]
 
 
 def plan_buckets(sizes: dict[str, int], bucket_elements: int) -> list[list[str]]:
@@ -120,7 +124,7 @@ class GradientBuckets:
             flat = np.zeros(sum(sizes[n] for n in group) + (_TAIL if i == len(groups) - 1 else 0), np.float32)
             offset = 0
             for name in group:
-                self.views[name] = flat[offset:offset + sizes[name]].reshape(shapes[name])
+                self.views[name] = flat[offset : offset + sizes[name]].reshape(shapes[name])
                 offset += sizes[name]
             self.flat.append(flat)
         self.tail = self.flat[-1][-_TAIL:]
@@ -139,9 +143,20 @@ class MpiRunner:
     `timings` adds up the seconds spent in the gradient session, the Allreduce and the apply session.
     """
 
-    def __init__(self, step: StepGraph, initial: dict[str, np.ndarray], lr: float, provider: str, precision: str,
-                 loss: str, threads: int = 0, loss_reduction: str | None = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, device_id: int | None = None, comm=None):
+    def __init__(
+        self,
+        step: StepGraph,
+        initial: dict[str, np.ndarray],
+        lr: float,
+        provider: str,
+        precision: str,
+        loss: str,
+        threads: int = 0,
+        loss_reduction: str | None = None,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
+        device_id: int | None = None,
+        comm=None,
+    ):
         self.loss_reduction = _check_reduction(loss, loss_reduction)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise TrainingError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
@@ -181,7 +196,9 @@ class MpiRunner:
             self._grad_binding.bind_ortvalue_output(value.name, host[value.name])
         self._apply_binding = self._apply_session.io_binding()
         self.state.bind(self._apply_binding, feed_dtypes(split.apply), step.next_state)
-        host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(self._global_skipped)  # apply reads the global flag
+        host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(
+            self._global_skipped
+        )  # apply reads the global flag
         for name in feed_dtypes(split.apply):
             if name in host:
                 self._apply_binding.bind_ortvalue_input(name, host[name])
@@ -200,8 +217,10 @@ class MpiRunner:
         self.comm.Allgather(mine, everyone)
         differing = [r for r in range(self.size) if not np.array_equal(everyone[r], everyone[0])]
         if differing:
-            raise TrainingError(f"rank {differing[0]} built a different step graph than rank 0 (model, loss, optimizer, "
-                                "precision or trainer options differ): every rank must run the same training script")
+            raise TrainingError(
+                f"rank {differing[0]} built a different step graph than rank 0 (model, loss, optimizer, "
+                "precision or trainer options differ): every rank must run the same training script"
+            )
 
     def share_state(self) -> None:
         """Weights, optimizer slots, step count, loss-scale state and learning rate from rank 0."""
@@ -230,7 +249,11 @@ class MpiRunner:
         self._global_skipped[...] = tail[1] > 0
         self._apply_session.run_with_iobinding(self._apply_binding)
         applied = time.perf_counter()
-        for key, seconds in (("gradient", computed - started), ("allreduce", reduced - computed), ("apply", applied - reduced)):
+        for key, seconds in (
+            ("gradient", computed - started),
+            ("allreduce", reduced - computed),
+            ("apply", applied - reduced),
+        ):
             self.timings[key] += seconds
         return float(tail[0]), bool(self._global_skipped)
 
@@ -238,8 +261,10 @@ class MpiRunner:
         """Every rank must take as many steps, or the last ones wait for the others forever."""
         counts = self.comm.allgather(count)
         if len(set(counts)) > 1:
-            raise TrainingError(f"ranks got different numbers of batches ({', '.join(map(str, counts))}): "
-                                "each would wait for the others' last steps forever; deal them with shard()")
+            raise TrainingError(
+                f"ranks got different numbers of batches ({', '.join(map(str, counts))}): "
+                "each would wait for the others' last steps forever; deal them with shard()"
+            )
 
     def on_primary(self, action) -> None:
         """Run `action` on rank 0; a failure there is raised on every rank, so none waits alone."""
@@ -248,7 +273,11 @@ class MpiRunner:
             try:
                 action()
             except Exception as failure:  # re-raised below on every rank
-                error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, AmpRewriteError) else str(failure)
+                error = (
+                    f"{type(failure).__name__}: {failure}"
+                    if not isinstance(failure, AmpRewriteError)
+                    else str(failure)
+                )
         error = self.comm.bcast(error, root=0)
         if error is not None:
             raise TrainingError(error if self.rank == 0 else f"on rank 0: {error}") from None
@@ -261,5 +290,7 @@ def _check_reduction(loss: str, reduction: str | None) -> str:
     if reduction not in REDUCTIONS:
         raise TrainingError(f"loss_reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if loss in MEAN_LOSSES and reduction != "mean":
-        raise TrainingError(f"the built-in loss {loss!r} is a mean over samples: loss_reduction must be 'mean'")
+        raise TrainingError(
+            f"the built-in loss {loss!r} is a mean over samples: loss_reduction must be 'mean'"
+        )
     return reduction

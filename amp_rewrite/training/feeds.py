@@ -75,11 +75,18 @@ def ort_message(text: str) -> str:
 def run_failure(error: Exception, precision: str) -> TrainingError:
     """ONNX Runtime's failure of a step as one TrainingError line (advice for a refused kernel)."""
     line = ort_message(str(error)) or type(error).__name__
-    if any(refusal in str(error) for refusal in ("NOT_IMPLEMENTED", "Could not find an implementation",
-                                                  "data type is not supported")):
-        advice = ("use precision='float16', or a CUDA machine" if precision == "bfloat16"
-                  else "use precision='float32', or a CUDA machine")
-        return TrainingError(f"ONNX Runtime has no kernel for a node of the {precision} step graph ({line}): {advice}")
+    if any(
+        refusal in str(error)
+        for refusal in ("NOT_IMPLEMENTED", "Could not find an implementation", "data type is not supported")
+    ):
+        advice = (
+            "use precision='float16', or a CUDA machine"
+            if precision == "bfloat16"
+            else "use precision='float32', or a CUDA machine"
+        )
+        return TrainingError(
+            f"ONNX Runtime has no kernel for a node of the {precision} step graph ({line}): {advice}"
+        )
     return TrainingError(f"ONNX Runtime failed the step: {line}")
 
 
@@ -100,21 +107,29 @@ def _checked(name: str, feed, spec: Spec, sizes: dict) -> np.ndarray:
         raise TrainingError(f"feed {name!r} is not an array: {error}") from None
     got, needs = KINDS.get(array.dtype.kind, str(array.dtype)), KINDS.get(spec.dtype.kind)
     if got != needs:
-        raise TrainingError(f"feed {name!r}: got {_describe(array.dtype, array.shape)}, needs "
-                            f"{_describe(spec.dtype, spec.dims)} ({needs} values)")
+        raise TrainingError(
+            f"feed {name!r}: got {_describe(array.dtype, array.shape)}, needs "
+            f"{_describe(spec.dtype, spec.dims)} ({needs} values)"
+        )
     if spec.dims is not None:
         if array.ndim != len(spec.dims):
-            raise TrainingError(f"feed {name!r}: got {_describe(array.dtype, array.shape)}, needs "
-                                f"{_describe(spec.dtype, spec.dims)} (rank {len(spec.dims)})")
+            raise TrainingError(
+                f"feed {name!r}: got {_describe(array.dtype, array.shape)}, needs "
+                f"{_describe(spec.dtype, spec.dims)} (rank {len(spec.dims)})"
+            )
         for axis, (size, dim) in enumerate(zip(array.shape, spec.dims)):
             if isinstance(dim, int) and dim > 0 and size != dim:
-                raise TrainingError(f"feed {name!r}: got {_describe(array.dtype, array.shape)}, needs "
-                                    f"{_describe(spec.dtype, spec.dims)} (dim {axis} is fixed at {dim})")
+                raise TrainingError(
+                    f"feed {name!r}: got {_describe(array.dtype, array.shape)}, needs "
+                    f"{_describe(spec.dtype, spec.dims)} (dim {axis} is fixed at {dim})"
+                )
             if isinstance(dim, str) and dim not in UNNAMED:
                 first = sizes.setdefault(dim, (size, name))
                 if first[0] != size and first[1] != name:
-                    raise TrainingError(f"feed {name!r}: dim {axis} ({dim!r}) is {size}, but feed {first[1]!r} "
-                                        f"gave {dim!r} = {first[0]}")
+                    raise TrainingError(
+                        f"feed {name!r}: dim {axis} ({dim!r}) is {size}, but feed {first[1]!r} "
+                        f"gave {dim!r} = {first[0]}"
+                    )
     return np.ascontiguousarray(array, dtype=spec.dtype)
 
 

@@ -119,16 +119,24 @@ def _cpu_refuses(domain, op_type, opset, attributes, ins, outs, ranks) -> str | 
     node.output.extend(f"o{k}" if t else "" for k, t in enumerate(outs))
     for blob in attributes:
         node.attribute.add().ParseFromString(blob)
-    inputs = [helper.make_tensor_value_info(f"i{k}", t, [1] * r) for k, (t, r) in enumerate(zip(ins, ranks)) if t]
+    inputs = [
+        helper.make_tensor_value_info(f"i{k}", t, [1] * r) for k, (t, r) in enumerate(zip(ins, ranks)) if t
+    ]
     outputs = [helper.make_tensor_value_info(f"o{k}", t, None) for k, t in enumerate(outs) if t]
-    imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain not in ("", "ai.onnx") else [])
-    model = helper.make_model(helper.make_graph([node], "probe", inputs, outputs), opset_imports=imports, ir_version=8)
+    imports = [helper.make_opsetid("", opset)] + (
+        [helper.make_opsetid(domain, 1)] if domain not in ("", "ai.onnx") else []
+    )
+    model = helper.make_model(
+        helper.make_graph([node], "probe", inputs, outputs), opset_imports=imports, ir_version=8
+    )
     options = ort.SessionOptions()
     options.log_severity_level = 4
     try:
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        feeds = {v.name: np.zeros([1] * r, helper.tensor_dtype_to_np_dtype(t))
-                 for v, t, r in zip(inputs, [t for t in ins if t], [r for t, r in zip(ins, ranks) if t])}
+        feeds = {
+            v.name: np.zeros([1] * r, helper.tensor_dtype_to_np_dtype(t))
+            for v, t, r in zip(inputs, [t for t in ins if t], [r for t, r in zip(ins, ranks) if t])
+        }
         session.run(None, feeds)
     except Exception as error:  # noqa: BLE001 - ORT's errors are untyped
         text = str(error)
@@ -155,7 +163,9 @@ def _cuda_refuses(node: onnx.NodeProto, opset: int, ins, outs) -> str | None:
                 continue
             param = formals[min(k, len(formals) - 1)].type_str
             if param in row[2] and LOW[elem] not in row[2][param]:
-                return f"ONNX Runtime's CUDA provider has no {LOW[elem]} {node.op_type} kernel at opset {opset}"
+                return (
+                    f"ONNX Runtime's CUDA provider has no {LOW[elem]} {node.op_type} kernel at opset {opset}"
+                )
     return None
 
 
@@ -166,4 +176,4 @@ def _low_names(ins, outs) -> str:
 def _short(text: str) -> str:
     line = next((part for part in text.splitlines() if part.strip()), text)
     marker = line.find("Status Message: ")
-    return (line[marker + 16:] if marker >= 0 else line)[:200]
+    return (line[marker + 16 :] if marker >= 0 else line)[:200]

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from amp_rewrite.errors import TrainingError
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.errors import TrainingError
 
 SCALE_STATE = "scale/loss_scale"
 GOOD_STEPS_STATE = "scale/good_steps"
@@ -35,7 +35,9 @@ class DynamicLossScale:
         if not (0 < self.min_scale <= self.initial <= self.max_scale and math.isfinite(self.max_scale)):
             raise TrainingError("dynamic loss scale needs 0 < min_scale <= initial <= max_scale < inf")
         if self.growth_interval < 1 or self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
-            raise TrainingError("dynamic loss scale needs growth_interval >= 1, growth_factor > 1, 0 < backoff_factor < 1")
+            raise TrainingError(
+                "dynamic loss scale needs growth_interval >= 1, growth_factor > 1, 0 < backoff_factor < 1"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +74,17 @@ def emit_scale_update(e: Emitter, policy, all_finite: str) -> tuple[str, str]:
     counted = e.op("Add", [GOOD_STEPS_STATE, one_step], "counted_steps")
     zero_steps = e.const(0, np.int64, "zero_steps")
     if isinstance(policy, FixedLossScale):
-        return e.op("Identity", [SCALE_STATE], "next_scale"), e.where(all_finite, counted, zero_steps, "next_good_steps")
+        return e.op("Identity", [SCALE_STATE], "next_scale"), e.where(
+            all_finite, counted, zero_steps, "next_good_steps"
+        )
 
     interval = e.const(policy.growth_interval, np.int64, "growth_interval")
     grow = e.op("And", [all_finite, e.op("GreaterOrEqual", [counted, interval], "interval_reached")], "grow")
-    grown = e.op("Min", [e.op("Mul", [SCALE_STATE, e.const(policy.growth_factor)], "grown"), e.const(policy.max_scale)], "grown_capped")
+    grown = e.op(
+        "Min",
+        [e.op("Mul", [SCALE_STATE, e.const(policy.growth_factor)], "grown"), e.const(policy.max_scale)],
+        "grown_capped",
+    )
     backed_off = e.op("Mul", [SCALE_STATE, e.const(policy.backoff_factor)], "backed_off")
     backed_off = e.op("Max", [backed_off, e.const(policy.min_scale)], "backed_off_floored")
     finite_scale = e.where(grow, grown, SCALE_STATE, "finite_scale")

@@ -58,11 +58,15 @@ def check_labels(labels: np.ndarray, classes: int | None, loss: CrossEntropy) ->
         values = np.unique(bad)
         shown = ", ".join(str(v) for v in values[:5]) + (", ..." if values.size > 5 else "")
         span = f"[0, {classes})" if classes else "0 and up"
-        raise TrainingError(f"labels: {bad.size} of this batch's labels are outside {span} "
-                            f"(values {shown}); the ignore index is {loss.ignore_index}")
+        raise TrainingError(
+            f"labels: {bad.size} of this batch's labels are outside {span} "
+            f"(values {shown}); the ignore index is {loss.ignore_index}"
+        )
     if labels.size and not counted.size:
-        raise TrainingError(f"labels: every label of this batch is the ignore index {loss.ignore_index}: "
-                            "nothing to learn from (torch's cross_entropy gives nan)")
+        raise TrainingError(
+            f"labels: every label of this batch is the ignore index {loss.ignore_index}: "
+            "nothing to learn from (torch's cross_entropy gives nan)"
+        )
 
 
 def classes_of(model: onnx.ModelProto) -> int | None:
@@ -98,7 +102,9 @@ def attach_loss(model: onnx.ModelProto, loss, emitter: Emitter) -> tuple[str, li
 
 def _attach(graph: onnx.GraphProto, loss_name: str, extra_input) -> str:
     if extra_input is not None and extra_input.name in {i.name for i in graph.input}:
-        raise TrainingError(f"the model already has an input named {extra_input.name!r}, which the built-in loss feeds")
+        raise TrainingError(
+            f"the model already has an input named {extra_input.name!r}, which the built-in loss feeds"
+        )
     if extra_input is not None:
         graph.input.append(extra_input)
     del graph.output[:]
@@ -114,24 +120,56 @@ def _cross_entropy(graph: onnx.GraphProto, e: Emitter, loss: CrossEntropy) -> tu
     `label_smoothing` s the target is one-hot x (1 - s) + s / classes, as torch:
     -(1 - s) logits[label] - s / classes x sum(logits) + logsumexp(logits)."""
     logits = graph.output[0].name
-    counted = e.op("Not", [e.op("Equal", [LABELS_INPUT, e.const(loss.ignore_index, np.int64, "ignore_index")],
-                                "ignored")], "counted")
+    counted = e.op(
+        "Not",
+        [e.op("Equal", [LABELS_INPUT, e.const(loss.ignore_index, np.int64, "ignore_index")], "ignored")],
+        "counted",
+    )
     label = e.op("Where", [counted, LABELS_INPUT, e.const(0, np.int64, "zero_label")], "counted_label")
     last = e.const([-1], np.int64, "last_axis")
-    axis = len(graph.output[0].type.tensor_type.shape.dim) - 1  # the class axis (onnx.reference wants it >= 0)
-    picked = e.op("GatherElements", [logits, e.op("Unsqueeze", [label, last], "label_index")], "picked", axis=axis)
+    axis = (
+        len(graph.output[0].type.tensor_type.shape.dim) - 1
+    )  # the class axis (onnx.reference wants it >= 0)
+    picked = e.op(
+        "GatherElements", [logits, e.op("Unsqueeze", [label, last], "label_index")], "picked", axis=axis
+    )
     log_sum_exp = e.reduce("ReduceLogSumExp", logits, [-1], keepdims=1, hint="log_sum_exp")
     smooth = loss.label_smoothing
     if smooth:
-        classes = e.op("Cast", [e.op("Gather", [e.op("Shape", [logits], "logits_shape"), e.const(-1, np.int64, "last")],
-                                     "depth")], "classes", to=TensorProto.FLOAT)
-        spread = e.op("Mul", [e.reduce("ReduceSum", logits, [-1], keepdims=1, hint="logits_sum"),
-                              e.op("Div", [e.const(smooth), classes], "uniform")], "spread")
-        picked = e.op("Add", [e.op("Mul", [picked, e.const(1.0 - smooth)], "picked_share"), spread], "smoothed_picked")
-    per_sample = e.op("Squeeze", [e.op("Sub", [picked, log_sum_exp], "log_likelihood_kept"), last], "log_likelihood")
+        classes = e.op(
+            "Cast",
+            [
+                e.op(
+                    "Gather",
+                    [e.op("Shape", [logits], "logits_shape"), e.const(-1, np.int64, "last")],
+                    "depth",
+                )
+            ],
+            "classes",
+            to=TensorProto.FLOAT,
+        )
+        spread = e.op(
+            "Mul",
+            [
+                e.reduce("ReduceSum", logits, [-1], keepdims=1, hint="logits_sum"),
+                e.op("Div", [e.const(smooth), classes], "uniform"),
+            ],
+            "spread",
+        )
+        picked = e.op(
+            "Add", [e.op("Mul", [picked, e.const(1.0 - smooth)], "picked_share"), spread], "smoothed_picked"
+        )
+    per_sample = e.op(
+        "Squeeze", [e.op("Sub", [picked, log_sum_exp], "log_likelihood_kept"), last], "log_likelihood"
+    )
     weight = e.op("Cast", [counted], "counted_weight", to=TensorProto.FLOAT)
-    total = e.reduce("ReduceSum", e.op("Mul", [per_sample, weight], "counted_log_likelihood"), None, keepdims=0,
-                     hint="total_log_likelihood")
+    total = e.reduce(
+        "ReduceSum",
+        e.op("Mul", [per_sample, weight], "counted_log_likelihood"),
+        None,
+        keepdims=0,
+        hint="total_log_likelihood",
+    )
     count = e.reduce("ReduceSum", weight, None, keepdims=0, hint="count")
     mean = e.op("Div", [total, count], "mean_log_likelihood")
     return e.op("Neg", [mean], LOSS_OUTPUT), label
@@ -150,7 +188,9 @@ def _labels_input(graph: onnx.GraphProto):
     first = graph.output[0]
     _check_float(first, "cross_entropy")
     dims = list(first.type.tensor_type.shape.dim)[:-1]
-    return helper.make_tensor_value_info(LABELS_INPUT, TensorProto.INT64, [_dim(d, i) for i, d in enumerate(dims)])
+    return helper.make_tensor_value_info(
+        LABELS_INPUT, TensorProto.INT64, [_dim(d, i) for i, d in enumerate(dims)]
+    )
 
 
 def _targets_input(model: onnx.ModelProto):
@@ -184,7 +224,8 @@ def _computed_dims(model: onnx.ModelProto, output: onnx.ValueInfoProto) -> list 
 
 def _disagree(declared: list, computed: list) -> bool:
     return len(declared) != len(computed) or any(
-        isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(declared, computed))
+        isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(declared, computed)
+    )
 
 
 def _dim(d, index: int):

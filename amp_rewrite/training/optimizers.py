@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from amp_rewrite.errors import TrainingError
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.errors import TrainingError
 
 
 class Optimizer(abc.ABC):
@@ -28,8 +28,9 @@ class Optimizer(abc.ABC):
 
     slots: tuple[str, ...] = ()
 
-    def __init__(self, lr: float, weight_decay: float = 0.0, max_grad_norm: float | None = None,
-                 warmup_steps: int = 0):
+    def __init__(
+        self, lr: float, weight_decay: float = 0.0, max_grad_norm: float | None = None, warmup_steps: int = 0
+    ):
         _check_non_negative("lr", lr)
         _check_non_negative("weight_decay", weight_decay)
         if max_grad_norm is not None:
@@ -59,8 +60,15 @@ class Optimizer(abc.ABC):
 class SGD(Optimizer):
     """torch.optim.SGD: L2 weight decay added to the gradient, heavy-ball or Nesterov momentum."""
 
-    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
-                 max_grad_norm: float | None = None, warmup_steps: int = 0):
+    def __init__(
+        self,
+        lr: float,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        warmup_steps: int = 0,
+    ):
         super().__init__(lr, weight_decay, max_grad_norm, warmup_steps)
         _check_fraction("momentum", momentum)
         if nesterov and momentum == 0:
@@ -93,8 +101,15 @@ class Adam(Optimizer):
 
     slots = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, max_grad_norm: float | None = None, warmup_steps: int = 0):
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        warmup_steps: int = 0,
+    ):
         super().__init__(lr, weight_decay, max_grad_norm, warmup_steps)
         _check_fraction("betas[0]", betas[0])
         _check_fraction("betas[1]", betas[1])
@@ -110,13 +125,22 @@ class Adam(Optimizer):
 class AdamW(Adam):
     """torch.optim.AdamW: decoupled weight decay (w *= 1 - lr*wd) before the Adam update."""
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, max_grad_norm: float | None = None, warmup_steps: int = 0):
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        max_grad_norm: float | None = None,
+        warmup_steps: int = 0,
+    ):
         super().__init__(lr, betas, eps, weight_decay, max_grad_norm, warmup_steps)
 
     def emit_update(self, e, weight, grad, slots, lr, step):
         if self.weight_decay:
-            keep = e.op("Sub", [e.const(1.0), e.op("Mul", [lr, e.const(self.weight_decay)], "lr_wd")], "decay_keep")
+            keep = e.op(
+                "Sub", [e.const(1.0), e.op("Mul", [lr, e.const(self.weight_decay)], "lr_wd")], "decay_keep"
+            )
             weight = e.op("Mul", [weight, keep], "decayed_weight")
         return _adam_update(e, weight, grad, slots, lr, step, self.betas, self.eps)
 
@@ -124,15 +148,31 @@ class AdamW(Adam):
 def _adam_update(e: Emitter, weight, grad, slots, lr, step, betas, eps):
     """m, v moments, then w - lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps), as torch computes it."""
     b1, b2 = betas
-    exp_avg = e.op("Add", [e.op("Mul", [slots["exp_avg"], e.const(b1)], "m_decayed"),
-                           e.op("Mul", [grad, e.const(1 - b1)], "m_new_part")], "exp_avg")
+    exp_avg = e.op(
+        "Add",
+        [
+            e.op("Mul", [slots["exp_avg"], e.const(b1)], "m_decayed"),
+            e.op("Mul", [grad, e.const(1 - b1)], "m_new_part"),
+        ],
+        "exp_avg",
+    )
     grad_sq = e.op("Mul", [grad, grad], "grad_sq")
-    exp_avg_sq = e.op("Add", [e.op("Mul", [slots["exp_avg_sq"], e.const(b2)], "v_decayed"),
-                              e.op("Mul", [grad_sq, e.const(1 - b2)], "v_new_part")], "exp_avg_sq")
+    exp_avg_sq = e.op(
+        "Add",
+        [
+            e.op("Mul", [slots["exp_avg_sq"], e.const(b2)], "v_decayed"),
+            e.op("Mul", [grad_sq, e.const(1 - b2)], "v_new_part"),
+        ],
+        "exp_avg_sq",
+    )
     correction1 = e.op("Sub", [e.const(1.0), e.op("Pow", [e.const(b1), step], "b1_pow")], "bias_correction1")
     correction2 = e.op("Sub", [e.const(1.0), e.op("Pow", [e.const(b2), step], "b2_pow")], "bias_correction2")
     step_size = e.op("Div", [lr, correction1], "step_size")
-    denom = e.op("Div", [e.op("Sqrt", [exp_avg_sq], "v_sqrt"), e.op("Sqrt", [correction2], "correction2_sqrt")], "v_hat_sqrt")
+    denom = e.op(
+        "Div",
+        [e.op("Sqrt", [exp_avg_sq], "v_sqrt"), e.op("Sqrt", [correction2], "correction2_sqrt")],
+        "v_hat_sqrt",
+    )
     denom = e.op("Add", [denom, e.const(eps)], "denom")
     delta = e.op("Mul", [e.op("Div", [exp_avg, denom], "direction"), step_size], "delta")
     return e.op("Sub", [weight, delta], "weight"), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -149,7 +189,9 @@ def emit_clip_by_global_norm(e: Emitter, grads: list[str], max_norm: float) -> l
     squares = [e.reduce("ReduceSumSquare", g, None, keepdims=0, hint="grad_sq_sum") for g in grads]
     total = squares[0] if len(squares) == 1 else e.op("Sum", squares, "grad_sq_total")
     norm = e.op("Sqrt", [total], "grad_norm")
-    coefficient = e.op("Div", [e.const(max_norm), e.op("Add", [norm, e.const(1e-6)], "grad_norm_eps")], "clip_ratio")
+    coefficient = e.op(
+        "Div", [e.const(max_norm), e.op("Add", [norm, e.const(1e-6)], "grad_norm_eps")], "clip_ratio"
+    )
     coefficient = e.op("Min", [coefficient, e.const(1.0)], "clip_coefficient")
     return [e.op("Mul", [g, coefficient], "clipped_grad") for g in grads]
 

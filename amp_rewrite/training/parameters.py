@@ -81,7 +81,9 @@ def select(params: Parameters, available: list[str], trainable=None, frozen=None
 def summary(names: list[str], sizes: dict[str, int], frozen: int) -> str:
     """ "24 tensors, 1.2 M parameters; 12 constants frozen" """
     count = sum(sizes.get(n, 0) for n in names)
-    amount = f"{count / 1e6:.1f} M" if count >= 1e5 else f"{count / 1e3:.1f} k" if count >= 1e3 else str(count)
+    amount = (
+        f"{count / 1e6:.1f} M" if count >= 1e5 else f"{count / 1e3:.1f} k" if count >= 1e3 else str(count)
+    )
     return f"training {len(names)} tensors, {amount} parameters; {frozen} constants frozen"
 
 
@@ -124,7 +126,9 @@ def _walk(graph: onnx.GraphProto, data: set[str]):
         for body in bodies:
             data.update(i.name for i in body.input)
             yield from _walk(body, data)
-        reads_data = any(n in data for n in node.input) or any(o.name in data for b in bodies for o in b.output)
+        reads_data = any(n in data for n in node.input) or any(
+            o.name in data for b in bodies for o in b.output
+        )
         if node.op_type not in SHAPE_ONLY_OPS and reads_data:
             data.update(o for o in node.output if o)
         yield node
@@ -183,8 +187,12 @@ def _quantized_source(name: str, producer: dict) -> tuple[str, ...]:
 def _integer_weights(graph: onnx.GraphProto, data: set[str]) -> set[str]:
     """Constant weights of the integer ops (ConvInteger, MatMulInteger, DynamicQuantizeLSTM, ...)."""
     slots = {op: tuple(s) for op, s in _SLOTS["integer_weight_slots"].items()}
-    return {node.input[s] for node in graph.node for s in slots.get(node.op_type, ())
-            if s < len(node.input) and node.input[s] and node.input[s] not in data}
+    return {
+        node.input[s]
+        for node in graph.node
+        for s in slots.get(node.op_type, ())
+        if s < len(node.input) and node.input[s] and node.input[s] not in data
+    }
 
 
 def _left_out(quantized: set[str]) -> str:
@@ -193,8 +201,10 @@ def _left_out(quantized: set[str]) -> str:
         return ""
     names = sorted(quantized)
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return (f"left out {len(names)} quantized weights ({', '.join(names[:3])}{more}): integer weights cannot be "
-            "trained; fine-tune the float model and quantize after")
+    return (
+        f"left out {len(names)} quantized weights ({', '.join(names[:3])}{more}): integer weights cannot be "
+        "trained; fine-tune the float model and quantize after"
+    )
 
 
 def _is_parameter(tensor: onnx.TensorProto, op_type: str) -> bool:

@@ -48,8 +48,10 @@ def _convert_opset(model: onnx.ModelProto, say) -> onnx.ModelProto:
     try:
         converted = onnx.version_converter.convert_version(model, CONVERT_TO)
     except Exception as error:  # the converter raises RuntimeError/IndexError/... per adapter
-        raise TrainingError(f"cannot convert opset {opset} to {CONVERT_TO} for autodiff: "
-                            f"{_blocking_op(model, opset)}{_first_line(error)}") from None
+        raise TrainingError(
+            f"cannot convert opset {opset} to {CONVERT_TO} for autodiff: "
+            f"{_blocking_op(model, opset)}{_first_line(error)}"
+        ) from None
     converted.ir_version = max(model.ir_version, min(converted.ir_version, 8))
     say(f"amp-rewrite: converted the model from opset {opset} to {CONVERT_TO} (autodiff needs {MIN_OPSET}+)")
     return converted
@@ -58,18 +60,33 @@ def _convert_opset(model: onnx.ModelProto, say) -> onnx.ModelProto:
 def _blocking_op(model: onnx.ModelProto, opset: int) -> str:
     """'op X (node 'n') blocked it: ' for the first node that does not convert on its own, else ''."""
     types = {v.name: v.type for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)}
-    types.update({t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in model.graph.initializer})
+    types.update(
+        {t.name: helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in model.graph.initializer}
+    )
     tried = set()
     for node in model.graph.node:
         if node.op_type in tried or node.domain not in ("", "ai.onnx"):
             continue
         tried.add(node.op_type)
-        inputs = [helper.make_value_info(n, types.get(n, helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None)))
-                  for n in node.input if n]
-        outputs = [helper.make_value_info(n, types.get(n, helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None)))
-                   for n in node.output if n]
-        single = helper.make_model(helper.make_graph([node], "probe", inputs, outputs),
-                                   opset_imports=[helper.make_opsetid("", opset)], ir_version=model.ir_version)
+        inputs = [
+            helper.make_value_info(
+                n, types.get(n, helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None))
+            )
+            for n in node.input
+            if n
+        ]
+        outputs = [
+            helper.make_value_info(
+                n, types.get(n, helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None))
+            )
+            for n in node.output
+            if n
+        ]
+        single = helper.make_model(
+            helper.make_graph([node], "probe", inputs, outputs),
+            opset_imports=[helper.make_opsetid("", opset)],
+            ir_version=model.ir_version,
+        )
         try:
             onnx.version_converter.convert_version(single, CONVERT_TO)
         except Exception:  # noqa: BLE001 - this node is the one that blocks

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper
 import onnxruntime as ort
+from onnx import helper
 
 from amp_rewrite import ir
 from amp_rewrite.deployment import Deployment
@@ -35,7 +35,9 @@ def deployment_for(provider: str) -> Deployment:
         raise TrainingError(f"provider: {error}") from None
 
 
-def open_step_session(model: onnx.ModelProto, provider: str, precision: str, device_id: int = 0, threads: int = 0):
+def open_step_session(
+    model: onnx.ModelProto, provider: str, precision: str, device_id: int = 0, threads: int = 0
+):
     """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error.
     `threads`: CPU intra-op threads (0: ONNX Runtime's default). ONNX Runtime's memory pattern is
     off: it plans one block for every intermediate of the step, which on a BERT 4Lx256H at batch 16
@@ -43,8 +45,14 @@ def open_step_session(model: onnx.ModelProto, provider: str, precision: str, dev
     device = deployment_for(provider).device
     try:
         options = session_options(intra_op_num_threads=threads, enable_mem_pattern=False)
-        session, used = open_session(model.SerializeToString(), device, options=options, device_id=device_id,
-                                     error=TrainingError, what="the step graph")
+        session, used = open_session(
+            model.SerializeToString(),
+            device,
+            options=options,
+            device_id=device_id,
+            error=TrainingError,
+            what="the step graph",
+        )
         if provider == "cuda" and used != CUDA:
             raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
         return session, "cuda" if used == CUDA else "cpu"
@@ -52,8 +60,10 @@ def open_step_session(model: onnx.ModelProto, provider: str, precision: str, dev
         text = ort_message(str(error))
         if precision != "bfloat16":
             raise TrainingError(text) from None
-        raise TrainingError(f"{text} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
-                            "use the CUDA provider or float16)") from None
+        raise TrainingError(
+            f"{text} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
+            "use the CUDA provider or float16)"
+        ) from None
 
 
 def feed_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
@@ -70,7 +80,9 @@ class DeviceState:
         self.lr = self._new(np.array(lr, np.float32))
 
     def _new(self, array: np.ndarray) -> ort.OrtValue:
-        value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype, self.device, self.device_id)
+        value = ort.OrtValue.ortvalue_from_shape_and_type(
+            list(array.shape), array.dtype, self.device, self.device_id
+        )
         value.update_inplace(np.ascontiguousarray(array))
         return value
 
@@ -78,8 +90,10 @@ class DeviceState:
         return np.array(self.values[name].numpy(), copy=True)
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        return {name: (tuple(v.shape()), np.dtype(helper.tensor_dtype_to_np_dtype(v.element_type())))
-                for name, v in self.values.items()}
+        return {
+            name: (tuple(v.shape()), np.dtype(helper.tensor_dtype_to_np_dtype(v.element_type())))
+            for name, v in self.values.items()
+        }
 
     def write(self, state: dict[str, np.ndarray]) -> None:
         for name, value in state.items():
@@ -101,8 +115,15 @@ class SessionRunner:
 
     primary = True
 
-    def __init__(self, step: StepGraph, initial: dict[str, np.ndarray], lr: float, provider: str, precision: str,
-                 threads: int = 0):
+    def __init__(
+        self,
+        step: StepGraph,
+        initial: dict[str, np.ndarray],
+        lr: float,
+        provider: str,
+        precision: str,
+        threads: int = 0,
+    ):
         check_in_place(step.model, step.next_state)
         self.session, self.device = open_step_session(step.model, provider, precision, threads=threads)
         self.feed_types = feed_dtypes(step.model)
@@ -144,7 +165,9 @@ def check_in_place(model: onnx.ModelProto, next_state: dict[str, str]) -> None:
 def _check_graph(graph: onnx.GraphProto, next_state: dict[str, str]) -> None:
     producers = ir.producer_nodes(graph.node)
     readers: dict[str, list] = {}
-    live = _ancestors(producers, [o.name for o in graph.output], stop=set())  # a dead reader reads nothing used
+    live = _ancestors(
+        producers, [o.name for o in graph.output], stop=set()
+    )  # a dead reader reads nothing used
     for node in live.values():
         for name in set(reads(node)):
             if name in next_state:
@@ -154,11 +177,15 @@ def _check_graph(graph: onnx.GraphProto, next_state: dict[str, str]) -> None:
         if _identity_of(producers, out) == state:  # written back unchanged (a fixed loss scale)
             continue
         writer_chain = _ancestors(producers, [out], stop=before_flag)
-        gated = any(id(producers.get(name)) in before_flag for node in writer_chain.values() for name in node.input)
+        gated = any(
+            id(producers.get(name)) in before_flag for node in writer_chain.values() for name in node.input
+        )
         for reader in readers.get(state, ()):
             if id(reader) in writer_chain or (gated and id(reader) in before_flag):
                 continue
-            raise RuntimeError(f"step graph node {reader.name!r} reads state {state!r} but does not run before its update")
+            raise RuntimeError(
+                f"step graph node {reader.name!r} reads state {state!r} but does not run before its update"
+            )
     writers = {id(producers[out]): producers[out] for out in next_state.values() if out in producers}
     for writer in writers.values():
         for attribute in writer.attribute:
@@ -166,7 +193,6 @@ def _check_graph(graph: onnx.GraphProto, next_state: dict[str, str]) -> None:
                 branch = attribute.g
                 outputs = dict(zip(writer.output, (o.name for o in branch.output)))
                 _check_graph(branch, {s: outputs[o] for s, o in next_state.items() if o in outputs})
-
 
 
 def _identity_of(producers: dict, name: str) -> str:

@@ -23,7 +23,9 @@ SHOWN = 6
 log = logging.getLogger("amp_rewrite.training")
 
 
-def diagnostic_model(model: onnx.ModelProto, loss: str, gradients: dict[str, str]) -> tuple[onnx.ModelProto, dict]:
+def diagnostic_model(
+    model: onnx.ModelProto, loss: str, gradients: dict[str, str]
+) -> tuple[onnx.ModelProto, dict]:
     """The step model plus a float32 scalar output `diag/<i>` = sum of each gradient; {output: weight}."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -31,17 +33,23 @@ def diagnostic_model(model: onnx.ModelProto, loss: str, gradients: dict[str, str
     probes = {}
     for i, (weight, grad) in enumerate([("the loss", loss), *gradients.items()]):
         cast, total = f"diag/{i}/float", f"diag/{i}"
-        graph.node.append(helper.make_node("Cast", [grad], [cast], name=f"diag/{i}/cast", to=TensorProto.FLOAT))
+        graph.node.append(
+            helper.make_node("Cast", [grad], [cast], name=f"diag/{i}/cast", to=TensorProto.FLOAT)
+        )
         graph.node.append(helper.make_node("ReduceSum", [cast], [total], name=f"diag/{i}/sum", keepdims=0))
         graph.output.append(helper.make_tensor_value_info(total, TensorProto.FLOAT, []))
         probes[total] = weight
     return out, probes
 
 
-def nonfinite_tensors(model: onnx.ModelProto, loss: str, gradients: dict[str, str], feeds: dict, device: str) -> list[str]:
+def nonfinite_tensors(
+    model: onnx.ModelProto, loss: str, gradients: dict[str, str], feeds: dict, device: str
+) -> list[str]:
     """The weights (or 'the loss') whose gradient is not finite for `feeds` (state, lr and batch)."""
     diagnostic, probes = diagnostic_model(model, loss, gradients)
-    session, _ = open_session(diagnostic.SerializeToString(), device, error=TrainingError, what="the diagnostic step")
+    session, _ = open_session(
+        diagnostic.SerializeToString(), device, error=TrainingError, what="the diagnostic step"
+    )
     names = [i.name for i in session.get_inputs()]
     values = session.run(list(probes), {n: feeds[n] for n in names})
     return [probes[out] for out, value in zip(probes, values) if not np.isfinite(value)]
@@ -49,9 +57,15 @@ def nonfinite_tensors(model: onnx.ModelProto, loss: str, gradients: dict[str, st
 
 def warning_text(skipped: int, bad: list[str]) -> str:
     if not bad:
-        return (f"amp-rewrite: {skipped} steps in a row skipped, but a diagnostic run found every gradient "
-                "finite (the overflow depends on the loss scale or the batch)")
+        return (
+            f"amp-rewrite: {skipped} steps in a row skipped, but a diagnostic run found every gradient "
+            "finite (the overflow depends on the loss scale or the batch)"
+        )
     shown = ", ".join(repr(b) if b != "the loss" else b for b in bad[:SHOWN])
     more = f" and {len(bad) - SHOWN} more" if len(bad) > SHOWN else ""
-    hint = "" if bad == ["the loss"] else " (freeze them with Trainer(frozen=[...]) if they are not parameters)"
-    return f"amp-rewrite: {skipped} steps in a row skipped: the gradients of {shown}{more} are not finite{hint}"
+    hint = (
+        "" if bad == ["the loss"] else " (freeze them with Trainer(frozen=[...]) if they are not parameters)"
+    )
+    return (
+        f"amp-rewrite: {skipped} steps in a row skipped: the gradients of {shown}{more} are not finite{hint}"
+    )

@@ -45,19 +45,30 @@ def split_step_graph(step: StepGraph, loss_share: float = 1.0) -> SplitStep:
     producers = ir.producers(n.output for n in graph.node)
     missing = [g for g in [*grads.values(), SKIPPED_OUTPUT] if g not in producers]
     if missing:
-        raise RuntimeError(f"step graph has no tensor {missing[0]!r} to split at")  # our own bug, not the user's
-    gradient_nodes = _ancestors(graph, producers, [step.loss_output, *grads.values(), SKIPPED_OUTPUT], stop=set())
-    apply_nodes = _ancestors(graph, producers, list(step.next_state.values()), stop={*grads.values(), SKIPPED_OUTPUT})
+        raise RuntimeError(
+            f"step graph has no tensor {missing[0]!r} to split at"
+        )  # our own bug, not the user's
+    gradient_nodes = _ancestors(
+        graph, producers, [step.loss_output, *grads.values(), SKIPPED_OUTPUT], stop=set()
+    )
+    apply_nodes = _ancestors(
+        graph, producers, list(step.next_state.values()), stop={*grads.values(), SKIPPED_OUTPUT}
+    )
     if gradient_nodes & apply_nodes:
         shared = graph.node[min(gradient_nodes & apply_nodes)].name
         raise RuntimeError(f"step graph node {shared!r} is needed on both sides of the split")
 
     declared = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
     weight_shapes = {w: declared[w] for w in step.weights}  # state inputs are declared with full shapes
-    grad_infos = [helper.make_tensor_value_info(grads[w], TensorProto.FLOAT, list(weight_shapes[w])) for w in step.weights]
+    grad_infos = [
+        helper.make_tensor_value_info(grads[w], TensorProto.FLOAT, list(weight_shapes[w]))
+        for w in step.weights
+    ]
     skipped_info = helper.make_tensor_value_info(SKIPPED_OUTPUT, TensorProto.BOOL, [])
     loss_info = next(o for o in graph.output if o.name == step.loss_output)
-    gradient = _part(step.model, gradient_nodes, extra_inputs=[], outputs=[loss_info, *grad_infos, skipped_info])
+    gradient = _part(
+        step.model, gradient_nodes, extra_inputs=[], outputs=[loss_info, *grad_infos, skipped_info]
+    )
     if loss_share != 1.0:
         _prescale_seed(gradient.graph, loss_share)
     next_infos = [o for o in graph.output if o.name in set(step.next_state.values())]
@@ -67,8 +78,9 @@ def split_step_graph(step: StepGraph, loss_share: float = 1.0) -> SplitStep:
     return SplitStep(gradient, apply, grads)
 
 
-
-def _ancestors(graph: onnx.GraphProto, producers: dict[str, int], targets: list[str], stop: set[str]) -> set[int]:
+def _ancestors(
+    graph: onnx.GraphProto, producers: dict[str, int], targets: list[str], stop: set[str]
+) -> set[int]:
     """Indices of the nodes `targets` depend on, not looking past the tensors in `stop`."""
     seen: set[int] = set()
     pending = [t for t in targets if t not in stop]
@@ -88,7 +100,8 @@ def _part(model: onnx.ModelProto, nodes: set[int], extra_inputs: list, outputs: 
     read = {name for n in chosen for name in reads(n)}
     read |= {o.name for o in outputs}  # an output may be an input passed through
     part = helper.make_graph(
-        chosen, graph.name,
+        chosen,
+        graph.name,
         [i for i in graph.input if i.name in read] + extra_inputs,
         outputs,
         [t for t in graph.initializer if t.name in read],
@@ -106,4 +119,7 @@ def _prescale_seed(graph: onnx.GraphProto, share: float) -> None:
         if INVERSE_SCALE not in node.output:
             node.input[:] = [REPLICA_SEED if name == SCALE_STATE else name for name in node.input]
     graph.initializer.append(numpy_helper.from_array(np.array(share, np.float32), REPLICA_SHARE))
-    graph.node.insert(0, helper.make_node("Mul", [SCALE_STATE, REPLICA_SHARE], [REPLICA_SEED], name="scale/Mul:replica_seed"))
+    graph.node.insert(
+        0,
+        helper.make_node("Mul", [SCALE_STATE, REPLICA_SHARE], [REPLICA_SEED], name="scale/Mul:replica_seed"),
+    )

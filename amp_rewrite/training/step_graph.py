@@ -39,7 +39,13 @@ UNSCALED_PREFIX = "scale/unscaled/"  # + weight name: the unscaled gradient (dat
 FLOAT32_REGIONS = (r"loss/.*", r"grad/loss/.*", r"grad/seed.*", r"scale/.*", r"opt/.*")
 # The step's parts, declared in its metadata for the report's picture (report.regions): the first
 # prefix a node's name starts with decides.
-PARTS = (("grad/", "backward"), ("opt/", "optimizer"), ("scale/", "loss scale"), ("loss/", "loss"), ("", "forward"))
+PARTS = (
+    ("grad/", "backward"),
+    ("opt/", "optimizer"),
+    ("scale/", "loss scale"),
+    ("loss/", "loss"),
+    ("", "forward"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +62,15 @@ class StepGraph:
     report: object = None  # the mixed-precision rewrite's report (None in float32)
 
 
-def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, loss_scale,
-                     trainable: list[str] | None = None, gradient_builder=None, recompute=None) -> StepGraph:
+def build_step_graph(
+    model: onnx.ModelProto,
+    loss: str,
+    optimizer: Optimizer,
+    loss_scale,
+    trainable: list[str] | None = None,
+    gradient_builder=None,
+    recompute=None,
+) -> StepGraph:
     """The float32 step graph for `model` trained on `loss` with `optimizer` and a loss-scale policy;
     `recompute` is passed to the gradient builder (see `amp_rewrite.autodiff.recompute`)."""
     forward = onnx.ModelProto()
@@ -72,8 +85,14 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
 
     build = gradient_builder or _autodiff_builder()
     extra = {} if recompute is None else {"recompute": recompute}
-    with_grads = build(forward, loss_name, list(trainable) if trainable else None, grad_output=SCALE_STATE,
-                       stop_gradients=loss_constants, **extra)
+    with_grads = build(
+        forward,
+        loss_name,
+        list(trainable) if trainable else None,
+        grad_output=SCALE_STATE,
+        stop_gradients=loss_constants,
+        **extra,
+    )
     grads = _gradient_outputs(with_grads, loss_name)
     if not grads:
         raise TrainingError(_unreachable(forward, loss, loss_name, trainable, loss_constants))
@@ -89,7 +108,9 @@ def build_step_graph(model: onnx.ModelProto, loss: str, optimizer: Optimizer, lo
     graph.node.extend(nodes)
     graph.initializer.extend(initializers)
     _ensure_scale_input(graph)
-    graph.input.extend(_value_infos(state_inputs, initial_weights, optimizer, exclude={i.name for i in graph.input}))
+    graph.input.extend(
+        _value_infos(state_inputs, initial_weights, optimizer, exclude={i.name for i in graph.input})
+    )
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(loss_name, TensorProto.FLOAT, []))
     graph.output.append(helper.make_tensor_value_info(SKIPPED_OUTPUT, TensorProto.BOOL, []))
@@ -122,8 +143,10 @@ def _unreachable(forward: onnx.ModelProto, loss: str, loss_name: str, trainable,
     if not cuts:
         return f"the loss {loss!r} depends on no float initializer: nothing to train"
     more = f" (and {len(cuts) - 5} more)" if len(cuts) > 5 else ""
-    return (f"the loss {loss!r} reaches the weights only through ops that pass no gradient: "
-            f"{'; '.join(cuts[:5])}{more}")
+    return (
+        f"the loss {loss!r} reaches the weights only through ops that pass no gradient: "
+        f"{'; '.join(cuts[:5])}{more}"
+    )
 
 
 def slot_name(weight: str, slot: str) -> str:
@@ -146,12 +169,17 @@ def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, g
         unscaled = emit_clip_by_global_norm(body, unscaled, optimizer.max_grad_norm)
     next_step = body.op("Add", [STEP_STATE, body.const(1, np.int64, "one")], "next_step")
     step_float = body.op("Cast", [next_step], "step_float", to=TensorProto.FLOAT)
-    lr = emit_warmup(body, LR_INPUT, step_float, optimizer.warmup_steps) if optimizer.warmup_steps else LR_INPUT
+    lr = (
+        emit_warmup(body, LR_INPUT, step_float, optimizer.warmup_steps)
+        if optimizer.warmup_steps
+        else LR_INPUT
+    )
     updated = {}
     for (weight, _), grad in zip(grads.items(), unscaled):
         slots = {s: slot_name(weight, s) for s in optimizer.slots}
-        new_weight, new_slots = optimizer.emit_update(body.scoped(f"opt/{weight}/"), weight, grad, slots, lr,
-                                                      step_float)
+        new_weight, new_slots = optimizer.emit_update(
+            body.scoped(f"opt/{weight}/"), weight, grad, slots, lr, step_float
+        )
         updated[weight] = new_weight
         updated.update({slots[slot]: new_value for slot, new_value in new_slots.items()})
     updated[STEP_STATE] = next_step
@@ -173,15 +201,33 @@ def _emit_gated(e: Emitter, all_finite: str, updated: dict[str, str], update_nod
             new = _append(update_nodes, "Identity", [new], e.fresh(f"{state}/updated"), e)
         then_outputs.append(new)
     kept_nodes = []
-    kept_outputs = [_append(kept_nodes, "Identity", [state], e.fresh(f"{state}/kept"), e) for state in updated]
+    kept_outputs = [
+        _append(kept_nodes, "Identity", [state], e.fresh(f"{state}/kept"), e) for state in updated
+    ]
     types = [TensorProto.INT64 if state == STEP_STATE else TensorProto.FLOAT for state in updated]
-    then_branch = helper.make_graph(update_nodes, "opt/update", [],
-                                    [helper.make_tensor_value_info(n, t, None) for n, t in zip(then_outputs, types)])
-    else_branch = helper.make_graph(kept_nodes, "opt/skip", [],
-                                    [helper.make_tensor_value_info(n, t, None) for n, t in zip(kept_outputs, types)])
+    then_branch = helper.make_graph(
+        update_nodes,
+        "opt/update",
+        [],
+        [helper.make_tensor_value_info(n, t, None) for n, t in zip(then_outputs, types)],
+    )
+    else_branch = helper.make_graph(
+        kept_nodes,
+        "opt/skip",
+        [],
+        [helper.make_tensor_value_info(n, t, None) for n, t in zip(kept_outputs, types)],
+    )
     outputs = [e.claim(f"{state}/next") for state in updated]
-    e.nodes.append(helper.make_node("If", [all_finite], outputs, name=e.fresh("opt/If"), then_branch=then_branch,
-                                    else_branch=else_branch))
+    e.nodes.append(
+        helper.make_node(
+            "If",
+            [all_finite],
+            outputs,
+            name=e.fresh("opt/If"),
+            then_branch=then_branch,
+            else_branch=else_branch,
+        )
+    )
     return dict(zip(updated, outputs))
 
 
@@ -220,7 +266,9 @@ def _take_initializers_as_inputs(model: onnx.ModelProto, names: tuple[str, ...])
         if tensor.name in wanted:
             array = numpy_helper.to_array(tensor)
             if array.dtype != np.float32:
-                raise TrainingError(f"trainable weight {tensor.name!r} is {array.dtype}, master weights must be float32")
+                raise TrainingError(
+                    f"trainable weight {tensor.name!r} is {array.dtype}, master weights must be float32"
+                )
             values[tensor.name] = np.array(array, np.float32)
         else:
             kept.append(tensor)
@@ -260,7 +308,9 @@ def _reject_existing_loss_scaling(names: set[str]) -> None:
     """A model that already scales its loss would be scaled twice; say so instead."""
     clash = sorted(n for n in names if n.startswith(("scale/", "opt/")))
     if clash:
-        raise TrainingError(f"model already has loss-scaling/optimizer tensors ({clash[0]!r}): train the plain model")
+        raise TrainingError(
+            f"model already has loss-scaling/optimizer tensors ({clash[0]!r}): train the plain model"
+        )
 
 
 def _autodiff_builder():
@@ -285,15 +335,21 @@ def apply_precision(step: StepGraph, precision: str, device: str = "cpu") -> Ste
     result = rewrite(step.model, precision_options(precision, forced, device, copies(step.model)))
     missed = refused_nodes(result.model, device) if device == "cpu" else {}
     if missed:  # a refusal the probe of the float32 graph did not foresee (none known): rewrite once more
-        result = rewrite(step.model, precision_options(precision, forced | missed, device, copies(step.model)))
+        result = rewrite(
+            step.model, precision_options(precision, forced | missed, device, copies(step.model))
+        )
     section = report_section(step.model)
     if section:
         result.report.sections["recompute"] = section
     return dataclasses.replace(step, model=result.model, report=result.report)
 
 
-def precision_options(precision: str, force_fp32: dict[str, str] | None = None, device: str = "cpu",
-                      colour_as: dict[str, str] | None = None):
+def precision_options(
+    precision: str,
+    force_fp32: dict[str, str] | None = None,
+    device: str = "cpu",
+    colour_as: dict[str, str] | None = None,
+):
     """The rewrite options of a step graph on `device`: the training region pinned float32, the
     target's training lists (op_lists/training_<target>.yaml, where shipped) over its inference
     lists, `force_fp32` ({node: reason}) kept float32, `colour_as` ({node: node}) coloured alike.
@@ -307,6 +363,12 @@ def precision_options(precision: str, force_fp32: dict[str, str] | None = None, 
         training_lists = (shipped_path(f"training_{precision}.yaml"),)
     except OpListError:  # no training-only entries for this target
         training_lists = ()
-    return RewriteOptions.of(target=precision, keep_io_types=True, keep_fp32_nodes=FLOAT32_REGIONS,
-                             force_fp32=force_fp32, op_lists=training_lists, colour_as=colour_as,
-                             provider="cuda" if device == "cuda" else "any")
+    return RewriteOptions.of(
+        target=precision,
+        keep_io_types=True,
+        keep_fp32_nodes=FLOAT32_REGIONS,
+        force_fp32=force_fp32,
+        op_lists=training_lists,
+        colour_as=colour_as,
+        provider="cuda" if device == "cuda" else "any",
+    )

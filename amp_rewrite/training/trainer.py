@@ -70,11 +70,24 @@ class Trainer:
     the forward tensors kept for it.
     """
 
-    def __init__(self, model, loss="cross_entropy", optimizer: Optimizer = DEFAULT_OPTIMIZER,
-                 loss_scale="auto", precision: str = "float16", provider: str = "auto",
-                 on_nonfinite: str = "skip", trainable: list[str] | None = None, gradient_builder=None,
-                 distributed: str | None = None, frozen: list[str] | None = None, verbose: bool = True,
-                 recompute=None, threads: int = 0, **distributed_options):
+    def __init__(
+        self,
+        model,
+        loss="cross_entropy",
+        optimizer: Optimizer = DEFAULT_OPTIMIZER,
+        loss_scale="auto",
+        precision: str = "float16",
+        provider: str = "auto",
+        on_nonfinite: str = "skip",
+        trainable: list[str] | None = None,
+        gradient_builder=None,
+        distributed: str | None = None,
+        frozen: list[str] | None = None,
+        verbose: bool = True,
+        recompute=None,
+        threads: int = 0,
+        **distributed_options,
+    ):
         self.precision = _check_choice("precision", precision, PRECISIONS)
         _check_distributed(distributed, distributed_options)
         _check_threads(threads)
@@ -87,15 +100,20 @@ class Trainer:
         self.loss_scale_policy = resolve_loss_scale(loss_scale)
         self.on_nonfinite = _check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
         if on_nonfinite == "retry" and not isinstance(self.loss_scale_policy, DynamicLossScale):
-            raise TrainingError("on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)")
+            raise TrainingError(
+                "on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)"
+            )
         floats = [t.name for t in self._model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
         names = parameters.select(found, floats, _literal(trainable, floats), _literal(frozen, floats))
-        step = build_step_graph(self._model, loss, self.optimizer, self.loss_scale_policy, names, gradient_builder,
-                                recompute)
+        step = build_step_graph(
+            self._model, loss, self.optimizer, self.loss_scale_policy, names, gradient_builder, recompute
+        )
         self.recompute_plan = _recompute_plan(step.model)
         self._float_step = step.model  # what `report` draws
         self.step_graph: StepGraph = apply_precision(step, self.precision, device)
-        self._feed_check = feed_checks.FeedCheck.of(self.step_graph.model, self.step_graph.batch_inputs, loss, self._model)
+        self._feed_check = feed_checks.FeedCheck.of(
+            self.step_graph.model, self.step_graph.batch_inputs, loss, self._model
+        )
         sizes = {w: step.initial_state[w].size for w in step.weights}
         initial = step.initial_state
         # The runner holds the one copy of the state from here on.
@@ -103,19 +121,30 @@ class Trainer:
         _drop_weight_data(self._model, set(step.weights))
         del step
         if distributed is None:
-            self.runner = SessionRunner(self.step_graph, initial, self.optimizer.lr, provider, self.precision,
-                                        threads=threads)
+            self.runner = SessionRunner(
+                self.step_graph, initial, self.optimizer.lr, provider, self.precision, threads=threads
+            )
         else:
             from amp_rewrite.training.distributed import MpiRunner
 
-            self.runner = MpiRunner(self.step_graph, initial, self.optimizer.lr, provider, self.precision, loss,
-                                    threads=threads, **distributed_options)
+            self.runner = MpiRunner(
+                self.step_graph,
+                initial,
+                self.optimizer.lr,
+                provider,
+                self.precision,
+                loss,
+                threads=threads,
+                **distributed_options,
+            )
         del initial
         self.device = self.runner.device
         precision_line.announce(self.step_graph.model, self.precision, self.device, say)
         self._specs = self.runner.state.specs()
         self._skips_in_row, self._warned = 0, False
-        say(f"amp-rewrite: {parameters.summary(list(self.step_graph.weights), sizes, len(floats) - len(sizes))}")
+        say(
+            f"amp-rewrite: {parameters.summary(list(self.step_graph.weights), sizes, len(floats) - len(sizes))}"
+        )
 
     # --- stepping -------------------------------------------------------------------------------
 
@@ -137,7 +166,9 @@ class Trainer:
         scale, skipped steps) shows on a terminal by default (rank 0 only); `progress=True/False`
         forces it."""
         if epochs > 1 and not callable(batches) and iter(batches) is batches:
-            raise TrainingError("batches is a one-shot iterator: pass a list or a callable for several epochs")
+            raise TrainingError(
+                "batches is a one-shot iterator: pass a list or a callable for several epochs"
+            )
         if not callable(batches) and hasattr(batches, "__len__"):
             self.runner.check_batch_count(len(batches))
         if not self.runner.primary:
@@ -175,13 +206,16 @@ class Trainer:
         skipped step left weights and slots as they were)."""
         self._skips_in_row = self._skips_in_row + 1 if result.skipped else 0
         floor = getattr(self.loss_scale_policy, "min_scale", None)
-        at_floor = result.skipped and floor is not None and result.loss_scale <= floor and self._skips_in_row > 1
+        at_floor = (
+            result.skipped and floor is not None and result.loss_scale <= floor and self._skips_in_row > 1
+        )
         if self._warned or not (self._skips_in_row >= skips.PATIENCE or at_floor):
             return
         self._warned = True
         feeds = self.state() | {LR_INPUT: np.array(self.lr, np.float32), **batch}
-        bad = skips.nonfinite_tensors(self.step_graph.model, self.step_graph.loss_output, self.step_graph.gradients,
-                                      feeds, self.device)
+        bad = skips.nonfinite_tensors(
+            self.step_graph.model, self.step_graph.loss_output, self.step_graph.gradients, feeds, self.device
+        )
         logging.getLogger("amp_rewrite.training").warning(skips.warning_text(self._skips_in_row, bad))
 
     @property
@@ -231,7 +265,9 @@ class Trainer:
         for name, (shape, dtype) in self._specs.items():
             value = np.asarray(state[name])
             if value.shape != shape or value.dtype != dtype:
-                raise TrainingError(f"state {name!r} is {value.dtype}{list(value.shape)}, expected {dtype}{list(shape)}")
+                raise TrainingError(
+                    f"state {name!r} is {value.dtype}{list(value.shape)}, expected {dtype}{list(shape)}"
+                )
             arrays[name] = value
         self.runner.state.write(arrays)
 
@@ -258,8 +294,12 @@ class Trainer:
         self.runner.share_state()
 
     def _load(self, path) -> None:
-        shapes = {name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in self._specs.items()}
-        checkpoint = read_checkpoint(path, self._checkpoint_meta(), shapes)  # stand-ins: shape and dtype, no data
+        shapes = {
+            name: np.broadcast_to(np.zeros((), dtype), shape) for name, (shape, dtype) in self._specs.items()
+        }
+        checkpoint = read_checkpoint(
+            path, self._checkpoint_meta(), shapes
+        )  # stand-ins: shape and dtype, no data
         self.load_state(checkpoint.state)
         self.lr = checkpoint.meta["lr"]
 
@@ -271,7 +311,9 @@ class Trainer:
         trained = set(self.step_graph.weights)
         for i, tensor in enumerate(model.graph.initializer):
             if tensor.name in trained:
-                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(self.runner.state.read(tensor.name), tensor.name))
+                model.graph.initializer[i].CopyFrom(
+                    numpy_helper.from_array(self.runner.state.read(tensor.name), tensor.name)
+                )
         if precision == "float32":
             return model
         return rewrite(model, target=precision, keep_io_types=True).model
@@ -279,6 +321,7 @@ class Trainer:
     def export(self, path, precision: str = "float32") -> None:
         """Write the trained inference model (float32, or rewritten to `precision`), atomically;
         data-parallel: rank 0 writes, every rank returns once it is written."""
+
         def write():
             data = self.inference_model(precision).SerializeToString()
             atomic_write(path, lambda f: f.write(data))
@@ -291,13 +334,20 @@ class Trainer:
         loss-scale and optimizer regions drawn apart."""
         from amp_rewrite.training.picture import step_report
 
-        return step_report(self._float_step, self.step_graph.report, self.precision, html, title="training step")
+        return step_report(
+            self._float_step, self.step_graph.report, self.precision, html, title="training step"
+        )
 
     # --- internals ------------------------------------------------------------------------------
 
     def _checkpoint_meta(self) -> dict:
         policy = dataclasses.asdict(self.loss_scale_policy) | {"kind": type(self.loss_scale_policy).__name__}
-        meta = {"format": CHECKPOINT_FORMAT, "optimizer": self.optimizer.config(), "loss_scale": policy, "lr": self.lr}
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "optimizer": self.optimizer.config(),
+            "loss_scale": policy,
+            "lr": self.lr,
+        }
         return json.loads(json.dumps(meta))  # the form it has after a round trip (tuples -> lists)
 
 
@@ -313,7 +363,9 @@ def _check_distributed(distributed, options: dict) -> None:
 
 def _check_threads(threads) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise TrainingError(f"threads must be a whole number >= 0 (0: ONNX Runtime's default), got {threads!r}")
+        raise TrainingError(
+            f"threads must be a whole number >= 0 (0: ONNX Runtime's default), got {threads!r}"
+        )
 
 
 def _drop_weight_data(model: onnx.ModelProto, names: set[str]) -> None:
@@ -370,12 +422,17 @@ def _check_optimizer(optimizer) -> Optimizer:
     """Only amp_rewrite optimizers; one that already scales the loss would scale it twice."""
     if optimizer is None or optimizer is DEFAULT_OPTIMIZER:
         return copy.deepcopy(DEFAULT_OPTIMIZER)
-    if any(hasattr(optimizer, marker) for marker in _LOSS_SCALING_MARKERS) or "LossScale" in type(optimizer).__name__:
+    if (
+        any(hasattr(optimizer, marker) for marker in _LOSS_SCALING_MARKERS)
+        or "LossScale" in type(optimizer).__name__
+    ):
         raise TrainingError(
             f"{type(optimizer).__name__} already does loss scaling: pass the plain optimizer and set Trainer(loss_scale=...)"
         )
     if not isinstance(optimizer, Optimizer):
-        raise TrainingError(f"optimizer must be an amp_rewrite.training optimizer (SGD, Adam, AdamW), got {type(optimizer).__name__}")
+        raise TrainingError(
+            f"optimizer must be an amp_rewrite.training optimizer (SGD, Adam, AdamW), got {type(optimizer).__name__}"
+        )
     return optimizer
 
 

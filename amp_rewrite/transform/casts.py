@@ -19,7 +19,8 @@ def place_casts(m: Materialisation, s, name, d, src, uses) -> None:
     if needs.count(src) == len(needs):  # the common case: every reader takes the producer's type
         return
     rename_for_output = (s, name) in m.main_outputs and any(
-        u.scope == 0 and u.node < 0 and need != src for u, need in zip(uses, needs))
+        u.scope == 0 and u.node < 0 and need != src for u, need in zip(uses, needs)
+    )
     if rename_for_output and d.kind == "node":
         # Main-graph output needs the other type: producer writes a new name, a Cast the old.
         new = m.names.new(f"{name}_{TAG[src]}")
@@ -94,8 +95,13 @@ def cast_origin(m: Materialisation, s, d) -> str | None:
 def add_cast(m: Materialisation, scope, d, source, out, elem, *, after: bool) -> None:
     name = m.names.new(f"amp/Cast_{out}")
     # helper.make_node's bytes without its per-call checks: this runs once per cast (docs/benchmarks.md)
-    cast = onnx.NodeProto(op_type="Cast", input=[source], output=[out], name=name,
-                          attribute=[onnx.AttributeProto(name="to", type=onnx.AttributeProto.INT, i=elem)])
+    cast = onnx.NodeProto(
+        op_type="Cast",
+        input=[source],
+        output=[out],
+        name=name,
+        attribute=[onnx.AttributeProto(name="to", type=onnx.AttributeProto.INT, i=elem)],
+    )
     if after and d is not None and d.kind == "node":
         m.after.setdefault((scope, d.node), []).append(cast)
     else:

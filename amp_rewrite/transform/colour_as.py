@@ -21,8 +21,11 @@ def follow(cg: ColouringGraph, plan: Plan, colour_as) -> Plan:
     the node it follows; unchanged when empty."""
     if not colour_as:
         return plan
-    main = {(vertex.name, vertex.op_type, vertex.group.type_param): v
-            for v, vertex in enumerate(cg.vertices) if vertex.scope == 0 and vertex.name}
+    main = {
+        (vertex.name, vertex.op_type, vertex.group.type_param): v
+        for v, vertex in enumerate(cg.vertices)
+        if vertex.scope == 0 and vertex.name
+    }
     colours, reasons = dict(plan.colour), dict(plan.reason)
     for (name, op_type, param), v in main.items():
         followed = colour_as.get(name)

@@ -42,8 +42,9 @@ def converted_bytes(m: Materialisation, key, source: onnx.TensorProto, elem: int
     """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now."""
     ahead = m.constants.take(key) if elem == m.low else None
     if ahead is None:
-        array, clamped = weights.convert(tensordata.float_values(source), elem, weights.LIMITS[m.cg.target],
-                                         m.clamp)
+        array, clamped = weights.convert(
+            tensordata.float_values(source), elem, weights.LIMITS[m.cg.target], m.clamp
+        )
         ahead = array.tobytes(), clamped
     m.result.clamped_values += ahead[1]
     return ahead[0]
@@ -54,7 +55,9 @@ def size_change(data: bytes, elem: int, in_place: bool) -> int:
     return len(data) - (4 * (len(data) // ELEMENT_SIZE[elem]) if in_place else 0)
 
 
-def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool, elem: int | None = None) -> None:
+def convert_constant(
+    m: Materialisation, s, name, d, new_name, *, in_place: bool, elem: int | None = None
+) -> None:
     """Write `name` converted to `elem` (default: the target) under `new_name`."""
     elem = elem or m.low
     scope = m.cg.scopes[s]
@@ -88,7 +91,9 @@ def convert_constant(m: Materialisation, s, name, d, new_name, *, in_place: bool
         node.attribute.append(helper.make_attribute("value", converted))
         m.result.converted_constants += 1
     else:
-        copy = helper.make_node("Constant", [], [new_name], name=m.names.new(f"amp/{new_name}"), value=converted)
+        copy = helper.make_node(
+            "Constant", [], [new_name], name=m.names.new(f"amp/{new_name}"), value=converted
+        )
         m.after.setdefault((s, d.node), []).append(copy)
         m.result.duplicated_constants += 1
 

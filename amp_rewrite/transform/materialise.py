@@ -21,9 +21,9 @@ import onnx
 from onnx import helper
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.plan import Plan
 from amp_rewrite.io import restore_borrowed
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT
+from amp_rewrite.plan import Plan
 from amp_rewrite.transform.casts import place_casts
 from amp_rewrite.transform.constants import place_constant
 from amp_rewrite.transform.noop_casts import fold_noop_casts
@@ -56,12 +56,22 @@ def _run(m: Materialisation, fold_casts: bool = True) -> Materialised:
     return m.result
 
 
-def materialise(model: onnx.ModelProto, cg: ColouringGraph, plan: Plan, constants: Scan, *,
-                low_io: frozenset = frozenset(), clamp: bool = False, fold_casts: bool = True) -> Materialised:
+def materialise(
+    model: onnx.ModelProto,
+    cg: ColouringGraph,
+    plan: Plan,
+    constants: Scan,
+    *,
+    low_io: frozenset = frozenset(),
+    clamp: bool = False,
+    fold_casts: bool = True,
+) -> Materialised:
     """Apply `plan` to `model` (the proto `cg` was built from) in place; `constants` is the scan.
     `fold_casts`: the model's own Casts that convert nothing in the result are removed (noop_casts)."""
     result = _run(Materialisation.start(model, cg, plan, constants, low_io, clamp), fold_casts)
-    if (result.casts or result.duplicated_constants) and not any(o.domain in DEFAULT_DOMAINS for o in model.opset_import):
+    if (result.casts or result.duplicated_constants) and not any(
+        o.domain in DEFAULT_DOMAINS for o in model.opset_import
+    ):
         # e.g. a model of ai.onnx.ml ops only: our Cast/Constant nodes need the default domain
         model.opset_import.append(helper.make_opsetid("", CAST_OPSET))
     return result

@@ -168,12 +168,17 @@ class _Folder:
                 if widened is None:
                     return
                 replacement = self.candidates[widened].input[0]
-                if (self.is_removed(*widened) or self.elem(widened[0], replacement) != to
-                        or not self.visible(widened[0], s, replacement)):
+                if (
+                    self.is_removed(*widened)
+                    or self.elem(widened[0], replacement) != to
+                    or not self.visible(widened[0], s, replacement)
+                ):
                     return
                 first = f"Cast '{self.candidates[widened].name}'"
-            reason = (f"converts nothing: with {first} it takes '{replacement}' from "
-                      f"{_type_name(to)} to {_type_name(elem)} and back, exactly")
+            reason = (
+                f"converts nothing: with {first} it takes '{replacement}' from "
+                f"{_type_name(to)} to {_type_name(elem)} and back, exactly"
+            )
         if not self.rewire(s, out, current, replacement):
             return
         self.remove(s, n, node, replacement, reason)
@@ -252,8 +257,14 @@ class _Folder:
         readers = self.readers(s, out)
         if readers is None or readers:
             return
-        self.remove(s, n, node, None, f"its only reader, Cast '{back}', took the value back to {_type_name(to)}: "
-                                      f"nothing reads it any more")
+        self.remove(
+            s,
+            n,
+            node,
+            None,
+            f"its only reader, Cast '{back}', took the value back to {_type_name(to)}: "
+            f"nothing reads it any more",
+        )
 
     def drop_inserted_if_dead(self, s: int, tensor: str, cast_output: str) -> None:
         """An inserted Cast of `tensor` whose only reader was a folded Cast goes too."""

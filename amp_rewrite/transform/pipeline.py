@@ -20,17 +20,20 @@ from onnx import helper
 
 from amp_rewrite import flops, ir
 from amp_rewrite.analysis import evidence, graph, paint, pointwise
-from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
+from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.oplists import check_named_ops
-from amp_rewrite.options import RewriteOptions
-from amp_rewrite.runtime import open_session, session_options
-from amp_rewrite.runtime import ort as ort_module
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.io.samples import synthesise
 from amp_rewrite.onnx_facts import opsets, reads
-from amp_rewrite.report import flops as report_flops, report as report_mod
-from amp_rewrite.transform import colour_as, materialise as materialise_mod, scaling as scaling_mod, weights
+from amp_rewrite.options import RewriteOptions
+from amp_rewrite.report import flops as report_flops
+from amp_rewrite.report import report as report_mod
+from amp_rewrite.runtime import open_session, session_options
+from amp_rewrite.runtime import ort as ort_module
+from amp_rewrite.transform import colour_as, weights
+from amp_rewrite.transform import materialise as materialise_mod
+from amp_rewrite.transform import scaling as scaling_mod
 
 
 @dataclass(repr=False)
@@ -44,10 +47,12 @@ class RewriteResult:
 
     def __repr__(self) -> str:
         s = self.report.summary
-        return (f"<RewriteResult {self.report.target}: {s['nodes_low']} of {s['nodes_float']} float nodes "
-                f"({s['nodes_mixed']} mixed), {s['casts_inserted']} casts inserted, "
-                f"{s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB"
-                f"{'' if self.changed else ', unchanged'}>")
+        return (
+            f"<RewriteResult {self.report.target}: {s['nodes_low']} of {s['nodes_float']} float nodes "
+            f"({s['nodes_mixed']} mixed), {s['casts_inserted']} casts inserted, "
+            f"{s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB"
+            f"{'' if self.changed else ', unchanged'}>"
+        )
 
     def _repr_html_(self) -> str:
         from amp_rewrite.report.html import summary_card
@@ -104,7 +109,11 @@ def choose_low_io(w: Work) -> None:
 def inline_local_functions(w: Work) -> None:
     """Model-local functions (dynamo exporter) are inlined, then coloured as any graph."""
     if w.model.functions:
-        w.model, w.nested, w.weights_before = inline_functions(w.model), True, None  # bodies may bring subgraphs
+        w.model, w.nested, w.weights_before = (
+            inline_functions(w.model),
+            True,
+            None,
+        )  # bodies may bring subgraphs
 
 
 def read_scopes(w: Work) -> None:
@@ -131,12 +140,24 @@ def scale_activations(w: Work) -> None:
 def build_colouring_graph(w: Work) -> None:
     """Deny ops relaxed to infer: by exhaustion of their pointwise chain (no data needed), and by
     calibration's measured ranges (its reason wins where both apply)."""
-    relax = pointwise.relieved(w.scopes, w.lists, w.types, opsets(w.model), w.borrowed) \
-        if w.options.pointwise_check else {}
+    relax = (
+        pointwise.relieved(w.scopes, w.lists, w.types, opsets(w.model), w.borrowed)
+        if w.options.pointwise_check
+        else {}
+    )
     relax.update(w.options.relaxed_deny())
-    w.cg = graph.build(w.model, w.lists, types=w.types, shapes=w.shapes, keep_fp32_nodes=w.options.keep_fp32_nodes,
-                       force_fp32=w.options.deny_roots(w.scaling), borrowed=w.borrowed, scopes=w.scopes,
-                       kernel_check=w.options.kernel_check(), relax=relax)
+    w.cg = graph.build(
+        w.model,
+        w.lists,
+        types=w.types,
+        shapes=w.shapes,
+        keep_fp32_nodes=w.options.keep_fp32_nodes,
+        force_fp32=w.options.deny_roots(w.scaling),
+        borrowed=w.borrowed,
+        scopes=w.scopes,
+        kernel_check=w.options.kernel_check(),
+        relax=relax,
+    )
 
 
 def scan_constants(w: Work) -> None:
@@ -144,29 +165,36 @@ def scan_constants(w: Work) -> None:
 
 
 # Above these, cost placement's extra low ops are not measured on synthesised inputs (evidence.settle)
-RANGE_CHECK_NODES, RANGE_CHECK_BYTES = 20_000, 256 << 20  # a run costs about its bytes: GPT-2 (474 MiB) 20 s loaded
+RANGE_CHECK_NODES, RANGE_CHECK_BYTES = (
+    20_000,
+    256 << 20,
+)  # a run costs about its bytes: GPT-2 (474 MiB) 20 s loaded
 
 
 def colour(w: Work) -> None:
     """Cost placement's ops that TF's rule keeps float32 need range evidence (analysis.evidence):
     a data-free bound, or one float32 run on synthesised inputs within the work budget. Not with
     calibration, whose measured ranges already made the out-of-range ops deny roots."""
+
     def run(placement):
         return paint.colour(w.cg, low_io=w.low_io, placement=placement)
 
     if w.options.placement != "cost" or w.options.calibration is not None:
         plan = run(w.options.placement)
     else:
-        plan, w.range_note = evidence.settle(w.cg, run, functools.partial(_largest_values, w), _over_budget(w),
-                                             w.low_io)
+        plan, w.range_note = evidence.settle(
+            w.cg, run, functools.partial(_largest_values, w), _over_budget(w), w.low_io
+        )
     w.plan = colour_as.follow(w.cg, plan, w.options.colour_as)
 
 
 def _over_budget(w: Work) -> str | None:
     nodes = sum(len(scope.io) for scope in w.scopes)
     if w.loaded.lazy or nodes > RANGE_CHECK_NODES or w.bytes_before > RANGE_CHECK_BYTES:
-        return (f"over the work budget of {RANGE_CHECK_NODES} nodes and {RANGE_CHECK_BYTES >> 20} MiB "
-                f"({nodes} nodes, {w.bytes_before >> 20} MiB)")
+        return (
+            f"over the work budget of {RANGE_CHECK_NODES} nodes and {RANGE_CHECK_BYTES >> 20} MiB "
+            f"({nodes} nodes, {w.bytes_before >> 20} MiB)"
+        )
     return None
 
 
@@ -197,12 +225,15 @@ def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
             cone.add(id(node))
             stack.extend(reads(node))
     graph = helper.make_graph(
-        [node for node in model.graph.node if id(node) in cone], "range_check",
+        [node for node in model.graph.node if id(node) in cone],
+        "range_check",
         [v for v in model.graph.input if v.name in seen],
         [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in wanted],
-        [t for t in model.graph.initializer if t.name in seen])
-    part = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
-                             functions=model.functions)
+        [t for t in model.graph.initializer if t.name in seen],
+    )
+    part = helper.make_model(
+        graph, opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions
+    )
     try:
         feeds = synthesise(part, dims=dims)[0]
         quiet = session_options(log_severity_level=4)  # a failed run is said in the report, not by ORT
@@ -230,9 +261,15 @@ def estimate_flops(w: Work) -> None:
 
 
 def materialise(w: Work) -> None:
-    w.materialised = materialise_mod.materialise(w.model, w.cg, w.plan, w.constants,
-                                                 low_io=w.low_io, clamp=w.options.clamp,
-                                                 fold_casts=w.options.fold_noop_casts)
+    w.materialised = materialise_mod.materialise(
+        w.model,
+        w.cg,
+        w.plan,
+        w.constants,
+        low_io=w.low_io,
+        clamp=w.options.clamp,
+        fold_casts=w.options.fold_noop_casts,
+    )
 
 
 def sort(w: Work) -> None:
@@ -248,16 +285,24 @@ def check(w: Work) -> None:
 
 def report(w: Work) -> None:
     delta = w.materialised.weight_bytes_delta
-    rep = report_mod.build(w.cg, w.plan, w.materialised, bytes_before=w.bytes_before,
-                           bytes_after=byte_size(w.model, w.loaded.data_bytes + delta),
-                           seconds=time.perf_counter() - w.started, weights_before=w.weights_before,
-                           weights_after=w.weights_before + delta, node_flops=w.flops,
-                           moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model),
-                                                   w.low_io))
+    rep = report_mod.build(
+        w.cg,
+        w.plan,
+        w.materialised,
+        bytes_before=w.bytes_before,
+        bytes_after=byte_size(w.model, w.loaded.data_bytes + delta),
+        seconds=time.perf_counter() - w.started,
+        weights_before=w.weights_before,
+        weights_after=w.weights_before + delta,
+        node_flops=w.flops,
+        moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model), w.low_io),
+    )
     rep.notes.extend(w.loaded.notes)
     if w.options.dims and not sizes_dims(w.model):
-        rep.notes.append(f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
-                         f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates")
+        rep.notes.append(
+            f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
+            f"{SHAPE_INFERENCE_NODE_LIMIT} nodes, so symbolic dims count 1 in the size estimates"
+        )
     if w.range_note:
         rep.notes.append(w.range_note)
     kernel_check = w.options.kernel_check()
@@ -265,8 +310,13 @@ def report(w: Work) -> None:
         rep.notes.extend(newer_opset_advice(w.cg, kernel_check, opsets(w.model)))
     if w.scaling is not None and w.scaling.regions:
         scaling_mod.add_to_report(rep, w.scaling)
-    changed = bool(w.materialised.casts or w.materialised.removed_casts or w.low_io or paint.LOW in w.plan.colour.values()
-                   or (w.scaling is not None and bool(w.scaling.regions)))
+    changed = bool(
+        w.materialised.casts
+        or w.materialised.removed_casts
+        or w.low_io
+        or paint.LOW in w.plan.colour.values()
+        or (w.scaling is not None and bool(w.scaling.regions))
+    )
     w.result = RewriteResult(w.model, rep, changed)
 
 
@@ -333,15 +383,20 @@ def run(model, options: RewriteOptions) -> RewriteResult:
     return w.result
 
 
-def bytes_moved(cg, plan, options: RewriteOptions, dims_used: bool = True, low_io: frozenset = frozenset()) -> dict:
+def bytes_moved(
+    cg, plan, options: RewriteOptions, dims_used: bool = True, low_io: frozenset = frozenset()
+) -> dict:
     """Estimated bytes moved (analysis.placement.estimate) all in float32 and as coloured, for the
     report, with the symbolic dims the sizes used (`dims`: empty when none were)."""
     from amp_rewrite.analysis import placement
 
     low = {v for v, c in plan.colour.items() if c == paint.LOW}
-    return {"placement": options.placement, "bytes_moved_float32": placement.estimate(cg, set(), low_io),
-            "bytes_moved": placement.estimate(cg, low, low_io),
-            "dims": dict(options.dims) if dims_used else {}}
+    return {
+        "placement": options.placement,
+        "bytes_moved_float32": placement.estimate(cg, set(), low_io),
+        "bytes_moved": placement.estimate(cg, low, low_io),
+        "dims": dict(options.dims) if dims_used else {},
+    }
 
 
 def _dims_text(dims) -> str:
@@ -355,15 +410,21 @@ def convert_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
 
     from amp_rewrite.errors import UsageError
 
-    if model.graph.initializer and any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        raise UsageError(f"--opset {opset}: a model with weights left on disk cannot be converted; "
-                         "convert it with onnx.version_converter first")
+    if model.graph.initializer and any(
+        t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer
+    ):
+        raise UsageError(
+            f"--opset {opset}: a model with weights left on disk cannot be converted; "
+            "convert it with onnx.version_converter first"
+        )
     try:
         converted = version_converter.convert_version(model, opset)
     except Exception as exc:  # noqa: BLE001 - the converter's refusal, said in one line
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
-        raise UsageError(f"--opset {opset}: onnx.version_converter cannot convert this model "
-                         f"({(lines[-1] if lines else type(exc).__name__)[:200]})") from None
+        raise UsageError(
+            f"--opset {opset}: onnx.version_converter cannot convert this model "
+            f"({(lines[-1] if lines else type(exc).__name__)[:200]})"
+        ) from None
     needed = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
     converted.ir_version = max(model.ir_version, needed)
     return converted

@@ -58,5 +58,8 @@ def _ends_low(m: Materialisation, found, name: str) -> bool:
     nobody reads (an LSTM's or GRU's unused Y_h) has its producer's type all the same."""
     if (found.scope, name) in m.low_names:
         return True
-    return ((found.scope, name) not in m.cg.uses and m.cg.types.get(name) == FLOAT
-            and source_elem(m, found.scope, name, found.definition) == m.low)
+    return (
+        (found.scope, name) not in m.cg.uses
+        and m.cg.types.get(name) == FLOAT
+        and source_elem(m, found.scope, name, found.definition) == m.low
+    )

@@ -65,12 +65,22 @@ class Region:
     exits: list = field(default_factory=list)  # tensors multiplied by 2^k on the way out
 
     def to_dict(self) -> dict:
-        return {"region": self.name, "nodes": self.nodes, "k": self.k, "max_abs": self.max_abs,
-                "tensor": self.tensor, "entries": self.entries, "biases": self.biases, "exits": self.exits}
+        return {
+            "region": self.name,
+            "nodes": self.nodes,
+            "k": self.k,
+            "max_abs": self.max_abs,
+            "tensor": self.tensor,
+            "entries": self.entries,
+            "biases": self.biases,
+            "exits": self.exits,
+        }
 
     def sentence(self) -> str:
-        return (f"power-of-two scaling: region {self.name!r} computes on values x 2^-{self.k} "
-                f"(calibrated max {self.max_abs:.4g} at {self.tensor!r})")
+        return (
+            f"power-of-two scaling: region {self.name!r} computes on values x 2^-{self.k} "
+            f"(calibrated max {self.max_abs:.4g} at {self.tensor!r})"
+        )
 
 
 @dataclass
@@ -83,13 +93,19 @@ class Scaling:
     forced: dict = field(default_factory=dict)
     threshold: float = 0.0
     inserted: list = field(default_factory=list)  # names of the scale Muls (they shift node indices)
-    scaled_tensors: dict = field(default_factory=dict)  # tensor keeping its name but holding values x 2^-k -> k
+    scaled_tensors: dict = field(
+        default_factory=dict
+    )  # tensor keeping its name but holding values x 2^-k -> k
 
     def to_dict(self) -> dict:
-        return {"threshold": self.threshold, "regions": [r.to_dict() for r in self.regions],
-                "exempt": sorted(self.exempt),  # calibration's keys (an unnamed node's may have changed)
-                "scale_nodes": [{"node": k, "reason": v} for k, v in self.forced.items()],
-                "inserted": self.inserted, "scaled_tensors": self.scaled_tensors}
+        return {
+            "threshold": self.threshold,
+            "regions": [r.to_dict() for r in self.regions],
+            "exempt": sorted(self.exempt),  # calibration's keys (an unnamed node's may have changed)
+            "scale_nodes": [{"node": k, "reason": v} for k, v in self.forced.items()],
+            "inserted": self.inserted,
+            "scaled_tensors": self.scaled_tensors,
+        }
 
 
 def _key(node: onnx.NodeProto) -> str:
@@ -123,7 +139,9 @@ def find_regions(graph: onnx.GraphProto, culprits: dict, types: dict, constants:
     slots: dict = {}
     producer: dict = {}
     for i, node in enumerate(graph.node):
-        if not (any(name in culprits for name in node.output) or any(name in culprits for name in node.input)):
+        if not (
+            any(name in culprits for name in node.output) or any(name in culprits for name in node.input)
+        ):
             continue
         s = scaled_slots(node, types, constants, ops)
         if s is None:
@@ -143,7 +161,9 @@ def find_regions(graph: onnx.GraphProto, culprits: dict, types: dict, constants:
     return sorted(regions), slots
 
 
-def scale(model: onnx.ModelProto, calibration, types: dict, target: str, borrowed: dict | None = None) -> Scaling:
+def scale(
+    model: onnx.ModelProto, calibration, types: dict, target: str, borrowed: dict | None = None
+) -> Scaling:
     """Scale every linear region of `model`'s main graph over the calibrated limit, in place."""
     graph = model.graph
     threshold = LIMITS[target] / calibration.safety
@@ -158,7 +178,9 @@ def scale(model: onnx.ModelProto, calibration, types: dict, target: str, borrowe
     if not regions:
         return result
     measured = {name: r.max_abs for name, r in calibration.ranges.items()}
-    _Rewriter(model, slots, types, threshold, initializers, borrowed or {}, culprits, measured, result).run(regions)
+    _Rewriter(model, slots, types, threshold, initializers, borrowed or {}, culprits, measured, result).run(
+        regions
+    )
     return result
 
 
@@ -167,7 +189,12 @@ class _Rewriter:
 
     def __init__(self, model, slots, types, threshold, initializers, borrowed, culprits, measured, result):
         self.graph, self.slots, self.types, self.threshold = model.graph, slots, types, threshold
-        self.initializers, self.borrowed, self.culprits, self.measured = initializers, borrowed, culprits, measured
+        self.initializers, self.borrowed, self.culprits, self.measured = (
+            initializers,
+            borrowed,
+            culprits,
+            measured,
+        )
         self.result = result
         self.names = UniqueNames(set().union(*(names_in(g) for g in all_graphs(model.graph))))
         self.before: dict = {}  # node index -> nodes to emit before it
@@ -175,7 +202,9 @@ class _Rewriter:
         self.factors: dict = {}  # exponent -> initializer name
         self.copies: dict = {}  # (constant, k) -> its scaled copy
         self.exempt: set = set()
-        self.readers = ir.readers(node.input for node in self.graph.node)  # main-graph tensor -> reading nodes
+        self.readers = ir.readers(
+            node.input for node in self.graph.node
+        )  # main-graph tensor -> reading nodes
         self.outside = {o.name for o in self.graph.output}  # read outside the main graph's nodes
         for g in all_graphs(self.graph)[1:]:
             for node in g.node:
@@ -214,7 +243,11 @@ class _Rewriter:
         for i in nodes:
             node = graph.node[i]
             for slot, out in enumerate(node.output):
-                if out and self.types.get(out) == FLOAT and (out in self.outside or any(r not in members for r in self.readers.get(out, []))):
+                if (
+                    out
+                    and self.types.get(out) == FLOAT
+                    and (out in self.outside or any(r not in members for r in self.readers.get(out, [])))
+                ):
                     renamed[out] = node.output[slot] = self.names.new(f"{out}_scaled")
                     self.after.setdefault(i, []).append(self._mul(renamed[out], k, out, region, up=True))
                     region.exits.append(out)
@@ -238,17 +271,21 @@ class _Rewriter:
                 else:
                     if name not in entries:
                         entries[name] = self.names.new(f"{name}_x2^-{k}")
-                        self.before.setdefault(i, []).append(self._mul(name, -k, entries[name], region, up=False))
+                        self.before.setdefault(i, []).append(
+                            self._mul(name, -k, entries[name], region, up=False)
+                        )
                         region.entries.append(name)
                     node.input[slot] = entries[name]
-        region.nodes = [_key(graph.node[i]) for i in nodes]  # an unnamed exit's producer has a new first output
+        region.nodes = [
+            _key(graph.node[i]) for i in nodes
+        ]  # an unnamed exit's producer has a new first output
         self.result.regions.append(region)
         return dropped
 
     def _factor(self, exponent: int) -> str:
         if exponent not in self.factors:
             name = self.names.new(f"amp/scale_2^{exponent}")
-            self.graph.initializer.append(numpy_helper.from_array(np.array(2.0 ** exponent, np.float32), name))
+            self.graph.initializer.append(numpy_helper.from_array(np.array(2.0**exponent, np.float32), name))
             self.factors[exponent] = name
         return self.factors[exponent]
 
@@ -258,14 +295,16 @@ class _Rewriter:
         watched = out if up else source
         if watched in self.culprits:  # over the limit: this Mul must compute in float32
             role = f"restores {out!r}" if up else f"scales {source!r} down"
-            self.result.forced[name] = (f"{region.sentence()}; this Mul {role} in float32 "
-                                        f"({watched!r} reaches {self.culprits[watched]:.4g})")
+            self.result.forced[name] = (
+                f"{region.sentence()}; this Mul {role} in float32 "
+                f"({watched!r} reaches {self.culprits[watched]:.4g})"
+            )
         return onnx.helper.make_node("Mul", [source, self._factor(exponent)], [out], name=name)
 
     def _scaled_constant(self, name: str, k: int, region: Region) -> str:
         if (name, k) not in self.copies:
             tensor = self.borrowed[name] if name in self.borrowed else self.initializers[name]
-            value = numpy_helper.to_array(tensor).astype(np.float32) * np.float32(2.0 ** -k)
+            value = numpy_helper.to_array(tensor).astype(np.float32) * np.float32(2.0**-k)
             self.copies[name, k] = self.names.new(f"{name}_x2^-{k}")
             self.graph.initializer.append(numpy_helper.from_array(value, self.copies[name, k]))
         if name not in region.biases:

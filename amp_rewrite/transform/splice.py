@@ -24,7 +24,7 @@ def emit_nodes(m: Materialisation) -> None:
         nodes = list(m.top.get(s, []))
         start = 0
         for n in sorted(points.get(s, ())):  # spliced: one step per insertion point, not per node
-            nodes.extend(old[start:n + 1])
+            nodes.extend(old[start : n + 1])
             nodes.extend(m.after[(s, n)])
             start = n + 1
         nodes.extend(old[start:])

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import onnx
 
 from amp_rewrite.analysis.graph import ColouringGraph
-from amp_rewrite.plan import LOW, Plan
 from amp_rewrite.naming import UniqueNames
 from amp_rewrite.onnx_facts import ELEM, FLOAT
+from amp_rewrite.plan import LOW, Plan
 from amp_rewrite.transform.weights import Scan, is_constant
 
 
@@ -53,14 +53,29 @@ class Materialisation:
     removed: dict = field(default_factory=dict)  # scope -> indices of the model's nodes not emitted
     renamed: dict = field(default_factory=dict)  # (def scope, name) -> new producer output name
     low_names: set = field(default_factory=set)  # (scope, name) whose final type is low precision
-    replaced: set = field(default_factory=set)  # borrowed main-graph initializers given converted bytes in place
+    replaced: set = field(
+        default_factory=set
+    )  # borrowed main-graph initializers given converted bytes in place
 
     @classmethod
     def start(cls, model, cg: ColouringGraph, plan: Plan, constants: Scan, low_io: frozenset, clamp: bool):
-        low_outputs = frozenset(i for i, value in enumerate(cg.scopes[0].graph.output) if value.name in low_io)
-        return cls(model, cg, constants, low_io, low_outputs, clamp, ELEM[cg.target],
-                   {v for v, colour in plan.colour.items() if colour == LOW}, cg.reads, cg.writes,
-                   {(0, value.name) for value in cg.scopes[0].graph.output}, UniqueNames(_names_in_use(cg)))
+        low_outputs = frozenset(
+            i for i, value in enumerate(cg.scopes[0].graph.output) if value.name in low_io
+        )
+        return cls(
+            model,
+            cg,
+            constants,
+            low_io,
+            low_outputs,
+            clamp,
+            ELEM[cg.target],
+            {v for v, colour in plan.colour.items() if colour == LOW},
+            cg.reads,
+            cg.writes,
+            {(0, value.name) for value in cg.scopes[0].graph.output},
+            UniqueNames(_names_in_use(cg)),
+        )
 
 
 def _names_in_use(cg: ColouringGraph) -> set:

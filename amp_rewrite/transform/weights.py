@@ -44,7 +44,9 @@ class Scan:
 
     out_of_range: dict = field(default_factory=dict)  # -> largest finite |value| the target cannot hold
     converted: dict = field(default_factory=dict)  # -> (bytes in the target type, values clamped)
-    deferred: dict = field(default_factory=dict)  # weights left on disk -> (tensordata conversion mode, values clamped)
+    deferred: dict = field(
+        default_factory=dict
+    )  # weights left on disk -> (tensordata conversion mode, values clamped)
     sentinels: dict = field(default_factory=dict)  # -> how many +-SENTINEL values became the target's largest
 
     def take(self, key) -> tuple | None:
@@ -100,8 +102,15 @@ def convert(array: np.ndarray, elem: int, limit: float, clamp: bool) -> tuple[np
     return cast_values(array.reshape(-1), elem), clamped
 
 
-def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to: int | None = None,
-         constant_nodes: bool = True) -> Scan:
+def scan(
+    scopes,
+    borrowed: dict,
+    target: str,
+    *,
+    clamp: bool = False,
+    convert_to: int | None = None,
+    constant_nodes: bool = True,
+) -> Scan:
     """Check every float32 constant against `target`'s range (not with `clamp`: clipped instead),
     and with `convert_to` (an element type) convert every one that fits, ahead of need.
     `constant_nodes=False` when the graphs hold no Constant node (no walk over the nodes). Bytes per
@@ -112,7 +121,9 @@ def scan(scopes, borrowed: dict, target: str, *, clamp: bool = False, convert_to
     limit = LIMITS[target]
     chunk, size = [], 0
     for key, tensor in float_constants(scopes, borrowed, constant_nodes):
-        if tensordata.is_external(tensor):  # left on disk (lazy_weights): checked in pieces, converted when saved
+        if tensordata.is_external(
+            tensor
+        ):  # left on disk (lazy_weights): checked in pieces, converted when saved
             _scan_on_disk(key, tensor, limit, clamp, convert_to is not None, result)
             continue
         data = tensordata.tensor_bytes(tensor)  # little-endian float32
@@ -138,7 +149,11 @@ def _scan_on_disk(key, tensor, limit: float, clamp: bool, converting: bool, resu
             continue
         beyond = np.abs(part[np.isfinite(part)])
         beyond = beyond[beyond > limit]
-        largest, clamped, sentinels = max(largest, big), clamped + int(beyond.size), sentinels + int(beyond.size)
+        largest, clamped, sentinels = (
+            max(largest, big),
+            clamped + int(beyond.size),
+            sentinels + int(beyond.size),
+        )
         only_sentinels = only_sentinels and bool(np.all(beyond == SENTINEL))
     if largest > limit and not clamp:
         if not only_sentinels:
@@ -178,7 +193,10 @@ def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, 
         low = cast_values(whole, convert_to)
     for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
         if key not in result.out_of_range:
-            result.converted[key] = (low[start:end].tobytes(), int(over[start:end].sum()) if over is not None else 0)
+            result.converted[key] = (
+                low[start:end].tobytes(),
+                int(over[start:end].sum()) if over is not None else 0,
+            )
 
 
 def scan_constants(cg: ColouringGraph, clamp: bool) -> Scan:
@@ -186,16 +204,26 @@ def scan_constants(cg: ColouringGraph, clamp: bool) -> Scan:
     target cannot hold float32 (the report says which). Converted ahead only when something can
     be low precision."""
     may_go_low = any(v.op_list == "allow" and v.blocked is None for v in cg.vertices)
-    found = scan(cg.scopes, cg.borrowed, cg.target, clamp=clamp, convert_to=LOW_ELEM[cg.target] if may_go_low else None,
-                 constant_nodes=cg.has_constant_nodes)
+    found = scan(
+        cg.scopes,
+        cg.borrowed,
+        cg.target,
+        clamp=clamp,
+        convert_to=LOW_ELEM[cg.target] if may_go_low else None,
+        constant_nodes=cg.has_constant_nodes,
+    )
     for key, count in found.sentinels.items():
-        said = (f"its {count} value(s) +-{SENTINEL:.4g} (float32's largest, a mask sentinel) become "
-                f"+-{LIMITS[cg.target]:g}, {cg.target}'s largest")
+        said = (
+            f"its {count} value(s) +-{SENTINEL:.4g} (float32's largest, a mask sentinel) become "
+            f"+-{LIMITS[cg.target]:g}, {cg.target}'s largest"
+        )
         cg.notes.append((f"constant {key[1]!r}", said))
     for key, value in found.out_of_range.items():
         for s, n, slot in cg.uses.get(key, ()):
             v = cg.input_vertex(s, n, slot)
             if v is not None and cg.vertices[v].blocked is None:
-                cg.vertices[v].blocked = (f"constant {key[1]!r} holds {value:.4g}, outside the {cg.target} range "
-                                          f"(use clamp to allow)")
+                cg.vertices[v].blocked = (
+                    f"constant {key[1]!r} holds {value:.4g}, outside the {cg.target} range "
+                    f"(use clamp to allow)"
+                )
     return found

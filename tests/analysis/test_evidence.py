@@ -5,27 +5,36 @@ keeps float16 as float16, so overflow shows) and ONNX Runtime against float32.""
 
 import numpy as np
 import pytest
-from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 from amp_rewrite import rewrite
 from amp_rewrite.transform import pipeline
+from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 
 def x1000():
     """onnxconverter-common's own auto-mixed-precision test model: 274,000 in the middle."""
     return make_model(
-        [node("Transpose", ["x"], ["a"], "transpose_x", perm=[0, 1, 3, 2]),
-         node("Transpose", ["b"], ["c"], "transpose_b", perm=[1, 0]),
-         node("MatMul", ["a", "c"], ["m"], "matmul"),
-         node("Mul", ["m", "hundred"], ["m_large"], "times_100"),
-         node("Mul", ["m_large", "ten"], ["m_xlarge"], "times_10"),
-         node("Reshape", ["m_xlarge", "shape"], ["mr"], "reshape1"),
-         node("Reshape", ["mr", "shape"], ["mr2"], "reshape2"),
-         node("Div", ["mr2", "k999"], ["z"], "div")],
-        [tensor("x", [1, 1, 6, 1])], [tensor("z", [2])],
-        [init("b", np.arange(1, 13, dtype=np.float32).reshape(2, 6)), init("hundred", np.array(100, np.float32)),
-         init("ten", np.array(10, np.float32)), init("shape", np.array([2], np.int64)),
-         init("k999", np.array(999, np.float32))], opset=13)
+        [
+            node("Transpose", ["x"], ["a"], "transpose_x", perm=[0, 1, 3, 2]),
+            node("Transpose", ["b"], ["c"], "transpose_b", perm=[1, 0]),
+            node("MatMul", ["a", "c"], ["m"], "matmul"),
+            node("Mul", ["m", "hundred"], ["m_large"], "times_100"),
+            node("Mul", ["m_large", "ten"], ["m_xlarge"], "times_10"),
+            node("Reshape", ["m_xlarge", "shape"], ["mr"], "reshape1"),
+            node("Reshape", ["mr", "shape"], ["mr2"], "reshape2"),
+            node("Div", ["mr2", "k999"], ["z"], "div"),
+        ],
+        [tensor("x", [1, 1, 6, 1])],
+        [tensor("z", [2])],
+        [
+            init("b", np.arange(1, 13, dtype=np.float32).reshape(2, 6)),
+            init("hundred", np.array(100, np.float32)),
+            init("ten", np.array(10, np.float32)),
+            init("shape", np.array([2], np.int64)),
+            init("k999", np.array(999, np.float32)),
+        ],
+        opset=13,
+    )
 
 
 FEEDS = {"x": np.arange(2, 8, dtype=np.float32).reshape(1, 1, 6, 1)}  # the test's own input
@@ -61,7 +70,10 @@ def test_above_the_work_budget_nothing_is_measured_and_unproven_ops_stay_float32
     monkeypatch.setattr(pipeline, "RANGE_CHECK_NODES", 3)
     result = rewrite(x1000())
     assert all(_precision(result, n) == "float32" for n in ("times_100", "times_10", "div"))
-    assert "no range evidence could be had (over the work budget of 3 nodes" in result.report.node("times_100")["because"]
+    assert (
+        "no range evidence could be had (over the work budget of 3 nodes"
+        in result.report.node("times_100")["because"]
+    )
     note = next(n for n in result.report.notes if n.startswith("range check:"))
     assert "were not measured (over the work budget" in note
     assert np.isfinite(run_reference(result.model, FEEDS)[0]).all()
@@ -71,9 +83,15 @@ def test_a_data_free_bound_needs_no_measurement():
     """Sigmoid's values are within 1 and x 0.5 keeps them there: low without a run, no note."""
     rng = np.random.default_rng(0)
     model = make_model(
-        [node("MatMul", ["x", "W"], ["h"], "mm"), node("Sigmoid", ["h"], ["s"], "sigmoid"),
-         node("Mul", ["s", "half"], ["y"], "half")],
-        [tensor("x", [4, 16])], [tensor("y", [4, 16])], [init("W", weights(rng, 16, 16)), init("half", np.array(0.5, np.float32))])
+        [
+            node("MatMul", ["x", "W"], ["h"], "mm"),
+            node("Sigmoid", ["h"], ["s"], "sigmoid"),
+            node("Mul", ["s", "half"], ["y"], "half"),
+        ],
+        [tensor("x", [4, 16])],
+        [tensor("y", [4, 16])],
+        [init("W", weights(rng, 16, 16)), init("half", np.array(0.5, np.float32))],
+    )
     result = rewrite(model, keep_io_types=False)
     assert _precision(result, "sigmoid") == "float16" and _precision(result, "half") == "float16"
     assert rewrite(model, placement="tf", keep_io_types=False).report.node("half")["precision"] == "float32"
@@ -91,12 +109,17 @@ def test_a_low_region_needs_an_allow_op_or_the_users_low_io(placement):
     rng = np.random.default_rng(1)
     model = make_model(
         [node("MatMul", ["x", "W"], ["y"], "mm"), node("Relu", ["z"], ["r"], "relu")],
-        [tensor("x", [2, 8]), tensor("z", [2, 8])], [tensor("y", [2, 8]), tensor("r", [2, 8])],
-        [init("W", weights(rng, 8, 8))])
+        [tensor("x", [2, 8]), tensor("z", [2, 8])],
+        [tensor("y", [2, 8]), tensor("r", [2, 8])],
+        [init("W", weights(rng, 8, 8))],
+    )
     result = rewrite(model, keep_io_types=False, placement=placement)
     assert _precision(result, "mm") == "float16"
     assert _precision(result, "relu") == ("float16" if placement == "cost" else "float32")
     assert _precision(rewrite(model, placement=placement), "relu") == "float32"
-    feeds = {"x": rng.standard_normal((2, 8)).astype(np.float16), "z": rng.standard_normal((2, 8)).astype(np.float16)}
+    feeds = {
+        "x": rng.standard_normal((2, 8)).astype(np.float16),
+        "z": rng.standard_normal((2, 8)).astype(np.float16),
+    }
     expected = run_ort(model, {k: v.astype(np.float32) for k, v in feeds.items()})
     assert_close([a.astype(np.float32) for a in run_ort(result.model, feeds)], expected, rtol=1e-2, atol=1e-2)

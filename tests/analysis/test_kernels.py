@@ -17,10 +17,17 @@ def _sandwich(op: str, opset: int, extra_inputs=(), extra_inits=(), **attrs) -> 
     """MatMul -> op -> MatMul: the op sits between two allow ops, so TF's rule would paint it."""
     rng = np.random.default_rng(3)
     w1, w2 = (init(n, rng.standard_normal((8, 8)).astype(np.float32) / 3) for n in ("w1", "w2"))
-    return make_model([node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-                       node(op, ["h", *extra_inputs], ["a"], name="act", **attrs),
-                       node("MatMul", ["a", "w2"], ["y"], name="mm2")],
-                      [tensor("x", [2, 8])], [tensor("y", [2, 8])], [w1, w2, *extra_inits], opset=opset)
+    return make_model(
+        [
+            node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+            node(op, ["h", *extra_inputs], ["a"], name="act", **attrs),
+            node("MatMul", ["a", "w2"], ["y"], name="mm2"),
+        ],
+        [tensor("x", [2, 8])],
+        [tensor("y", [2, 8])],
+        [w1, w2, *extra_inits],
+        opset=opset,
+    )
 
 
 def _numbers_match(model, result):
@@ -33,7 +40,9 @@ def _numbers_match(model, result):
 CLIP_BOUNDS = (["lo", "hi"], [init("lo", np.float32(0)), init("hi", np.float32(6))])
 
 
-@pytest.mark.parametrize("op,opset,extra", [("Clip", 11, CLIP_BOUNDS), ("Mish", 18, ([], []))], ids=["clip11", "mish"])
+@pytest.mark.parametrize(
+    "op,opset,extra", [("Clip", 11, CLIP_BOUNDS), ("Mish", 18, ([], []))], ids=["clip11", "mish"]
+)
 def test_op_without_cuda_kernel_stays_float32_and_says_why(op, opset, extra):
     model = _sandwich(op, opset, *extra)
     result = rewrite(model)  # provider="cuda" by default
@@ -68,18 +77,35 @@ def test_cpu_provider_reads_the_cpu_table():
 def test_kernel_without_declared_types_is_unknown_and_noted():
     """CUDA's Resize-19 kernel declares T1 only: its roi group (T2) is unknown, coloured as before."""
     rng = np.random.default_rng(5)
-    model = make_model([node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-                        node("Resize", ["h", "roi", "scales"], ["a"], name="act", mode="linear",
-                             coordinate_transformation_mode="tf_crop_and_resize"),
-                        node("MatMul", ["a", "w2"], ["y"], name="mm2")],
-                       [tensor("x", [2, 8])], [tensor("y", [2, 8])],
-                       [init("w1", rng.standard_normal((8, 8)).astype(np.float32)),
-                        init("w2", rng.standard_normal((16, 8)).astype(np.float32)),
-                        init("roi", np.array([0, 0, 1, 1], np.float32)), init("scales", np.array([1, 2], np.float32))],
-                       opset=19)
+    model = make_model(
+        [
+            node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+            node(
+                "Resize",
+                ["h", "roi", "scales"],
+                ["a"],
+                name="act",
+                mode="linear",
+                coordinate_transformation_mode="tf_crop_and_resize",
+            ),
+            node("MatMul", ["a", "w2"], ["y"], name="mm2"),
+        ],
+        [tensor("x", [2, 8])],
+        [tensor("y", [2, 8])],
+        [
+            init("w1", rng.standard_normal((8, 8)).astype(np.float32)),
+            init("w2", rng.standard_normal((16, 8)).astype(np.float32)),
+            init("roi", np.array([0, 0, 1, 1], np.float32)),
+            init("scales", np.array([1, 2], np.float32)),
+        ],
+        opset=19,
+    )
     cuda, anywhere = rewrite(model), rewrite(model, provider="any")
     assert any("Resize at opset 19 declares no types for T2" in n for n in cuda.report.notes)
-    assert cuda.report.node("act")["groups"]["T2"]["precision"] == anywhere.report.node("act")["groups"]["T2"]["precision"]
+    assert (
+        cuda.report.node("act")["groups"]["T2"]["precision"]
+        == anywhere.report.node("act")["groups"]["T2"]["precision"]
+    )
     assert cuda.report.node("act")["groups"]["T1"]["precision"] == "float16"
     assert uncovered_low_nodes(cuda.model) == []
 
@@ -99,7 +125,12 @@ def test_cli_provider_colours_and_validates(tmp_path, capsys):
     assert cli.main([str(path), "--report", str(report), "--validate", "--quiet", "--force"]) == 0
     data = json.loads(report.read_text())
     assert data["summary"]["kernel_blocked"] == 1 and data["validation"]["passed"]
-    assert cli.main([str(path), "--provider", "any", "--report", str(report), "--validate", "--quiet", "--force"]) == 0
+    assert (
+        cli.main(
+            [str(path), "--provider", "any", "--report", str(report), "--validate", "--quiet", "--force"]
+        )
+        == 0
+    )
     data = json.loads(report.read_text())
     assert data["summary"]["kernel_blocked"] == 0 and data["validation"]["provider"] == "CPUExecutionProvider"
 

@@ -23,15 +23,18 @@ def test_user_overrides_move_ops_between_lists(tmp_path):
         amp_rewrite.rewrite(model, allow=["Softmax"], deny=["Softmax"])
 
 
-@pytest.mark.parametrize("text, message", [
-    ("allow:\n  Softmax: a\ndeny:\n  Softmax: b\n", "'Softmax' is in both 'allow' and 'deny'"),
-    ("alow:\n  Softmax: a\n", "unknown key 'alow'"),
-    ("allow: [Softmax\n", "invalid YAML"),
-    ("a: &x [1, 2]\nb: *x\n", "aliases are not allowed"),
-    ("allow:\n  Softmax: 3\n", "must have a text reason"),
-    ("- just a list\n", "must be a mapping"),
-    ("target: float8\n", "target 'float8'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("allow:\n  Softmax: a\ndeny:\n  Softmax: b\n", "'Softmax' is in both 'allow' and 'deny'"),
+        ("alow:\n  Softmax: a\n", "unknown key 'alow'"),
+        ("allow: [Softmax\n", "invalid YAML"),
+        ("a: &x [1, 2]\nb: *x\n", "aliases are not allowed"),
+        ("allow:\n  Softmax: 3\n", "must have a text reason"),
+        ("- just a list\n", "must be a mapping"),
+        ("target: float8\n", "target 'float8'"),
+    ],
+)
 def test_bad_op_list_files_name_file_and_entry(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -45,11 +48,21 @@ def test_list_evidence_measures_each_candidate_op_in_float16(tmp_path, capsys):
     reasons quote: per-node and whole-model errors are measured, small, and finite."""
     rng = np.random.default_rng(5)
     model = make_model(
-        [node("LayerNormalization", ["x", "g", "b"], ["n"], "ln", axis=-1), node("MatMul", ["n", "W1"], ["s"], "mm1"),
-         node("Softmax", ["s"], ["p"], "sm", axis=-1), node("MatMul", ["p", "W2"], ["y"], "mm2")],
-        [tensor("x", ["B", 4, 8])], [tensor("y", ["B", 4, 8])],
-        [init("g", np.ones(8, np.float32)), init("b", np.zeros(8, np.float32)),
-         init("W1", weights(rng, 8, 8, scale=2.0)), init("W2", weights(rng, 8, 8))])
+        [
+            node("LayerNormalization", ["x", "g", "b"], ["n"], "ln", axis=-1),
+            node("MatMul", ["n", "W1"], ["s"], "mm1"),
+            node("Softmax", ["s"], ["p"], "sm", axis=-1),
+            node("MatMul", ["p", "W2"], ["y"], "mm2"),
+        ],
+        [tensor("x", ["B", 4, 8])],
+        [tensor("y", ["B", 4, 8])],
+        [
+            init("g", np.ones(8, np.float32)),
+            init("b", np.zeros(8, np.float32)),
+            init("W1", weights(rng, 8, 8, scale=2.0)),
+            init("W2", weights(rng, 8, 8)),
+        ],
+    )
     path = tmp_path / "block.onnx"
     onnx.save(model, path)
     args = [str(path), "--ops", "LayerNormalization,Softmax", "--dim", "B=2", "--markdown"]
@@ -66,7 +79,9 @@ def test_list_evidence_measures_each_candidate_op_in_float16(tmp_path, capsys):
     # "k/n": output elements outside --validate's tolerance, counted here from the models' runs too
     feeds = tool.feeds_for(model, {"B": 2})
     [want] = run_ort(model, feeds)
-    [got] = run_ort(amp_rewrite.rewrite(model, placement="cost", infer=["LayerNormalization", "Softmax"]).model, feeds)
+    [got] = run_ort(
+        amp_rewrite.rewrite(model, placement="cost", infer=["LayerNormalization", "Softmax"]).model, feeds
+    )
     outside = int(np.sum(~(np.abs(got.astype(np.float64) - want) <= 1e-3 + 1e-2 * np.abs(want))))
     assert rows["all of them"][8] == f"{outside}/64"
     # and a model whose output differs by 1.0 in exactly 5 of its 64 elements counts 5

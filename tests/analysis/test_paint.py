@@ -20,9 +20,19 @@ from amp_rewrite import ir
 from amp_rewrite.analysis import graph, paint
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import load_op_lists
-from amp_rewrite.plan import FP32, LOW, Step
 from amp_rewrite.options import RewriteOptions
-from helpers import assert_close, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
+from amp_rewrite.plan import FP32, LOW, Step
+from helpers import (
+    assert_close,
+    init,
+    make_model,
+    node,
+    random_feeds,
+    run_ort,
+    run_reference,
+    tensor,
+    weights,
+)
 
 F16 = TensorProto.FLOAT16
 
@@ -46,7 +56,11 @@ def colours(model, target="float16", keep_io_types=True):
     for v, vertex in enumerate(cg.vertices):
         name = cg.node(vertex.scope, vertex.node).name
         reason = plan.reason[v]
-        via = None if reason.via is None else cg.node(cg.vertices[reason.via].scope, cg.vertices[reason.via].node).name
+        via = (
+            None
+            if reason.via is None
+            else cg.node(cg.vertices[reason.via].scope, cg.vertices[reason.via].node).name
+        )
         entry = Painted(plan.colour[v], reason.step, via, reason.detail)
         found.setdefault(name, entry)
         found[name, vertex.group.type_param] = entry
@@ -88,11 +102,18 @@ def deny_spreads_model():
     and Exp -> Neg (clear, leads to no infer/deny op) -> z."""
     rng = np.random.default_rng(0)
     return make_model(
-        [node("Exp", ["x"], ["e"], "exp"), node("Relu", ["e"], ["r"], "relu"),
-         node("Add", ["r", "b"], ["a"], "add"), node("Tanh", ["a"], ["t"], "tanh"),
-         node("MatMul", ["t", "W"], ["y"], "mm"), node("Neg", ["e"], ["z"], "neg")],
-        [tensor("x", [2, 4])], [tensor("y", [2, 4]), tensor("z", [2, 4])],
-        [init("b", weights(rng, 4)), init("W", weights(rng, 4, 4))])
+        [
+            node("Exp", ["x"], ["e"], "exp"),
+            node("Relu", ["e"], ["r"], "relu"),
+            node("Add", ["r", "b"], ["a"], "add"),
+            node("Tanh", ["a"], ["t"], "tanh"),
+            node("MatMul", ["t", "W"], ["y"], "mm"),
+            node("Neg", ["e"], ["z"], "neg"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4]), tensor("z", [2, 4])],
+        [init("b", weights(rng, 4)), init("W", weights(rng, 4, 4))],
+    )
 
 
 def test_deny_spreads_forward_through_infer_and_clear_ops():
@@ -111,10 +132,16 @@ def test_deny_does_not_spread_into_allow_and_stops_at_an_allow_op():
     """Exp -> MatMul -> Add: the allow op stays low and the infer op after it is not downstream of deny."""
     rng = np.random.default_rng(1)
     model = make_model(
-        [node("Exp", ["x"], ["e"], "exp"), node("MatMul", ["e", "W"], ["m"], "mm"),
-         node("Add", ["m", "b"], ["a"], "add"), node("MatMul", ["a", "W2"], ["y"], "mm2")],
-        [tensor("x", [2, 4])], [tensor("y", [2, 4])],
-        [init("W", weights(rng, 4, 4)), init("b", weights(rng, 4)), init("W2", weights(rng, 4, 4))])
+        [
+            node("Exp", ["x"], ["e"], "exp"),
+            node("MatMul", ["e", "W"], ["m"], "mm"),
+            node("Add", ["m", "b"], ["a"], "add"),
+            node("MatMul", ["a", "W2"], ["y"], "mm2"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4])],
+        [init("W", weights(rng, 4, 4)), init("b", weights(rng, 4)), init("W2", weights(rng, 4, 4))],
+    )
     c = colours(model)
     assert c["exp"][:2] == (FP32, Step.DENY_LIST)
     assert c["mm"] == (LOW, Step.ALLOW_LIST, None, None)
@@ -127,11 +154,18 @@ def between_allow_model():
     MatMul -> Sigmoid (infer, leads to no allow op) -> z."""
     rng = np.random.default_rng(2)
     return make_model(
-        [node("Sigmoid", ["x"], ["s0"], "sig_before"), node("MatMul", ["s0", "W1"], ["m1"], "mm1"),
-         node("Add", ["m1", "b"], ["a"], "add"), node("Tanh", ["a"], ["t"], "tanh"),
-         node("MatMul", ["t", "W2"], ["y"], "mm2"), node("Sigmoid", ["m1"], ["z"], "sig_after")],
-        [tensor("x", [2, 4])], [tensor("y", [2, 4]), tensor("z", [2, 4])],
-        [init("W1", weights(rng, 4, 4)), init("b", weights(rng, 4)), init("W2", weights(rng, 4, 4))])
+        [
+            node("Sigmoid", ["x"], ["s0"], "sig_before"),
+            node("MatMul", ["s0", "W1"], ["m1"], "mm1"),
+            node("Add", ["m1", "b"], ["a"], "add"),
+            node("Tanh", ["a"], ["t"], "tanh"),
+            node("MatMul", ["t", "W2"], ["y"], "mm2"),
+            node("Sigmoid", ["m1"], ["z"], "sig_after"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4]), tensor("z", [2, 4])],
+        [init("W1", weights(rng, 4, 4)), init("b", weights(rng, 4)), init("W2", weights(rng, 4, 4))],
+    )
 
 
 def test_infer_ops_between_two_allow_ops_are_low_and_others_stay_float32():
@@ -157,11 +191,18 @@ def clear_both_ways_model():
     x -> Sigmoid (infer, float32) -> Neg (clear, next to no low op) -> z."""
     rng = np.random.default_rng(3)
     return make_model(
-        [node("Transpose", ["x"], ["xt"], "transpose", perm=[1, 0]), node("MatMul", ["xt", "W"], ["m"], "mm"),
-         node("Reshape", ["m", "shape"], ["r"], "reshape"), node("Relu", ["r"], ["y"], "relu"),
-         node("Sigmoid", ["x"], ["s"], "sig"), node("Neg", ["s"], ["z"], "neg")],
-        [tensor("x", [4, 2])], [tensor("y", [8]), tensor("z", [4, 2])],
-        [init("W", weights(rng, 4, 4)), init("shape", np.array([8], np.int64))])
+        [
+            node("Transpose", ["x"], ["xt"], "transpose", perm=[1, 0]),
+            node("MatMul", ["xt", "W"], ["m"], "mm"),
+            node("Reshape", ["m", "shape"], ["r"], "reshape"),
+            node("Relu", ["r"], ["y"], "relu"),
+            node("Sigmoid", ["x"], ["s"], "sig"),
+            node("Neg", ["s"], ["z"], "neg"),
+        ],
+        [tensor("x", [4, 2])],
+        [tensor("y", [8]), tensor("z", [4, 2])],
+        [init("W", weights(rng, 4, 4)), init("shape", np.array([8], np.int64))],
+    )
 
 
 def test_clear_ops_take_low_precision_from_both_sides():
@@ -180,11 +221,17 @@ def cast_model():
     MatMul -> Cast(to=float) -> LogSoftmax (deny, a float32 reader) -> z."""
     rng = np.random.default_rng(4)
     return make_model(
-        [node("MatMul", ["x", "W1"], ["m"], "mm1"),
-         node("Cast", ["m"], ["c_low"], "cast_low", to=TensorProto.FLOAT), node("MatMul", ["c_low", "W2"], ["y"], "mm2"),
-         node("Cast", ["m"], ["c_f32"], "cast_f32", to=TensorProto.FLOAT), node("LogSoftmax", ["c_f32"], ["z"], "softmax")],
-        [tensor("x", [2, 4])], [tensor("y", [2, 4]), tensor("z", [2, 4])],
-        [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))])
+        [
+            node("MatMul", ["x", "W1"], ["m"], "mm1"),
+            node("Cast", ["m"], ["c_low"], "cast_low", to=TensorProto.FLOAT),
+            node("MatMul", ["c_low", "W2"], ["y"], "mm2"),
+            node("Cast", ["m"], ["c_f32"], "cast_f32", to=TensorProto.FLOAT),
+            node("LogSoftmax", ["c_f32"], ["z"], "softmax"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4]), tensor("z", [2, 4])],
+        [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))],
+    )
 
 
 def test_cast_whose_readers_are_all_low_is_retargeted_and_one_with_a_float32_reader_is_not():
@@ -204,10 +251,15 @@ def test_cast_that_is_also_a_graph_output_keeps_its_type():
     """A Cast read only by a low op but also a graph output stays float32: the output keeps its type."""
     rng = np.random.default_rng(5)
     model = make_model(
-        [node("MatMul", ["x", "W1"], ["m"], "mm1"), node("Cast", ["m"], ["c"], "cast", to=TensorProto.FLOAT),
-         node("MatMul", ["c", "W2"], ["y"], "mm2")],
-        [tensor("x", [2, 4])], [tensor("y", [2, 4]), tensor("c", [2, 4])],
-        [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))])
+        [
+            node("MatMul", ["x", "W1"], ["m"], "mm1"),
+            node("Cast", ["m"], ["c"], "cast", to=TensorProto.FLOAT),
+            node("MatMul", ["c", "W2"], ["y"], "mm2"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4]), tensor("c", [2, 4])],
+        [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))],
+    )
     c = colours(model)
     assert c["cast", "T2"][:2] == (FP32, Step.NOT_PAINTED)
     assert c["cast", "T2"].detail.startswith("output typed by an attribute")
@@ -217,8 +269,11 @@ def test_cast_that_is_also_a_graph_output_keeps_its_type():
 
 def test_without_an_allow_op_nothing_is_painted():
     """As TensorFlow: without allow ops the casts cannot pay off, so every vertex stays float32."""
-    model = make_model([node("Add", ["x", "x"], ["a"], "add"), node("Relu", ["a"], ["y"], "relu")],
-                       [tensor("x", [2, 4])], [tensor("y", [2, 4])])
+    model = make_model(
+        [node("Add", ["x", "x"], ["a"], "add"), node("Relu", ["a"], ["y"], "relu")],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4])],
+    )
     c = colours(model)
     assert {entry[0] for entry in c.values()} == {FP32}
     assert not amp_rewrite.rewrite(model).changed

@@ -8,11 +8,21 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 
 from amp_rewrite import ir, rewrite
-from amp_rewrite.checks import fallback
 from amp_rewrite.analysis import graph, kernels, paint, placement
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import load_op_lists
-from helpers import assert_close, init, load_tool, make_model, node, random_feeds, run_ort, run_reference, tensor
+from amp_rewrite.checks import fallback
+from helpers import (
+    assert_close,
+    init,
+    load_tool,
+    make_model,
+    node,
+    random_feeds,
+    run_ort,
+    run_reference,
+    tensor,
+)
 
 random_models = load_tool("strategies").random_models  # the DAG strategy of the property tests
 
@@ -20,8 +30,14 @@ random_models = load_tool("strategies").random_models  # the DAG strategy of the
 def _colouring_graph(model, target="float16"):
     scopes = ir.read_scopes(model.graph)
     types, shapes = tensor_types(model, scopes=scopes)
-    return graph.build(model, load_op_lists(target), types=types, shapes=shapes, scopes=scopes,
-                       kernel_check=kernels.check_for("cuda", target))
+    return graph.build(
+        model,
+        load_op_lists(target),
+        types=types,
+        shapes=shapes,
+        scopes=scopes,
+        kernel_check=kernels.check_for("cuda", target),
+    )
 
 
 def _low(cg, plan):
@@ -39,8 +55,11 @@ def test_cost_never_moves_more_bytes_than_tf_and_is_optimal(model):
     free = [v for v, r in cost.reason.items() if r.step is paint.Step.COST_PLACEMENT]
     if len(free) <= 10:  # exact: no labelling of the free vertices moves fewer bytes
         fixed = _low(cg, cost) - set(free)
-        best = min(placement.estimate(cg, fixed | set(chosen))
-                   for k in range(len(free) + 1) for chosen in itertools.combinations(free, k))
+        best = min(
+            placement.estimate(cg, fixed | set(chosen))
+            for k in range(len(free) + 1)
+            for chosen in itertools.combinations(free, k)
+        )
         assert cost_bytes == best
 
 
@@ -65,11 +84,19 @@ def _tail_model():
     """MatMul -> Add(bias) -> Relu -> output: TF keeps the tail float32 (not between two allow ops),
     so the cast sits after the MatMul; the cut moves it to the output, after two cheaper ops."""
     rng = np.random.default_rng(7)
-    return make_model([node("MatMul", ["x", "w"], ["h"], name="mm"), node("Add", ["h", "b"], ["a"], name="bias"),
-                       node("Relu", ["a"], ["y"], name="relu")],
-                      [tensor("x", [4, 16])], [tensor("y", [4, 16])],
-                      [init("w", rng.standard_normal((16, 16)).astype(np.float32) / 4),
-                       init("b", rng.standard_normal(16).astype(np.float32))])
+    return make_model(
+        [
+            node("MatMul", ["x", "w"], ["h"], name="mm"),
+            node("Add", ["h", "b"], ["a"], name="bias"),
+            node("Relu", ["a"], ["y"], name="relu"),
+        ],
+        [tensor("x", [4, 16])],
+        [tensor("y", [4, 16])],
+        [
+            init("w", rng.standard_normal((16, 16)).astype(np.float32) / 4),
+            init("b", rng.standard_normal(16).astype(np.float32)),
+        ],
+    )
 
 
 def test_cut_reason_and_report_figures():
@@ -81,7 +108,9 @@ def test_cut_reason_and_report_figures():
     assert "in float16: cost placement: its own bytes outweigh every cast it can cause" in because
     s_tf, s_cost = tf.report.summary, cost.report.summary
     assert s_cost["placement"] == "cost" and s_tf["placement"] == "tf"
-    assert s_cost["bytes_moved"] < s_tf["bytes_moved"] and s_cost["bytes_moved"] < s_cost["bytes_moved_float32"]
+    assert (
+        s_cost["bytes_moved"] < s_tf["bytes_moved"] and s_cost["bytes_moved"] < s_cost["bytes_moved_float32"]
+    )
     assert "estimated bytes moved (cost placement)" in cost.report.to_text()
     feeds = random_feeds(model, seed=2)
     expected = run_ort(model, feeds)[0]
@@ -119,17 +148,34 @@ def _tied_model():
     worklist's order, and that order (a set of auxiliary vertices keyed by tensor names) moved
     with the hash seed: e2b6d8b's rewrite differed between PYTHONHASHSEED=1 and 2."""
     rng = np.random.default_rng(0)
-    ln = [init(f"{p}{i}", np.ones(4, np.float32) if p == "s" else np.zeros(4, np.float32))
-          for i in (2, 5, 6) for p in ("s", "b")]
+    ln = [
+        init(f"{p}{i}", np.ones(4, np.float32) if p == "s" else np.zeros(4, np.float32))
+        for i in (2, 5, 6)
+        for p in ("s", "b")
+    ]
     return make_model(
-        [node("Cast", ["x"], ["t0"], to=1), node("Mul", ["t0", "c"], ["t1"]),
-         node("LayerNormalization", ["x", "s2", "b2"], ["t2"]), node("Sub", ["x", "t1"], ["t3"]),
-         node("Add", ["t2", "t2"], ["t4"]), node("LayerNormalization", ["t1", "s5", "b5"], ["t5"]),
-         node("LayerNormalization", ["x", "s6", "b6"], ["t6"]), node("Mul", ["t4", "t5"], ["t7"]),
-         node("MatMul", ["t5", "W8"], ["t8"]), node("Cast", ["t1"], ["t9"], to=1),
-         node("Mul", ["t0", "c"], ["t10"]), node("Cast", ["t10"], ["t11"], to=1)],
-        [tensor("x", [2, 4])], [tensor(t, [2, 4]) for t in ("t3", "t6", "t7", "t8", "t9", "t11")],
-        [init("c", np.array(0.5, np.float32)), *ln, init("W8", rng.standard_normal((4, 4)).astype(np.float32))])
+        [
+            node("Cast", ["x"], ["t0"], to=1),
+            node("Mul", ["t0", "c"], ["t1"]),
+            node("LayerNormalization", ["x", "s2", "b2"], ["t2"]),
+            node("Sub", ["x", "t1"], ["t3"]),
+            node("Add", ["t2", "t2"], ["t4"]),
+            node("LayerNormalization", ["t1", "s5", "b5"], ["t5"]),
+            node("LayerNormalization", ["x", "s6", "b6"], ["t6"]),
+            node("Mul", ["t4", "t5"], ["t7"]),
+            node("MatMul", ["t5", "W8"], ["t8"]),
+            node("Cast", ["t1"], ["t9"], to=1),
+            node("Mul", ["t0", "c"], ["t10"]),
+            node("Cast", ["t10"], ["t11"], to=1),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor(t, [2, 4]) for t in ("t3", "t6", "t7", "t8", "t9", "t11")],
+        [
+            init("c", np.array(0.5, np.float32)),
+            *ln,
+            init("W8", rng.standard_normal((4, 4)).astype(np.float32)),
+        ],
+    )
 
 
 def test_rewrite_is_the_same_under_every_hash_seed(tmp_path):
@@ -140,10 +186,20 @@ def test_rewrite_is_the_same_under_every_hash_seed(tmp_path):
 
     path = tmp_path / "tied.onnx"
     path.write_bytes(_tied_model().SerializeToString())
-    script = ("import hashlib, sys, amp_rewrite; "
-              "print(hashlib.sha256(amp_rewrite.rewrite(sys.argv[1]).model.SerializeToString()).hexdigest())")
-    digests = {subprocess.run([sys.executable, "-c", script, str(path)], check=True, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    script = (
+        "import hashlib, sys, amp_rewrite; "
+        "print(hashlib.sha256(amp_rewrite.rewrite(sys.argv[1]).model.SerializeToString()).hexdigest())"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script, str(path)],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert len(digests) == 1
     with_this_process = hashlib.sha256(rewrite(_tied_model()).model.SerializeToString()).hexdigest()
     assert digests == {with_this_process + "\n"}

@@ -11,7 +11,6 @@ import pytest
 from onnx import TensorProto, helper
 
 import amp_rewrite
-
 from amp_rewrite.autodiff import build_gradient_graph, covered_ops, register_gradient
 from amp_rewrite.errors import GradientError
 from helpers import init, make_model, node, run_ort, tensor
@@ -22,11 +21,20 @@ W = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)  # a con
 def linear_model(opset=17, extra_nodes=(), extra_inits=()):
     """loss = mean(relu(x @ W + b)^2) with a dynamic batch; `unused` is a float initializer off the path."""
     nodes = [
-        node("MatMul", ["x", "W"], ["h0"]), node("Add", ["h0", "b"], ["h1"]), node("Relu", ["h1"], ["h"]),
-        node("Mul", ["h", "h"], ["sq"]), node("ReduceMean", ["sq"], ["loss"], keepdims=0), *extra_nodes,
+        node("MatMul", ["x", "W"], ["h0"]),
+        node("Add", ["h0", "b"], ["h1"]),
+        node("Relu", ["h1"], ["h"]),
+        node("Mul", ["h", "h"], ["sq"]),
+        node("ReduceMean", ["sq"], ["loss"], keepdims=0),
+        *extra_nodes,
     ]
-    inits = [init("W", W), init("b", np.array([0.1, -0.2], np.float32)), init("unused", np.ones(2, np.float32)),
-             init("shape", np.array([2], np.int64)), *extra_inits]
+    inits = [
+        init("W", W),
+        init("b", np.array([0.1, -0.2], np.float32)),
+        init("unused", np.ones(2, np.float32)),
+        init("shape", np.array([2], np.int64)),
+        *extra_inits,
+    ]
     return make_model(nodes, [tensor("x", ["N", 3])], [tensor("loss", [])], inits, opset=opset)
 
 
@@ -38,7 +46,7 @@ def outputs(model, values):
     return dict(zip([o.name for o in model.graph.output], run_ort(model, values)))
 
 
-def numpy_grads(x, b=np.array([0.1, -0.2], np.float32), relu=True):
+def numpy_grads(x, b=np.array([0.1, -0.2], np.float32), relu=True):  # noqa: B008 - read-only
     h1 = x @ W + b
     dh = 2 * np.maximum(h1, 0) / h1.size * (h1 > 0) if relu else 2 * h1 / h1.size
     return {"W": x.T @ dh, "b": dh.sum(0)}
@@ -49,7 +57,11 @@ def test_structure_names_opset_and_forward_outputs_are_kept():
     grad = build_gradient_graph(model, "loss")
     onnx.checker.check_model(grad, full_check=True)
     assert grad.ir_version == model.ir_version and grad.opset_import == model.opset_import
-    assert [o.name for o in grad.graph.output] == ["loss", "W_grad", "b_grad"]  # default wrt: used float inits
+    assert [o.name for o in grad.graph.output] == [
+        "loss",
+        "W_grad",
+        "b_grad",
+    ]  # default wrt: used float inits
     forward = {n.name for n in model.graph.node}
     assert all(n.name in forward or n.name.startswith("grad/") for n in grad.graph.node)
     assert all(n.domain == "" for n in grad.graph.node)
@@ -97,9 +109,15 @@ def test_unconnected_sources_none_or_zeros():
 
 def test_stop_gradient_blocks_one_path():
     """loss = sum(h * stop(h)) with h = x*w: only one factor carries a gradient, so it halves."""
-    nodes = [node("Mul", ["x", "w"], ["h"]), node("Identity", ["h"], ["h_const"]), node("Mul", ["h", "h_const"], ["sq"]),
-             node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
-    model = make_model(nodes, [tensor("x", ["N", 2])], [tensor("loss", [])], [init("w", np.array([0.5, -2.0], np.float32))])
+    nodes = [
+        node("Mul", ["x", "w"], ["h"]),
+        node("Identity", ["h"], ["h_const"]),
+        node("Mul", ["h", "h_const"], ["sq"]),
+        node("ReduceSum", ["sq"], ["loss"], keepdims=0),
+    ]
+    model = make_model(
+        nodes, [tensor("x", ["N", 2])], [tensor("loss", [])], [init("w", np.array([0.5, -2.0], np.float32))]
+    )
     values = {"x": np.random.default_rng(2).standard_normal((3, 2)).astype(np.float32)}
     full = outputs(build_gradient_graph(model, "loss"), values)["w_grad"]
     half = outputs(build_gradient_graph(model, "loss", stop_gradients=["h_const"]), values)["w_grad"]
@@ -131,7 +149,9 @@ def test_loss_as_its_own_source_and_non_scalar_loss_seeded_with_ones():
 def test_missing_rule_is_one_clear_error():
     model = linear_model()
     model.graph.node[2].op_type = "Shrink"  # no rule for Shrink
-    with pytest.raises(GradientError, match=r"no gradient rule for op Shrink \(node 'Relu_h'\).*stop_gradients"):
+    with pytest.raises(
+        GradientError, match=r"no gradient rule for op Shrink \(node 'Relu_h'\).*stop_gradients"
+    ):
         build_gradient_graph(model, "loss")
     # stopping the gradient before the op makes the graph buildable
     build_gradient_graph(model, "loss", ["W"], stop_gradients=["h1"], unconnected="zeros")
@@ -157,13 +177,17 @@ def test_opset_13_uses_attribute_forms_and_runs():
     grad = build_gradient_graph(linear_model(opset=13), "loss")
     onnx.checker.check_model(grad, full_check=True)
     values = feeds()
-    np.testing.assert_allclose(outputs(grad, values)["W_grad"], numpy_grads(values["x"])["W"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        outputs(grad, values)["W_grad"], numpy_grads(values["x"])["W"], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_scatter_rules_explain_the_opset_they_need():
     emb = init("E", np.random.default_rng(2).standard_normal((5, 2)).astype(np.float32))
     nodes = [node("GatherElements", ["E", "ids"], ["e"]), node("ReduceSum", ["e"], ["loss"], keepdims=0)]
-    model = make_model(nodes, [tensor("ids", ["N", 2], TensorProto.INT64)], [tensor("loss", [])], [emb], opset=13)
+    model = make_model(
+        nodes, [tensor("ids", ["N", 2], TensorProto.INT64)], [tensor("loss", [])], [emb], opset=13
+    )
     with pytest.raises(GradientError, match="GatherElements node 'GatherElements_e'.*opset 16"):
         build_gradient_graph(model, "loss")
 
@@ -177,6 +201,7 @@ def test_old_opsets_are_refused_clearly():
 
 def test_custom_rule_can_be_registered():
     try:
+
         @register_gradient("Shrink", differentiable=(0,))
         def shrink_grad(ctx):
             """dY where |x| > lambd (bias 0), else 0."""
@@ -204,11 +229,16 @@ def test_build_time_is_linear_in_graph_size():
     def chain(length):
         nodes, prev = [], "x"
         for i in range(length):
-            nodes += [node("Mul", [prev, "W"], [f"m{i}"]), node("Tanh", [f"m{i}"], [f"t{i}"]),
-                      node("Add", [prev, f"t{i}"], [f"r{i}"])]
+            nodes += [
+                node("Mul", [prev, "W"], [f"m{i}"]),
+                node("Tanh", [f"m{i}"], [f"t{i}"]),
+                node("Add", [prev, f"t{i}"], [f"r{i}"]),
+            ]
             prev = f"r{i}"
         nodes.append(node("ReduceSum", [prev], ["loss"], keepdims=0))
-        return make_model(nodes, [tensor("x", ["N", 2])], [tensor("loss", [])], [init("W", np.ones(2, np.float32))])
+        return make_model(
+            nodes, [tensor("x", ["N", 2])], [tensor("loss", [])], [init("W", np.ones(2, np.float32))]
+        )
 
     def seconds(model):
         start = time.perf_counter()
@@ -236,10 +266,17 @@ def test_gradient_graph_goes_through_the_amp_rewrite():
 def test_dropout_gradient_uses_the_forward_mask(training):
     """Random masks defeat finite differences: check dX = R * mask / (1 - ratio) from the same run."""
     r = np.random.default_rng(2).standard_normal((4, 6)).astype(np.float32)
-    nodes = [node("Dropout", ["x", "ratio", "training"], ["y"], seed=3), node("Mul", ["y", "R"], ["yr"]),
-             node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
-    model = make_model(nodes, [tensor("x", ["N", 6]), tensor("training", [], TensorProto.BOOL)], [tensor("loss", [])],
-                       [init("ratio", np.array(0.3, np.float32)), init("R", r)])
+    nodes = [
+        node("Dropout", ["x", "ratio", "training"], ["y"], seed=3),
+        node("Mul", ["y", "R"], ["yr"]),
+        node("ReduceSum", ["yr"], ["loss"], keepdims=0),
+    ]
+    model = make_model(
+        nodes,
+        [tensor("x", ["N", 6]), tensor("training", [], TensorProto.BOOL)],
+        [tensor("loss", [])],
+        [init("ratio", np.array(0.3, np.float32)), init("R", r)],
+    )
     grad = build_gradient_graph(model, "loss", ["x"])
     grad.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
     x = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)

@@ -24,4 +24,6 @@ def test_every_required_op_has_a_rule_and_a_case():
 
 def test_coverage_table_is_up_to_date():
     tool = load_tool("autodiff_coverage", needs=["autodiff_cases"])
-    assert (ROOT / "docs" / "autodiff_ops.md").read_text() == tool.render(), "run python tools/autodiff_coverage.py --write"
+    assert (ROOT / "docs" / "autodiff_ops.md").read_text() == tool.render(), (
+        "run python tools/autodiff_coverage.py --write"
+    )

@@ -25,7 +25,10 @@ TOLERANCE = 1e-4
 
 def make(nodes, inputs, weights, opset=17, outputs=("loss",)):
     graph = helper.make_graph(
-        nodes, "m", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None if o != "loss" else []) for o in outputs],
+        nodes,
+        "m",
+        inputs,
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None if o != "loss" else []) for o in outputs],
         [numpy_helper.from_array(v, k) for k, v in weights.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION)
@@ -68,8 +71,10 @@ def check_float16_rewrite(grad_model, feeds, float32_outputs, trainable):
     from amp_rewrite import rewrite
 
     result = rewrite(grad_model, target="float16")
-    assert any(n.name.startswith("grad/") and n.op_type in ("MatMul", "Gemm", "Conv", "ConvTranspose")
-               for n in result.model.graph.node)
+    assert any(
+        n.name.startswith("grad/") and n.op_type in ("MatMul", "Gemm", "Conv", "ConvTranspose")
+        for n in result.model.graph.node
+    )
     outputs = [o.name for o in result.model.graph.output]
     low = dict(zip(outputs, session(result.model).run(None, feeds)))
     for name in trainable:
@@ -82,12 +87,16 @@ def test_mlp_matches_torch():
     rng = np.random.default_rng(0)
     w = {"W1": f32(rng, 8, 16), "b1": f32(rng, 16), "W2": f32(rng, 4, 16), "b2": f32(rng, 4)}
     nodes = [
-        n("MatMul", ["x", "W1"], ["h0"]), n("Add", ["h0", "b1"], ["h1"]), n("Relu", ["h1"], ["h"]),
+        n("MatMul", ["x", "W1"], ["h0"]),
+        n("Add", ["h0", "b1"], ["h1"]),
+        n("Relu", ["h1"], ["h"]),
         n("Gemm", ["h", "W2", "b2"], ["logits"], transB=1),
         n("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"]),
     ]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8]),
-              helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"])]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8]),
+        helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"]),
+    ]
     feeds = {"x": f32(rng, 5, 8, scale=1.0), "labels": rng.integers(0, 4, 5).astype(np.int64)}
 
     def reference(p, x):
@@ -101,11 +110,19 @@ def test_mlp_matches_torch():
 def test_resnet_block_matches_torch():
     rng = np.random.default_rng(1)
     w = {
-        "w1": f32(rng, 4, 3, 3, 3), "s1": 1 + f32(rng, 4, scale=0.1), "b1": f32(rng, 4, scale=0.1),
-        "m1": np.zeros(4, np.float32), "v1": np.ones(4, np.float32),
-        "w2": f32(rng, 4, 4, 3, 3), "s2": 1 + f32(rng, 4, scale=0.1), "b2": f32(rng, 4, scale=0.1),
-        "m2": f32(rng, 4, scale=0.1), "v2": 1 + np.abs(f32(rng, 4, scale=0.1)),
-        "w3": f32(rng, 4, 3, 1, 1), "wf": f32(rng, 5, 4), "bf": f32(rng, 5),
+        "w1": f32(rng, 4, 3, 3, 3),
+        "s1": 1 + f32(rng, 4, scale=0.1),
+        "b1": f32(rng, 4, scale=0.1),
+        "m1": np.zeros(4, np.float32),
+        "v1": np.ones(4, np.float32),
+        "w2": f32(rng, 4, 4, 3, 3),
+        "s2": 1 + f32(rng, 4, scale=0.1),
+        "b2": f32(rng, 4, scale=0.1),
+        "m2": f32(rng, 4, scale=0.1),
+        "v2": 1 + np.abs(f32(rng, 4, scale=0.1)),
+        "w3": f32(rng, 4, 3, 1, 1),
+        "wf": f32(rng, 5, 4),
+        "bf": f32(rng, 5),
     }
     nodes = [
         n("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
@@ -114,21 +131,29 @@ def test_resnet_block_matches_torch():
         n("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
         n("BatchNormalization", ["c2", "s2", "b2", "m2", "v2"], ["n2"]),
         n("Conv", ["x", "w3"], ["skip"]),
-        n("Add", ["n2", "skip"], ["sum"]), n("Relu", ["sum"], ["r2"]),
+        n("Add", ["n2", "skip"], ["sum"]),
+        n("Relu", ["sum"], ["r2"]),
         n("MaxPool", ["r2"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
         n("AveragePool", ["p1"], ["p2"], kernel_shape=[2, 2], strides=[1, 1]),
-        n("GlobalAveragePool", ["p2"], ["g"]), n("Flatten", ["g"], ["flat"]),
+        n("GlobalAveragePool", ["p2"], ["g"]),
+        n("Flatten", ["g"], ["flat"]),
         n("Gemm", ["flat", "wf", "bf"], ["logits"], transB=1),
         n("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"]),
     ]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6]),
-              helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"])]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6]),
+        helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"]),
+    ]
     feeds = {"x": f32(rng, 3, 3, 6, 6, scale=1.0), "labels": rng.integers(0, 5, 3).astype(np.int64)}
 
     def reference(p, x):
         h = F.conv2d(x["x"], p["w1"], padding=1)
-        h = F.relu(F.batch_norm(h, p["m1"].clone(), p["v1"].clone(), p["s1"], p["b1"], training=True, eps=1e-5))
-        h = F.batch_norm(F.conv2d(h, p["w2"], padding=1), p["m2"], p["v2"], p["s2"], p["b2"], training=False, eps=1e-5)
+        h = F.relu(
+            F.batch_norm(h, p["m1"].clone(), p["v1"].clone(), p["s1"], p["b1"], training=True, eps=1e-5)
+        )
+        h = F.batch_norm(
+            F.conv2d(h, p["w2"], padding=1), p["m2"], p["v2"], p["s2"], p["b2"], training=False, eps=1e-5
+        )
         h = F.relu(h + F.conv2d(x["x"], p["w3"]))
         h = F.avg_pool2d(F.max_pool2d(h, 2, 2), 2, 1)
         logits = h.mean(dim=(2, 3)) @ p["wf"].T + p["bf"]
@@ -144,10 +169,21 @@ def test_conv_transpose_upsampler_matches_torch(group):
     """A DBNet-style head: ConvTranspose stride 2 with output padding (grouped too), then a loss."""
     rng = np.random.default_rng(2)
     w = {"wt": f32(rng, 4, 6 // group, 3, 3), "bt": f32(rng, 6, scale=0.1), "wf": f32(rng, 3, 6, 1, 1)}
-    nodes = [n("ConvTranspose", ["x", "wt", "bt"], ["up"], strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1],
-               group=group),
-             n("Relu", ["up"], ["r"]), n("Conv", ["r", "wf"], ["y"]), n("Mul", ["y", "y"], ["sq"]),
-             n("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    nodes = [
+        n(
+            "ConvTranspose",
+            ["x", "wt", "bt"],
+            ["up"],
+            strides=[2, 2],
+            pads=[1, 1, 1, 1],
+            output_padding=[1, 1],
+            group=group,
+        ),
+        n("Relu", ["up"], ["r"]),
+        n("Conv", ["r", "wf"], ["y"]),
+        n("Mul", ["y", "y"], ["sq"]),
+        n("ReduceMean", ["sq"], ["loss"], keepdims=0),
+    ]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 3, 5])]
     feeds = {"x": f32(rng, 2, 4, 3, 5, scale=1.0)}
 
@@ -163,35 +199,67 @@ def test_transformer_block_matches_torch():
     d, heads, t, vocab = 8, 2, 4, 10
     dh = d // heads
     w = {
-        "emb": f32(rng, vocab, d), "pos": f32(rng, t, d), "g1": 1 + f32(rng, d, scale=0.1), "be1": f32(rng, d, scale=0.1),
-        "wq": f32(rng, d, d), "wk": f32(rng, d, d), "wv": f32(rng, d, d), "wo": f32(rng, d, d),
-        "g2": 1 + f32(rng, d, scale=0.1), "be2": f32(rng, d, scale=0.1),
-        "w1": f32(rng, d, 2 * d), "c1": f32(rng, 2 * d, scale=0.1), "w2": f32(rng, 2 * d, d), "c2": f32(rng, d, scale=0.1),
-        "heads_shape": np.array([0, 0, heads, dh], np.int64), "model_shape": np.array([0, 0, d], np.int64),
-        "scale": np.array(math.sqrt(dh), np.float32), "half": np.array(0.5, np.float32),
-        "one": np.array(1.0, np.float32), "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32),
+        "emb": f32(rng, vocab, d),
+        "pos": f32(rng, t, d),
+        "g1": 1 + f32(rng, d, scale=0.1),
+        "be1": f32(rng, d, scale=0.1),
+        "wq": f32(rng, d, d),
+        "wk": f32(rng, d, d),
+        "wv": f32(rng, d, d),
+        "wo": f32(rng, d, d),
+        "g2": 1 + f32(rng, d, scale=0.1),
+        "be2": f32(rng, d, scale=0.1),
+        "w1": f32(rng, d, 2 * d),
+        "c1": f32(rng, 2 * d, scale=0.1),
+        "w2": f32(rng, 2 * d, d),
+        "c2": f32(rng, d, scale=0.1),
+        "heads_shape": np.array([0, 0, heads, dh], np.int64),
+        "model_shape": np.array([0, 0, d], np.int64),
+        "scale": np.array(math.sqrt(dh), np.float32),
+        "half": np.array(0.5, np.float32),
+        "one": np.array(1.0, np.float32),
+        "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32),
     }
     nodes = [
-        n("Gather", ["emb", "tokens"], ["e"]), n("Add", ["e", "pos"], ["x"]),
+        n("Gather", ["emb", "tokens"], ["e"]),
+        n("Add", ["e", "pos"], ["x"]),
         n("LayerNormalization", ["x", "g1", "be1"], ["ln1"]),
         *[n("MatMul", ["ln1", f"w{k}"], [f"{k}0"]) for k in "qkv"],
         *[n("Reshape", [f"{k}0", "heads_shape"], [f"{k}1"]) for k in "qkv"],
-        n("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]), n("Transpose", ["k1"], ["kT"], perm=[0, 2, 3, 1]),
+        n("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]),
+        n("Transpose", ["k1"], ["kT"], perm=[0, 2, 3, 1]),
         n("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]),
-        n("MatMul", ["q", "kT"], ["s0"]), n("Div", ["s0", "scale"], ["s"]), n("Softmax", ["s"], ["a"], axis=-1),
-        n("MatMul", ["a", "v"], ["o0"]), n("Transpose", ["o0"], ["o1"], perm=[0, 2, 1, 3]),
-        n("Reshape", ["o1", "model_shape"], ["o2"]), n("MatMul", ["o2", "wo"], ["o"]), n("Add", ["x", "o"], ["x2"]),
+        n("MatMul", ["q", "kT"], ["s0"]),
+        n("Div", ["s0", "scale"], ["s"]),
+        n("Softmax", ["s"], ["a"], axis=-1),
+        n("MatMul", ["a", "v"], ["o0"]),
+        n("Transpose", ["o0"], ["o1"], perm=[0, 2, 1, 3]),
+        n("Reshape", ["o1", "model_shape"], ["o2"]),
+        n("MatMul", ["o2", "wo"], ["o"]),
+        n("Add", ["x", "o"], ["x2"]),
         n("LayerNormalization", ["x2", "g2", "be2"], ["ln2"]),
-        n("MatMul", ["ln2", "w1"], ["f0"]), n("Add", ["f0", "c1"], ["f1"]),
-        n("Mul", ["f1", "inv_sqrt2"], ["f2"]), n("Erf", ["f2"], ["f3"]), n("Add", ["f3", "one"], ["f4"]),
-        n("Mul", ["f1", "f4"], ["f5"]), n("Mul", ["f5", "half"], ["gelu"]),
-        n("MatMul", ["gelu", "w2"], ["f6"]), n("Add", ["f6", "c2"], ["f7"]), n("Add", ["x2", "f7"], ["out"]),
-        n("Sub", ["out", "target"], ["diff"]), n("Mul", ["diff", "diff"], ["sq"]),
+        n("MatMul", ["ln2", "w1"], ["f0"]),
+        n("Add", ["f0", "c1"], ["f1"]),
+        n("Mul", ["f1", "inv_sqrt2"], ["f2"]),
+        n("Erf", ["f2"], ["f3"]),
+        n("Add", ["f3", "one"], ["f4"]),
+        n("Mul", ["f1", "f4"], ["f5"]),
+        n("Mul", ["f5", "half"], ["gelu"]),
+        n("MatMul", ["gelu", "w2"], ["f6"]),
+        n("Add", ["f6", "c2"], ["f7"]),
+        n("Add", ["x2", "f7"], ["out"]),
+        n("Sub", ["out", "target"], ["diff"]),
+        n("Mul", ["diff", "diff"], ["sq"]),
         n("ReduceMean", ["sq"], ["loss"], keepdims=0),
     ]
-    inputs = [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["N", t]),
-              helper.make_tensor_value_info("target", TensorProto.FLOAT, ["N", t, d])]
-    feeds = {"tokens": rng.integers(0, vocab, (3, t)).astype(np.int64), "target": f32(rng, 3, t, d, scale=1.0)}
+    inputs = [
+        helper.make_tensor_value_info("tokens", TensorProto.INT64, ["N", t]),
+        helper.make_tensor_value_info("target", TensorProto.FLOAT, ["N", t, d]),
+    ]
+    feeds = {
+        "tokens": rng.integers(0, vocab, (3, t)).astype(np.int64),
+        "target": f32(rng, 3, t, d, scale=1.0),
+    }
 
     def reference(p, x):
         h = p["emb"][x["tokens"]] + p["pos"]

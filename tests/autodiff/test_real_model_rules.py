@@ -26,14 +26,21 @@ FLOAT = TensorProto.FLOAT
 def loss_model(nodes, inputs, weights, out_shape, opset=17, seed=5, elem=FLOAT):
     """nodes -> y, then loss = sum(y * R); returns the model and R."""
     r = np.random.default_rng(seed).standard_normal(out_shape).astype(np.float32)
-    nodes = [*nodes, helper.make_node("Mul", ["y", "R"], ["yr"]), helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
+    nodes = [
+        *nodes,
+        helper.make_node("Mul", ["y", "R"], ["yr"]),
+        helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0),
+    ]
     np_type = helper.tensor_dtype_to_np_dtype(elem)
     weights = {k: v.astype(np_type) if v.dtype == np.float32 else v for k, v in {**weights, "R": r}.items()}
     inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
     graph = helper.make_graph(nodes, "m", inputs, [helper.make_tensor_value_info("loss", elem, [])], inits)
     domains = sorted({n.domain for n in nodes if n.domain})
-    model = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
-        helper.make_opsetid("", opset), *(helper.make_opsetid(d, 1) for d in domains)])
+    model = helper.make_model(
+        graph,
+        ir_version=IR_VERSION,
+        opset_imports=[helper.make_opsetid("", opset), *(helper.make_opsetid(d, 1) for d in domains)],
+    )
     if all(onnx.defs.has(n.op_type, n.domain) for n in nodes):  # ORT's fused ops have no ONNX schema
         onnx.checker.check_model(model, full_check=True)
     return model, torch.tensor(r)
@@ -75,26 +82,49 @@ def check(model, feeds, wrt, torch_loss, float16=True):
             error16 = float(np.abs(low[f"{name}_grad"] - got[f"{name}_grad"]).max()) / scale
             assert error16 <= 2e-2, (name, error16)
             worst16 = max(worst16, error16)
-    print(f"\nworst relative gradient error vs torch: float32 {worst32:.1e}, float16 vs float32 {worst16:.1e}")
+    print(
+        f"\nworst relative gradient error vs torch: float32 {worst32:.1e}, float16 vs float32 {worst16:.1e}"
+    )
     return worst32, worst16
 
 
 # -- Resize ------------------------------------------------------------------------------------------
 RESIZE = {  # id: (ONNX attributes, scales, torch interpolate kwargs)
-    "nearest": (dict(mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
-                [1, 1, 2, 2], dict(scale_factor=2, mode="nearest")),
-    "nearest-exact": (dict(mode="nearest", coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_ceil"),
-                      [1, 1, 1.5, 3], dict(scale_factor=(1.5, 3), mode="nearest-exact")),
-    "bilinear": (dict(mode="linear", coordinate_transformation_mode="pytorch_half_pixel"),
-                 [1, 1, 2, 2], dict(scale_factor=2, mode="bilinear", align_corners=False)),
-    "bilinear-down": (dict(mode="linear", coordinate_transformation_mode="half_pixel"),
-                      [1, 1, 0.5, 0.75], dict(scale_factor=(0.5, 0.75), mode="bilinear", align_corners=False)),
-    "bilinear-align-corners": (dict(mode="linear", coordinate_transformation_mode="align_corners"),
-                               [1, 1, 2, 3], dict(scale_factor=(2, 3), mode="bilinear", align_corners=True)),
-    "bicubic": (dict(mode="cubic", coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75),
-                [1, 1, 2, 1.5], dict(scale_factor=(2, 1.5), mode="bicubic", align_corners=False)),
-    "bicubic-align-corners": (dict(mode="cubic", coordinate_transformation_mode="align_corners", cubic_coeff_a=-0.75),
-                              [1, 1, 2, 2], dict(scale_factor=2, mode="bicubic", align_corners=True)),
+    "nearest": (
+        dict(mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+        [1, 1, 2, 2],
+        dict(scale_factor=2, mode="nearest"),
+    ),
+    "nearest-exact": (
+        dict(mode="nearest", coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_ceil"),
+        [1, 1, 1.5, 3],
+        dict(scale_factor=(1.5, 3), mode="nearest-exact"),
+    ),
+    "bilinear": (
+        dict(mode="linear", coordinate_transformation_mode="pytorch_half_pixel"),
+        [1, 1, 2, 2],
+        dict(scale_factor=2, mode="bilinear", align_corners=False),
+    ),
+    "bilinear-down": (
+        dict(mode="linear", coordinate_transformation_mode="half_pixel"),
+        [1, 1, 0.5, 0.75],
+        dict(scale_factor=(0.5, 0.75), mode="bilinear", align_corners=False),
+    ),
+    "bilinear-align-corners": (
+        dict(mode="linear", coordinate_transformation_mode="align_corners"),
+        [1, 1, 2, 3],
+        dict(scale_factor=(2, 3), mode="bilinear", align_corners=True),
+    ),
+    "bicubic": (
+        dict(mode="cubic", coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75),
+        [1, 1, 2, 1.5],
+        dict(scale_factor=(2, 1.5), mode="bicubic", align_corners=False),
+    ),
+    "bicubic-align-corners": (
+        dict(mode="cubic", coordinate_transformation_mode="align_corners", cubic_coeff_a=-0.75),
+        [1, 1, 2, 2],
+        dict(scale_factor=2, mode="bicubic", align_corners=True),
+    ),
 }
 
 
@@ -104,8 +134,10 @@ def test_resize_matches_torch(kind):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 2, 6, 8)).astype(np.float32)
     w = (rng.standard_normal((3, 2, 3, 3)) * 0.5).astype(np.float32)
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Resize", ["c", "", "scales"], ["y"], **attrs)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Resize", ["c", "", "scales"], ["y"], **attrs),
+    ]
     out = [2, 3, int(6 * scales[2]), int(8 * scales[3])]
     inputs = [helper.make_tensor_value_info("x", FLOAT, ["N", 2, "H", "W"])]
     model, r = loss_model(nodes, inputs, {"w": w, "scales": np.array(scales, np.float32)}, out)
@@ -135,9 +167,15 @@ def test_max_pool_ties_go_to_the_first_maximum_like_torch(kind):
     x = np.maximum(np.round(np.random.default_rng(3).standard_normal(shape) * 2) / 2, 0).astype(np.float32)
     x[0, 0, : kernel[0]] = 1.5  # whole windows of equal non-zero values
     channels = shape[1]  # a diagonal 1x1 Conv in front (exact on the grid) so float16 has work
-    w = np.diag(np.arange(1, channels + 1) / 2).reshape(channels, channels, *[1] * len(kernel)).astype(np.float32)
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
-             helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=kernel, strides=strides, pads=pads)]
+    w = (
+        np.diag(np.arange(1, channels + 1) / 2)
+        .reshape(channels, channels, *[1] * len(kernel))
+        .astype(np.float32)
+    )
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"]),
+        helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=kernel, strides=strides, pads=pads),
+    ]
     out = [*shape[:2], *((s + 2 * p - k) // st + 1 for s, p, k, st in zip(shape[2:], pads, kernel, strides))]
     inputs = [helper.make_tensor_value_info("x", FLOAT, ["N", *shape[1:]])]
     model, r = loss_model(nodes, inputs, {"w": w}, out)
@@ -150,12 +188,18 @@ def test_max_pool_ties_go_to_the_first_maximum_like_torch(kind):
     grad = build_gradient_graph(model, "loss", ["x"])
     ops = {n.op_type for n in grad.graph.node}
     pool_outputs = [len([o for o in n.output if o]) for n in grad.graph.node if n.op_type == "MaxPool"]
-    assert ("ScatterElements" in ops) is not tiled and (pool_outputs[0] == 2) is not tiled, (ops, pool_outputs)
+    assert ("ScatterElements" in ops) is not tiled and (pool_outputs[0] == 2) is not tiled, (
+        ops,
+        pool_outputs,
+    )
 
 
 # -- LSTM / GRU ----------------------------------------------------------------------------------------
-T, B, I, H = 4, 3, 2, 3
-TORCH_ORDER = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2]}  # torch's gate blocks (ifgo, rzn) from ONNX's (iofc, zrh)
+T, B, I, H = 4, 3, 2, 3  # noqa: E741 - the ONNX spec's names
+TORCH_ORDER = {
+    "LSTM": [0, 2, 3, 1],
+    "GRU": [1, 0, 2],
+}  # torch's gate blocks (ifgo, rzn) from ONNX's (iofc, zrh)
 RECURRENT = {  # id: (op, direction, sequence lengths or None, initial states, attributes)
     "lstm-forward": ("LSTM", "forward", None, ("h0", "c0"), {}),
     "lstm-reverse-lengths": ("LSTM", "reverse", [4, 2, 3], (), {}),
@@ -168,7 +212,7 @@ RECURRENT = {  # id: (op, direction, sequence lengths or None, initial states, a
 
 def _torch_weight(w, op):
     """[D, G*H, K] in ONNX gate order -> list per direction in torch's order."""
-    return [torch.cat([w[d, k * H:(k + 1) * H] for k in TORCH_ORDER[op]]) for d in range(w.shape[0])]
+    return [torch.cat([w[d, k * H : (k + 1) * H] for k in TORCH_ORDER[op]]) for d in range(w.shape[0])]
 
 
 @pytest.mark.parametrize("kind", RECURRENT)
@@ -177,18 +221,37 @@ def test_recurrent_matches_torch(kind):
     op, direction, lengths, initial, attrs = RECURRENT[kind]
     rng = np.random.default_rng(3)
     d, gates = (2 if direction == "bidirectional" else 1), (4 if op == "LSTM" else 3)
-    weights = {"w": rng.standard_normal((d, gates * H, I)).astype(np.float32) * 0.6,
-               "r": rng.standard_normal((d, gates * H, H)).astype(np.float32) * 0.6,
-               "b": rng.standard_normal((d, 2 * gates * H)).astype(np.float32) * 0.3}
+    weights = {
+        "w": rng.standard_normal((d, gates * H, I)).astype(np.float32) * 0.6,
+        "r": rng.standard_normal((d, gates * H, H)).astype(np.float32) * 0.6,
+        "b": rng.standard_normal((d, 2 * gates * H)).astype(np.float32) * 0.3,
+    }
     if lengths:
         weights["lens"] = np.array(lengths, np.int32)
     feeds = {"x": rng.standard_normal((T, B, I)).astype(np.float32)}
     feeds.update({s: rng.standard_normal((d, B, H)).astype(np.float32) * 0.5 for s in initial})
     states = ["yh", "yc"] if op == "LSTM" else ["yh"]
-    slots = ["x", "w", "r", "b", "lens" if lengths else "", "h0" if "h0" in initial else "", "c0" if "c0" in initial else ""]
-    nodes = [helper.make_node(op, slots[:7 if op == "LSTM" else 6], ["ys", *states], hidden_size=H, direction=direction, **attrs),
-             *[helper.make_node("Reshape", [t, "flat"], [f"{t}_flat"]) for t in ["ys", *states]],
-             helper.make_node("Concat", [f"{t}_flat" for t in ["ys", *states]], ["y"], axis=0)]
+    slots = [
+        "x",
+        "w",
+        "r",
+        "b",
+        "lens" if lengths else "",
+        "h0" if "h0" in initial else "",
+        "c0" if "c0" in initial else "",
+    ]
+    nodes = [
+        helper.make_node(
+            op,
+            slots[: 7 if op == "LSTM" else 6],
+            ["ys", *states],
+            hidden_size=H,
+            direction=direction,
+            **attrs,
+        ),
+        *[helper.make_node("Reshape", [t, "flat"], [f"{t}_flat"]) for t in ["ys", *states]],
+        helper.make_node("Concat", [f"{t}_flat" for t in ["ys", *states]], ["y"], axis=0),
+    ]
     inputs = [helper.make_tensor_value_info(k, FLOAT, list(v.shape)) for k, v in feeds.items()]
     size = T * d * B * H + len(states) * d * B * H
     model, r = loss_model(nodes, inputs, {**weights, "flat": np.array([-1], np.int64)}, [size])
@@ -228,12 +291,15 @@ def _flip(x, lengths):
     return torch.stack([torch.cat([x[:n, b].flip(0), x[n:, b]]) for b, n in enumerate(lengths)], dim=1)
 
 
-@pytest.mark.parametrize(("op", "attrs", "words"), [
-    ("LSTM", {"clip": 1.0}, "clip is not supported"),
-    ("LSTM", {"activations": ["Relu", "Tanh", "Tanh"]}, "only the default activations"),
-    ("GRU", {"layout": 1}, "layout=1"),
-    ("Resize", {"coordinate_transformation_mode": "tf_crop_and_resize"}, "tf_crop_and_resize"),
-])
+@pytest.mark.parametrize(
+    ("op", "attrs", "words"),
+    [
+        ("LSTM", {"clip": 1.0}, "clip is not supported"),
+        ("LSTM", {"activations": ["Relu", "Tanh", "Tanh"]}, "only the default activations"),
+        ("GRU", {"layout": 1}, "layout=1"),
+        ("Resize", {"coordinate_transformation_mode": "tf_crop_and_resize"}, "tf_crop_and_resize"),
+    ],
+)
 def test_unsupported_attributes_are_one_line(op, attrs, words):
     from amp_rewrite.errors import GradientError
 
@@ -260,16 +326,32 @@ def _if_model(cond: bool):
     rng = np.random.default_rng(7)
     w1, w2 = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)
     then = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W1"], ["t0"]), helper.make_node("Add", ["t0", "b"], ["t1"]),
-         helper.make_node("Tanh", ["t1"], ["t"])],
-        "then", [], [helper.make_tensor_value_info("t", FLOAT, None)], [numpy_helper.from_array(w1, "W1")])
+        [
+            helper.make_node("MatMul", ["x", "W1"], ["t0"]),
+            helper.make_node("Add", ["t0", "b"], ["t1"]),
+            helper.make_node("Tanh", ["t1"], ["t"]),
+        ],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", FLOAT, None)],
+        [numpy_helper.from_array(w1, "W1")],
+    )
     other = helper.make_graph(
-        [helper.make_node("Constant", [], ["W2"], value=numpy_helper.from_array(w2)),
-         helper.make_node("MatMul", ["x", "W2"], ["e0"]), helper.make_node("Mul", ["e0", "g"], ["e"])],
-        "else", [], [helper.make_tensor_value_info("e", FLOAT, None)])
+        [
+            helper.make_node("Constant", [], ["W2"], value=numpy_helper.from_array(w2)),
+            helper.make_node("MatMul", ["x", "W2"], ["e0"]),
+            helper.make_node("Mul", ["e0", "g"], ["e"]),
+        ],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", FLOAT, None)],
+    )
     nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)]
-    weights = {"b": rng.standard_normal(3).astype(np.float32), "g": rng.standard_normal(3).astype(np.float32),
-               "cond": np.array(cond)}
+    weights = {
+        "b": rng.standard_normal(3).astype(np.float32),
+        "g": rng.standard_normal(3).astype(np.float32),
+        "cond": np.array(cond),
+    }
     inputs = [helper.make_tensor_value_info("x", FLOAT, ["N", 4])]
     model, r = loss_model(nodes, inputs, weights, [5, 3])
     return model, r, {"W1": w1, "W2": w2}
@@ -330,40 +412,101 @@ def _contrib_cases():
     ln = {"gamma": 1 + f(D) * 0.2, "beta": f(D)}
     ms = lambda op, ins, outs=("y",), **a: helper.make_node(op, ins, list(outs), domain="com.microsoft", **a)  # noqa: E731
     return {  # id: (nodes, feeds, weights, wrt, torch reference)
-        "FastGelu": ([ms("FastGelu", ["x", "bias"])], {"x": f(B, S, D)}, {"bias": f(D)}, ["x", "bias"],
-                     lambda p: F.gelu(p["x"] + p["bias"], approximate="tanh")),
-        "BiasGelu": ([ms("BiasGelu", ["x", "bias"])], {"x": f(B, S, D)}, {"bias": f(D)}, ["x", "bias"],
-                     lambda p: F.gelu(p["x"] + p["bias"])),
+        "FastGelu": (
+            [ms("FastGelu", ["x", "bias"])],
+            {"x": f(B, S, D)},
+            {"bias": f(D)},
+            ["x", "bias"],
+            lambda p: F.gelu(p["x"] + p["bias"], approximate="tanh"),
+        ),
+        "BiasGelu": (
+            [ms("BiasGelu", ["x", "bias"])],
+            {"x": f(B, S, D)},
+            {"bias": f(D)},
+            ["x", "bias"],
+            lambda p: F.gelu(p["x"] + p["bias"]),
+        ),
         "Gelu": ([ms("Gelu", ["x"])], {"x": f(B, S, D)}, {}, ["x"], lambda p: F.gelu(p["x"])),
         "SkipLayerNormalization": (
-            [ms("SkipLayerNormalization", ["x", "skip", "gamma", "beta", "bias"], ["y", "", "", "sum"], epsilon=1e-5)],
-            {"x": f(B, S, D), "skip": f(B, S, D)}, {**ln, "bias": f(D)}, ["x", "skip", "gamma", "beta", "bias"],
-            lambda p: _layer_norm(p["x"] + p["skip"] + p["bias"], p, 1e-5)),
+            [
+                ms(
+                    "SkipLayerNormalization",
+                    ["x", "skip", "gamma", "beta", "bias"],
+                    ["y", "", "", "sum"],
+                    epsilon=1e-5,
+                )
+            ],
+            {"x": f(B, S, D), "skip": f(B, S, D)},
+            {**ln, "bias": f(D)},
+            ["x", "skip", "gamma", "beta", "bias"],
+            lambda p: _layer_norm(p["x"] + p["skip"] + p["bias"], p, 1e-5),
+        ),
         "EmbedLayerNormalization": (
-            [ms("EmbedLayerNormalization", ["ids", "segments", "word", "position", "segment", "gamma", "beta", "mask"],
-                ["y", "mask_index"], epsilon=1e-12)],
-            {}, {"ids": ids, "segments": segments, "mask": mask, "word": f(VOCAB, D), "position": f(6, D),
-                 "segment": f(2, D), **ln}, ["word", "position", "segment", "gamma", "beta"],
-            lambda p: _layer_norm(p["word"][p["ids"].long()] + p["position"][:S] + p["segment"][p["segments"].long()], p)),
+            [
+                ms(
+                    "EmbedLayerNormalization",
+                    ["ids", "segments", "word", "position", "segment", "gamma", "beta", "mask"],
+                    ["y", "mask_index"],
+                    epsilon=1e-12,
+                )
+            ],
+            {},
+            {
+                "ids": ids,
+                "segments": segments,
+                "mask": mask,
+                "word": f(VOCAB, D),
+                "position": f(6, D),
+                "segment": f(2, D),
+                **ln,
+            },
+            ["word", "position", "segment", "gamma", "beta"],
+            lambda p: _layer_norm(
+                p["word"][p["ids"].long()] + p["position"][:S] + p["segment"][p["segments"].long()], p
+            ),
+        ),
         "Attention-bert-mask": (
-            [ms("Attention", ["x", "W", "b", "mask"], num_heads=HEADS)], {"x": f(B, S, D)},
-            {"W": f(D, 3 * D), "b": f(3 * D), "mask": mask}, ["x", "W", "b"],
-            lambda p: _attention_reference(p, False, mask)),
+            [ms("Attention", ["x", "W", "b", "mask"], num_heads=HEADS)],
+            {"x": f(B, S, D)},
+            {"W": f(D, 3 * D), "b": f(3 * D), "mask": mask},
+            ["x", "W", "b"],
+            lambda p: _attention_reference(p, False, mask),
+        ),
         "Attention-gpt2-causal-present": (
             [ms("Attention", ["x", "W", "b", "mask"], ["y", "present"], num_heads=HEADS, unidirectional=1)],
-            {"x": f(B, S, D)}, {"W": f(D, 3 * D), "b": f(3 * D), "mask": np.ones((B, S), np.int32)}, ["x", "W", "b"],
-            lambda p: _attention_reference(p, True)),
-        "FusedMatMul": ([ms("FusedMatMul", ["x", "W"], transB=1, alpha=0.5)], {"x": f(B, S, D)}, {"W": f(5, D)},
-                        ["x", "W"], lambda p: 0.5 * p["x"] @ p["W"].T),
-        "QuickGelu": ([ms("QuickGelu", ["x"], alpha=1.5)], {"x": f(B, S, D)}, {}, ["x"],
-                      lambda p: p["x"] * torch.sigmoid(1.5 * p["x"])),
+            {"x": f(B, S, D)},
+            {"W": f(D, 3 * D), "b": f(3 * D), "mask": np.ones((B, S), np.int32)},
+            ["x", "W", "b"],
+            lambda p: _attention_reference(p, True),
+        ),
+        "FusedMatMul": (
+            [ms("FusedMatMul", ["x", "W"], transB=1, alpha=0.5)],
+            {"x": f(B, S, D)},
+            {"W": f(5, D)},
+            ["x", "W"],
+            lambda p: 0.5 * p["x"] @ p["W"].T,
+        ),
+        "QuickGelu": (
+            [ms("QuickGelu", ["x"], alpha=1.5)],
+            {"x": f(B, S, D)},
+            {},
+            ["x"],
+            lambda p: p["x"] * torch.sigmoid(1.5 * p["x"]),
+        ),
         "SkipSimplifiedLayerNormalization": (
             [ms("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma", "bias"], epsilon=1e-6)],
-            {"x": f(B, S, D), "skip": f(B, S, D)}, {"gamma": ln["gamma"], "bias": f(D)}, ["x", "skip", "gamma", "bias"],
-            lambda p: _rms_norm(p["x"] + p["skip"] + p["bias"], p["gamma"])),
+            {"x": f(B, S, D), "skip": f(B, S, D)},
+            {"gamma": ln["gamma"], "bias": f(D)},
+            ["x", "skip", "gamma", "bias"],
+            lambda p: _rms_norm(p["x"] + p["skip"] + p["bias"], p["gamma"]),
+        ),
         "SimplifiedLayerNormalization": (
             [helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["y"], epsilon=1e-6, axis=-1)],
-            {"x": f(B, S, D)}, {"gamma": ln["gamma"]}, ["x", "gamma"], lambda p: _rms_norm(p["x"], p["gamma"])),
+            {"x": f(B, S, D)},
+            {"gamma": ln["gamma"]},
+            ["x", "gamma"],
+            lambda p: _rms_norm(p["x"], p["gamma"]),
+        ),
     }
 
 
@@ -380,8 +523,13 @@ def _contrib_model(kind, elem=FLOAT):
     width = reference({k: torch.tensor(v) for k, v in {**feeds, **weights}.items()}).shape
     q = np.random.default_rng(12).standard_normal((width[-1], 3)).astype(np.float32)
     inputs = [helper.make_tensor_value_info(k, elem, list(v.shape)) for k, v in feeds.items()]
-    model, r = loss_model([fused, helper.make_node("MatMul", ["fused", "Q"], ["y"])], inputs, {**weights, "Q": q},
-                          [*width[:-1], 3], elem=elem)
+    model, r = loss_model(
+        [fused, helper.make_node("MatMul", ["fused", "Q"], ["y"])],
+        inputs,
+        {**weights, "Q": q},
+        [*width[:-1], 3],
+        elem=elem,
+    )
     return model, r, torch.tensor(q)
 
 
@@ -394,8 +542,10 @@ def test_contrib_decomposition_matches_ort_kernel(kind):
     feeds = CONTRIB[kind][1]
     fused_outputs = [o for o in model.graph.node[0].output if o]
     del model.graph.output[:]
-    model.graph.output.extend(helper.make_tensor_value_info(o, TensorProto.INT32 if o == "mask_index" else FLOAT, None)
-                              for o in fused_outputs)
+    model.graph.output.extend(
+        helper.make_tensor_value_info(o, TensorProto.INT32 if o == "mask_index" else FLOAT, None)
+        for o in fused_outputs
+    )
     decomposed = onnx.ModelProto()
     decomposed.CopyFrom(model)
     assert decompose_contrib_ops(decomposed) == 1
@@ -416,16 +566,26 @@ def test_contrib_gradient_matches_torch_and_finite_differences(kind):
     check(model, feeds, wrt, lambda p: ((reference(p) @ q) * r).sum())
     model64, _, _ = _contrib_model(kind, TensorProto.DOUBLE)
     decompose_contrib_ops(model64)
-    values = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in {**feeds, **weights}.items()}
+    values = {
+        k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in {**feeds, **weights}.items()
+    }
     grad64 = build_gradient_graph(model64, "loss", wrt)
     from onnx.reference import ReferenceEvaluator
 
-    analytic = dict(zip(wrt, ReferenceEvaluator(grad64).run([f"{w}_grad" for w in wrt], {k: values[k] for k in feeds})))
+    analytic = dict(
+        zip(wrt, ReferenceEvaluator(grad64).run([f"{w}_grad" for w in wrt], {k: values[k] for k in feeds}))
+    )
     as_inputs = _weights_as_inputs(model64, {k: values[k] for k in wrt})
     # onnx.reference computes Erf in float32 only: a wider step and tolerance where the decomposition has one
     erf = any(node.op_type == "Erf" for node in model64.graph.node)
-    numeric = numeric_gradients(as_inputs, "loss", {k: values[k] for k in [*feeds, *wrt]}, wrt,
-                                eps=1e-3 if erf else 1e-6, max_coords=24)
+    numeric = numeric_gradients(
+        as_inputs,
+        "loss",
+        {k: values[k] for k in [*feeds, *wrt]},
+        wrt,
+        eps=1e-3 if erf else 1e-6,
+        max_coords=24,
+    )
     assert max_gradient_error(numeric, analytic) < (2e-3 if erf else 1e-5)
 
 
@@ -436,8 +596,11 @@ def _weights_as_inputs(model, trainable):
     kept = [t for t in out.graph.initializer if t.name not in trainable]
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
-    out.graph.input.extend(helper.make_tensor_value_info(k, TensorProto.DOUBLE, list(v.shape))
-                           for k, v in trainable.items() if k not in {i.name for i in out.graph.input})
+    out.graph.input.extend(
+        helper.make_tensor_value_info(k, TensorProto.DOUBLE, list(v.shape))
+        for k, v in trainable.items()
+        if k not in {i.name for i in out.graph.input}
+    )
     return out
 
 
@@ -454,24 +617,37 @@ def test_torchscript_export_of_a_two_layer_bidirectional_rnn_matches_torch(cell)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, (x,), buffer, dynamo=False, opset_version=17, input_names=["x"], output_names=["y"])
+        torch.onnx.export(
+            module, (x,), buffer, dynamo=False, opset_version=17, input_names=["x"], output_names=["y"]
+        )
     model = onnx.load_from_string(buffer.getvalue())
     assert {n.op_type for n in model.graph.node} >= {cell}
     r = torch.randn(5, 2, 8)
     graph = model.graph
     del graph.output[1:]
     graph.initializer.append(numpy_helper.from_array(r.numpy(), "R"))
-    graph.node.extend([helper.make_node("Mul", ["y", "R"], ["yr"]), helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)])
+    graph.node.extend(
+        [
+            helper.make_node("Mul", ["y", "R"], ["yr"]),
+            helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0),
+        ]
+    )
     graph.output.append(helper.make_tensor_value_info("loss", FLOAT, []))
     grad_model = build_gradient_graph(model, "loss", ["x"])
-    got = dict(zip([o.name for o in grad_model.graph.output], session(grad_model).run(None, {"x": x.numpy()})))
+    got = dict(
+        zip([o.name for o in grad_model.graph.output], session(grad_model).run(None, {"x": x.numpy()}))
+    )
     x.requires_grad_(True)
     (module(x)[0] * r).sum().backward()
     np.testing.assert_allclose(got["x_grad"], x.grad.numpy(), rtol=1e-4, atol=1e-5)
-    weights = build_gradient_graph(model, "loss")  # every float initializer: the exporter's copies of the weights
+    weights = build_gradient_graph(
+        model, "loss"
+    )  # every float initializer: the exporter's copies of the weights
     names = [f"{n.input[slot]}_grad" for n in model.graph.node if n.op_type == cell for slot in (1, 2, 3)]
     assert len(names) == 6
-    values = dict(zip([o.name for o in weights.graph.output], session(weights).run(None, {"x": x.detach().numpy()})))
+    values = dict(
+        zip([o.name for o in weights.graph.output], session(weights).run(None, {"x": x.detach().numpy()}))
+    )
     total = sum(float(np.abs(values[n]).sum()) for n in names)
     expected = sum(float(p.grad.abs().sum()) for p in module.parameters())
     assert abs(total - expected) <= 1e-4 * expected  # same gradients, reordered into ONNX's gate layout
@@ -483,10 +659,18 @@ def test_a_loop_reading_a_weight_is_refused_by_name():
     from amp_rewrite.errors import GradientError
 
     body = helper.make_graph(
-        [helper.make_node("Mul", ["h", "w"], ["h2"]), helper.make_node("Identity", ["c"], ["c2"])], "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("h", FLOAT, [3])],
-        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", FLOAT, [3])])
+        [helper.make_node("Mul", ["h", "w"], ["h2"]), helper.make_node("Identity", ["c"], ["c2"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h", FLOAT, [3]),
+        ],
+        [
+            helper.make_tensor_value_info("c2", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h2", FLOAT, [3]),
+        ],
+    )
     loop = helper.make_node("Loop", ["n", "", "x"], ["y"], name="repeat", body=body)
     inputs = [helper.make_tensor_value_info("x", FLOAT, [3])]
     model, _ = loss_model([loop], inputs, {"w": np.ones(3, np.float32), "n": np.array(2, np.int64)}, [3])

@@ -26,22 +26,44 @@ def mlp(layers=6, width=16, dropout=False, batch="batch", act="Relu", seed=0):
     nodes, inits, h = [], [], "x"
     for i in range(layers):
         p = f"layer{i}/"
-        inits += [numpy_helper.from_array((rng.standard_normal((width, width)) / math.sqrt(width)).astype(np.float32), p + "W"),
-                  numpy_helper.from_array((rng.standard_normal(width) * 0.1).astype(np.float32), p + "B")]
-        nodes += [helper.make_node("MatMul", [h, p + "W"], [p + "mm"], name=p + "MatMul"),
-                  helper.make_node("Add", [p + "mm", p + "B"], [p + "pre"], name=p + "Add"),
-                  helper.make_node(act, [p + "pre"], [p + "act"], name=p + "Act")]
+        inits += [
+            numpy_helper.from_array(
+                (rng.standard_normal((width, width)) / math.sqrt(width)).astype(np.float32), p + "W"
+            ),
+            numpy_helper.from_array((rng.standard_normal(width) * 0.1).astype(np.float32), p + "B"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", [h, p + "W"], [p + "mm"], name=p + "MatMul"),
+            helper.make_node("Add", [p + "mm", p + "B"], [p + "pre"], name=p + "Add"),
+            helper.make_node(act, [p + "pre"], [p + "act"], name=p + "Act"),
+        ]
         h = p + "act"
         if dropout:
-            nodes.append(helper.make_node("Dropout", [h, "ratio", "training"], [p + "drop"], name=p + "Dropout", seed=11 + i))
+            nodes.append(
+                helper.make_node(
+                    "Dropout", [h, "ratio", "training"], [p + "drop"], name=p + "Dropout", seed=11 + i
+                )
+            )
             h = p + "drop"
-    inits += [numpy_helper.from_array(np.array(0.25, np.float32), "ratio"), numpy_helper.from_array(np.array(True), "training")]
-    nodes += [helper.make_node("Mul", [h, h], ["sq"], name="loss/Mul"),
-              helper.make_node("ReduceSum", ["sq"], ["loss"], name="loss/ReduceSum", keepdims=0),
-              helper.make_node("Relu", ["x"], ["aux"], name="aux/Relu")]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
-                               helper.make_tensor_value_info("aux", TensorProto.FLOAT, [batch, width])], inits)
+    inits += [
+        numpy_helper.from_array(np.array(0.25, np.float32), "ratio"),
+        numpy_helper.from_array(np.array(True), "training"),
+    ]
+    nodes += [
+        helper.make_node("Mul", [h, h], ["sq"], name="loss/Mul"),
+        helper.make_node("ReduceSum", ["sq"], ["loss"], name="loss/ReduceSum", keepdims=0),
+        helper.make_node("Relu", ["x"], ["aux"], name="aux/Relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+        [
+            helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("aux", TensorProto.FLOAT, [batch, width]),
+        ],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
 
 
@@ -49,9 +71,14 @@ def transformer(layers=2, d=8, heads=2, seq=4, seed=1):
     """Pre-LayerNorm attention + erf-GELU layers (the autodiff transformer test's block), MSE loss."""
     rng = np.random.default_rng(seed)
     dh = d // heads
-    w = {"heads_shape": np.array([0, 0, heads, dh], np.int64), "model_shape": np.array([0, 0, d], np.int64),
-         "scale": np.array(math.sqrt(dh), np.float32), "half": np.array(0.5, np.float32),
-         "one": np.array(1.0, np.float32), "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32)}
+    w = {
+        "heads_shape": np.array([0, 0, heads, dh], np.int64),
+        "model_shape": np.array([0, 0, d], np.int64),
+        "scale": np.array(math.sqrt(dh), np.float32),
+        "half": np.array(0.5, np.float32),
+        "one": np.array(1.0, np.float32),
+        "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32),
+    }
     nodes, x = [], "x"
 
     def n(name, op, inputs, outputs, **attrs):
@@ -59,8 +86,20 @@ def transformer(layers=2, d=8, heads=2, seq=4, seed=1):
 
     for i in range(layers):
         p = f"layer{i}/"
-        for k, shape in {"g1": (d,), "b1": (d,), "g2": (d,), "b2": (d,), "c1": (2 * d,), "c2": (d,), "wq": (d, d),
-                         "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, 2 * d), "w2": (2 * d, d)}.items():
+        for k, shape in {
+            "g1": (d,),
+            "b1": (d,),
+            "g2": (d,),
+            "b2": (d,),
+            "c1": (2 * d,),
+            "c2": (d,),
+            "wq": (d, d),
+            "wk": (d, d),
+            "wv": (d, d),
+            "wo": (d, d),
+            "w1": (d, 2 * d),
+            "w2": (2 * d, d),
+        }.items():
             w[p + k] = (rng.standard_normal(shape) * 0.5 + (k[0] == "g")).astype(np.float32)
         n(p + "ln1", "LayerNormalization", [x, p + "g1", p + "b1"], [p + "ln1"])
         for k in "qkv":
@@ -93,9 +132,16 @@ def transformer(layers=2, d=8, heads=2, seq=4, seed=1):
     n("loss/Mul", "Mul", ["diff", "diff"], ["sq"])
     n("loss/ReduceMean", "ReduceMean", ["sq"], ["loss"], keepdims=0)
     inits = [numpy_helper.from_array(v, k) for k, v in w.items()]
-    graph = helper.make_graph(nodes, "tf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", seq, d]),
-                                            helper.make_tensor_value_info("target", TensorProto.FLOAT, ["N", seq, d])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "tf",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", seq, d]),
+            helper.make_tensor_value_info("target", TensorProto.FLOAT, ["N", seq, d]),
+        ],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
 
 
@@ -132,8 +178,11 @@ def assert_forward_tensors_freed(model):
     plan = plan_of(model)
     recomputed = {t for s in plan.segments for t in s.recomputed}
     assert recomputed
-    forward_names = {n.name for n in model.graph.node if not n.name.startswith(("grad/", "recompute/"))
-                     and not n.name.endswith(COPY_SUFFIX)}
+    forward_names = {
+        n.name
+        for n in model.graph.node
+        if not n.name.startswith(("grad/", "recompute/")) and not n.name.endswith(COPY_SUFFIX)
+    }
     for node in model.graph.node:
         if node.name not in forward_names:
             assert not recomputed & set(node.input), node.name
@@ -144,8 +193,9 @@ def small_mlp():
     return mlp()
 
 
-@pytest.mark.parametrize("spec", [PER_LAYER, [r"(layer[0-2])/.*", r"(layer[3-5])/.*"], "auto"],
-                         ids=["per-layer", "groups", "auto"])
+@pytest.mark.parametrize(
+    "spec", [PER_LAYER, [r"(layer[0-2])/.*", r"(layer[3-5])/.*"], "auto"], ids=["per-layer", "groups", "auto"]
+)
 def test_mlp_gradients_bit_identical(small_mlp, spec):
     model = assert_bit_identical(small_mlp, spec)
     assert_forward_tensors_freed(model)
@@ -160,8 +210,11 @@ def test_mlp_gradients_bit_identical(small_mlp, spec):
 
 def test_budget_bit_identical_and_below_reach(small_mlp):
     static = mlp(batch=5)
-    with pytest.raises(GradientError, match=r"recompute budget 10 bytes is below reach: the smallest estimated "
-                                            r"activation peak is \d+ bytes") as error:
+    with pytest.raises(
+        GradientError,
+        match=r"recompute budget 10 bytes is below reach: the smallest estimated "
+        r"activation peak is \d+ bytes",
+    ) as error:
         build_gradient_graph(static, "loss", recompute=10)
     smallest = int(str(error.value).split()[-2])
     tight = plan_of(assert_bit_identical(static, smallest)).segments
@@ -206,22 +259,33 @@ def test_copies_survive_ort_enable_all(tmp_path, small_mlp):
     copies = [n for n in names if COPY_SUFFIX in n]
     assert any("softmax" in n for n in copies) and any("gelu" in n for n in copies)
     # and no backward node reads a forward tensor that was to be recomputed (not merged by CSE)
-    readers = {t for n in optimized.graph.node if not n.name.startswith(tuple(f"layer{i}/" for i in range(2)))
-               or COPY_SUFFIX in n.name for t in n.input}
-    forward_outputs = {t for n in optimized.graph.node if n.name.startswith(("layer0/", "layer1/"))
-                       and COPY_SUFFIX not in n.name for t in n.output}
+    readers = {
+        t
+        for n in optimized.graph.node
+        if not n.name.startswith(tuple(f"layer{i}/" for i in range(2))) or COPY_SUFFIX in n.name
+        for t in n.input
+    }
+    forward_outputs = {
+        t
+        for n in optimized.graph.node
+        if n.name.startswith(("layer0/", "layer1/")) and COPY_SUFFIX not in n.name
+        for t in n.output
+    }
     assert recomputed & forward_outputs  # the forward still computes them
     assert not recomputed & forward_outputs & readers
 
 
-@pytest.mark.parametrize("spec, message", [
-    (["nothing/.*"], "recompute pattern 'nothing/.*' matches no node of the main graph"),
-    ([r"layer5/.*", r"loss/.*"], "recompute segment 'loss/' contains the loss node 'loss/ReduceSum'"),
-    ([r"aux/.*"], "recompute segment 'aux/' has no differentiable path from a weight to the loss"),
-    (["("], "recompute pattern '(' is not a valid regular expression"),
-    ("everything", "recompute must be 'auto', a byte budget or a list of node-name patterns"),
-    (-5, "recompute budget must be a positive number of bytes"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (["nothing/.*"], "recompute pattern 'nothing/.*' matches no node of the main graph"),
+        ([r"layer5/.*", r"loss/.*"], "recompute segment 'loss/' contains the loss node 'loss/ReduceSum'"),
+        ([r"aux/.*"], "recompute segment 'aux/' has no differentiable path from a weight to the loss"),
+        (["("], "recompute pattern '(' is not a valid regular expression"),
+        ("everything", "recompute must be 'auto', a byte budget or a list of node-name patterns"),
+        (-5, "recompute budget must be a positive number of bytes"),
+    ],
+)
 def test_bad_specs_are_one_clear_error(small_mlp, spec, message):
     with pytest.raises(GradientError) as error:
         build_gradient_graph(small_mlp, "loss", recompute=spec)
@@ -256,8 +320,14 @@ def test_trainer_recompute_same_weights_and_checkpoints():
     batches = [feeds_for(model, 3, seed=s) for s in range(3)]
 
     def train(recompute, precision="float32"):
-        trainer = Trainer(model, loss="loss", optimizer=SGD(lr=0.05, momentum=0.9), precision=precision,
-                          provider="cpu", recompute=recompute)
+        trainer = Trainer(
+            model,
+            loss="loss",
+            optimizer=SGD(lr=0.05, momentum=0.9),
+            precision=precision,
+            provider="cpu",
+            recompute=recompute,
+        )
         for feeds in batches:
             trainer.step(feeds)
         return trainer
@@ -279,29 +349,58 @@ def test_bench_smoke(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "tools" / "bench_recompute.py"
-    done = subprocess.run([sys.executable, str(script), "--models", "mlp", "--mlp-layers", "4", "--mlp-width", "32",
-                           "--mlp-batch", "16", "--steps", "1"], capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--models",
+            "mlp",
+            "--mlp-layers",
+            "4",
+            "--mlp-width",
+            "32",
+            "--mlp-batch",
+            "16",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
-    rows = [r for r in (line.split() for line in done.stdout.splitlines()) if r[:1] == ["mlp"] and len(r) == 8]
+    rows = [
+        r for r in (line.split() for line in done.stdout.splitlines()) if r[:1] == ["mlp"] and len(r) == 8
+    ]
     assert [r[1] for r in rows] == ["off", "per-layer", "auto"] and rows[0][7] == "1.00"
 
 
 def test_random_op_values_read_from_the_forward():
     """RandomUniformLike inside a segment is never drawn again: the copies read its forward output."""
     rng = np.random.default_rng(4)
-    weights = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"W{i}") for i in range(2)]
+    weights = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"W{i}") for i in range(2)
+    ]
     weights.append(numpy_helper.from_array(np.array(0.1, np.float32), "noise_scale"))
-    nodes = [helper.make_node("MatMul", ["x", "W0"], ["h0"], name="block/MatMul0"),
-             helper.make_node("RandomUniformLike", ["h0"], ["r"], name="block/Noise", seed=5.0),
-             helper.make_node("Mul", ["r", "noise_scale"], ["rs"], name="block/Scale"),
-             helper.make_node("Add", ["h0", "rs"], ["h1"], name="block/Add"),
-             helper.make_node("Tanh", ["h1"], ["h2"], name="block/Tanh"),
-             helper.make_node("MatMul", ["h2", "W1"], ["h3"], name="block/MatMul1"),
-             helper.make_node("Tanh", ["h3"], ["h4"], name="block/Tanh1"),
-             helper.make_node("Mul", ["h4", "h4"], ["sq"], name="loss/Mul"),
-             helper.make_node("ReduceSum", ["sq"], ["loss"], name="loss/ReduceSum", keepdims=0)]
-    graph = helper.make_graph(nodes, "noisy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], weights)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W0"], ["h0"], name="block/MatMul0"),
+        helper.make_node("RandomUniformLike", ["h0"], ["r"], name="block/Noise", seed=5.0),
+        helper.make_node("Mul", ["r", "noise_scale"], ["rs"], name="block/Scale"),
+        helper.make_node("Add", ["h0", "rs"], ["h1"], name="block/Add"),
+        helper.make_node("Tanh", ["h1"], ["h2"], name="block/Tanh"),
+        helper.make_node("MatMul", ["h2", "W1"], ["h3"], name="block/MatMul1"),
+        helper.make_node("Tanh", ["h3"], ["h4"], name="block/Tanh1"),
+        helper.make_node("Mul", ["h4", "h4"], ["sq"], name="loss/Mul"),
+        helper.make_node("ReduceSum", ["sq"], ["loss"], name="loss/ReduceSum", keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "noisy",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        weights,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
     out = assert_bit_identical(model, [r"block/.*"], stops=["r"])
     segment = plan_of(out).segments[0]

@@ -9,10 +9,9 @@ import onnx
 import pytest
 
 from accuracy_models import hazard_samples, hazards, naive_lists
+from amp_rewrite import driver, rewrite
 from amp_rewrite.checks import calibrate, validate
-from amp_rewrite import driver
 from amp_rewrite.cli import main
-from amp_rewrite import rewrite
 from helpers import assert_close, run_ort, run_reference
 
 RTOL, ATOL = 1e-2, 1e-2
@@ -70,8 +69,9 @@ def test_default_lists_miss_the_overflowing_matmul_calibration_catches_it(hazard
     with np.errstate(all="ignore"):
         plain_ref = [run_reference(plain.model, f) for f in samples]
     assert any(not np.isfinite(out[0]).all() for out in plain_ref)  # 'act' overflows
-    checked = driver.check(model, samples=samples, calibrate=True, validate=True, rtol=RTOL, atol=ATOL,
-                             reference=True)
+    checked = driver.check(
+        model, samples=samples, calibrate=True, validate=True, rtol=RTOL, atol=ATOL, reference=True
+    )
     assert checked.passed, checked.validation.to_text()
     section = checked.result.report.to_dict()["calibration"]
     assert section["culprits"][0]["tensor"] == "bias"

@@ -8,11 +8,10 @@ import numpy as np
 import onnx
 
 from accuracy_models import cancellation
+from amp_rewrite import rewrite
 from amp_rewrite.checks import calibrate, validate
-from amp_rewrite import driver
 from amp_rewrite.checks import fallback as accuracy
 from amp_rewrite.cli import main
-from amp_rewrite import rewrite
 from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 RTOL, ATOL = 1e-2, 1e-2
@@ -46,8 +45,12 @@ def test_cli_tolerance_runs_the_fallback(tmp_path, capsys):
     assert data["fallback"]["passed"] and data["fallback"]["validation_runs"] <= 10
     assert "fallback: passed after" in capsys.readouterr().out
     feeds = validate.synthesise(cancellation(), dims={"batch": 8}, seed=5)[0]
-    assert_close(run_reference(onnx.load(tmp_path / "c16.onnx"), feeds), run_ort(cancellation(), feeds),
-                 rtol=1e-2, atol=3e-3)
+    assert_close(
+        run_reference(onnx.load(tmp_path / "c16.onnx"), feeds),
+        run_ort(cancellation(), feeds),
+        rtol=1e-2,
+        atol=3e-3,
+    )
 
 
 def _deep_chain(depth=24, width=16, seed=0):
@@ -55,8 +58,10 @@ def _deep_chain(depth=24, width=16, seed=0):
     rng = np.random.default_rng(seed)
     nodes, weights_, current = [], [], "x"
     for i in range(depth):
-        nodes += [node("MatMul", [current, f"W{i}"], [f"h{i}"], f"mm{i}"),
-                  node("Tanh", [f"h{i}"], [f"t{i}"], f"tanh{i}")]
+        nodes += [
+            node("MatMul", [current, f"W{i}"], [f"h{i}"], f"mm{i}"),
+            node("Tanh", [f"h{i}"], [f"t{i}"], f"tanh{i}"),
+        ]
         weights_.append(init(f"W{i}", weights(rng, width, width)))
         current = f"t{i}"
     return make_model(nodes, [tensor("x", ["N", width])], [tensor(current, ["N", width])], weights_)

@@ -15,15 +15,23 @@ from helpers import assert_close, init, make_model, node, run_ort, run_reference
 def exp_between_matmuls(scale, seed=0):
     """MatMul -> Exp -> MatMul -> Softmax: `scale` sets how large Exp's input gets."""
     rng = np.random.default_rng(seed)
-    inits = [init("W1", (rng.standard_normal((16, 16)) * scale).astype(np.float32)),
-             init("W2", (rng.standard_normal((16, 8)) * 0.01).astype(np.float32))]
-    nodes = [node("MatMul", ["x", "W1"], ["h"], name="fc1"), node("Exp", ["h"], ["e"], name="exp"),
-             node("MatMul", ["e", "W2"], ["z"], name="fc2"), node("Softmax", ["z"], ["y"], name="softmax", axis=-1)]
+    inits = [
+        init("W1", (rng.standard_normal((16, 16)) * scale).astype(np.float32)),
+        init("W2", (rng.standard_normal((16, 8)) * 0.01).astype(np.float32)),
+    ]
+    nodes = [
+        node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+        node("Exp", ["h"], ["e"], name="exp"),
+        node("MatMul", ["e", "W2"], ["z"], name="fc2"),
+        node("Softmax", ["z"], ["y"], name="softmax", axis=-1),
+    ]
     return make_model(nodes, [tensor("x", [8, 16])], [tensor("y", [8, 8])], inits)
 
 
 def feeds(seed):
-    return [{"x": np.random.default_rng(seed + i).standard_normal((8, 16)).astype(np.float32)} for i in range(2)]
+    return [
+        {"x": np.random.default_rng(seed + i).standard_normal((8, 16)).astype(np.float32)} for i in range(2)
+    ]
 
 
 def precision(result, name):

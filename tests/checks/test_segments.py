@@ -17,22 +17,35 @@ def _residual_with_if():
     nodes, inits, x = [], [], "x"
     for i in range(12):
         inits.append(init(f"w{i}", rng.standard_normal((4, 4)).astype(np.float32) * 0.5))
-        nodes += [node("MatMul", [x, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
-                  node("Tanh", [f"m{i}"], [f"t{i}"], name=f"tanh{i}"),
-                  node("Add", [x, f"t{i}"], [f"r{i}"], name=f"add{i}")]
+        nodes += [
+            node("MatMul", [x, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+            node("Tanh", [f"m{i}"], [f"t{i}"], name=f"tanh{i}"),
+            node("Add", [x, f"t{i}"], [f"r{i}"], name=f"add{i}"),
+        ]
         x = f"r{i}"
         if i == 5:
-            then = helper.make_graph([node("Mul", ["r0", "r5"], ["then_out"])], "then", [],
-                                     [helper.make_tensor_value_info("then_out", FLOAT, None)])
-            other = helper.make_graph([node("Sub", ["r5", "r1"], ["else_out"])], "else", [],
-                                      [helper.make_tensor_value_info("else_out", FLOAT, None)])
-            nodes += [node("ReduceSum", ["r5"], ["s5"], name="sum", keepdims=0),
-                      node("Greater", ["s5", "zero"], ["c5"], name="gt"),
-                      node("If", ["c5"], ["if5"], name="if", then_branch=then, else_branch=other)]
+            then = helper.make_graph(
+                [node("Mul", ["r0", "r5"], ["then_out"])],
+                "then",
+                [],
+                [helper.make_tensor_value_info("then_out", FLOAT, None)],
+            )
+            other = helper.make_graph(
+                [node("Sub", ["r5", "r1"], ["else_out"])],
+                "else",
+                [],
+                [helper.make_tensor_value_info("else_out", FLOAT, None)],
+            )
+            nodes += [
+                node("ReduceSum", ["r5"], ["s5"], name="sum", keepdims=0),
+                node("Greater", ["s5", "zero"], ["c5"], name="gt"),
+                node("If", ["c5"], ["if5"], name="if", then_branch=then, else_branch=other),
+            ]
             inits.append(init("zero", np.zeros((), np.float32)))
             x = "if5"
-    return make_model(nodes, [tensor("x", [2, 4])], [tensor(x, [2, 4]), tensor("r3", [2, 4]), tensor("x", [2, 4])],
-                      inits)  # the input is an output too, as calibration exposes it
+    return make_model(
+        nodes, [tensor("x", [2, 4])], [tensor(x, [2, 4]), tensor("r3", [2, 4]), tensor("x", [2, 4])], inits
+    )  # the input is an output too, as calibration exposes it
 
 
 def test_segmented_session_matches_one_session():
@@ -66,7 +79,9 @@ def test_synthetic_stack_validates_in_pieces():
     model = load_tool("synthetic").transformer_stack(1000)
     rewritten = amp_rewrite.rewrite(model).model
     samples = validate.synthesise(model, dims={"batch": 1, "seq": 4})
-    result = validate.validate(model, rewritten, samples, deployment=Deployment(provider="cpu"), reference=False)
+    result = validate.validate(
+        model, rewritten, samples, deployment=Deployment(provider="cpu"), reference=False
+    )
     whole, _ = open_session(rewritten, "cpu")
     [expected] = whole.run(None, validate.as_declared(rewritten, samples)[0])
     pieces, _ = segments.open_checked(rewritten, "cpu")

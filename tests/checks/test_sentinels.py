@@ -9,12 +9,11 @@ Numbers are checked under ONNX Runtime and onnx.reference (float16 arithmetic).
 
 import numpy as np
 import pytest
-from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor
 
-from amp_rewrite import rewrite
+from amp_rewrite import driver, rewrite
 from amp_rewrite.checks import calibrate
-from amp_rewrite import driver
 from amp_rewrite.checks import fallback as accuracy
+from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor
 
 F32 = np.float32
 MIN = np.finfo(F32).min
@@ -25,25 +24,39 @@ def attention(fill=MIN, guard=False, seed=0):
     """x [B,S,D], keep [B,1,S,S] (bool) -> y [B,S,D]: one attention head with an additive mask."""
     rng = np.random.default_rng(seed)
     inits = [init(f"W{n}", (rng.standard_normal((D, D)) * 0.3).astype(F32)) for n in "qkvo"]
-    inits += [init("scale", np.array(D ** -0.5, F32)), init("zero", np.array(0.0, F32)),
-              init("fill", np.array(fill, F32))]
-    nodes = [node("MatMul", ["x", "Wq"], ["q"], name="q"), node("MatMul", ["x", "Wk"], ["k"], name="k"),
-             node("MatMul", ["x", "Wv"], ["v"], name="v"),
-             node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
-             node("MatMul", ["q", "kt"], ["qk"], name="scores"), node("Mul", ["qk", "scale"], ["s"], name="scaled"),
-             node("Unsqueeze", ["s", "one"], ["s4"], name="heads"),
-             node("Where", ["keep", "zero", "fill"], ["mask"], name="mask"),
-             node("Add", ["s4", "mask"], ["masked"], name="add_mask"),
-             node("Softmax", ["masked"], ["p"], name="softmax", axis=-1)]
+    inits += [
+        init("scale", np.array(D**-0.5, F32)),
+        init("zero", np.array(0.0, F32)),
+        init("fill", np.array(fill, F32)),
+    ]
+    nodes = [
+        node("MatMul", ["x", "Wq"], ["q"], name="q"),
+        node("MatMul", ["x", "Wk"], ["k"], name="k"),
+        node("MatMul", ["x", "Wv"], ["v"], name="v"),
+        node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+        node("MatMul", ["q", "kt"], ["qk"], name="scores"),
+        node("Mul", ["qk", "scale"], ["s"], name="scaled"),
+        node("Unsqueeze", ["s", "one"], ["s4"], name="heads"),
+        node("Where", ["keep", "zero", "fill"], ["mask"], name="mask"),
+        node("Add", ["s4", "mask"], ["masked"], name="add_mask"),
+        node("Softmax", ["masked"], ["p"], name="softmax", axis=-1),
+    ]
     probs = "p"
     if guard:
-        nodes += [node("IsNaN", ["p"], ["nan"], name="isnan"), node("Where", ["nan", "zero", "p"], ["pg"], name="guard")]
+        nodes += [
+            node("IsNaN", ["p"], ["nan"], name="isnan"),
+            node("Where", ["nan", "zero", "p"], ["pg"], name="guard"),
+        ]
         probs = "pg"
-    nodes += [node("Squeeze", [probs, "one"], ["p3"], name="unheads"),
-              node("MatMul", ["p3", "v"], ["ctx"], name="context"), node("MatMul", ["ctx", "Wo"], ["y"], name="out")]
+    nodes += [
+        node("Squeeze", [probs, "one"], ["p3"], name="unheads"),
+        node("MatMul", ["p3", "v"], ["ctx"], name="context"),
+        node("MatMul", ["ctx", "Wo"], ["y"], name="out"),
+    ]
     inits.append(init("one", np.array([1], np.int64)))
-    return make_model(nodes, [tensor("x", [B, S, D]), tensor("keep", [B, 1, S, S], 9)], [tensor("y", [B, S, D])],
-                      inits)
+    return make_model(
+        nodes, [tensor("x", [B, S, D]), tensor("keep", [B, 1, S, S], 9)], [tensor("y", [B, S, D])], inits
+    )
 
 
 def samples(count=2, full_row=False, seed=1):
@@ -83,7 +96,9 @@ def test_mask_sentinel_is_not_overflow_add_and_softmax_go_float16(guard):
     assert held["mask"].max_abs == 0.0 and held["masked"].max_abs < 10  # the scores, not the sentinel
     result = rewrite(model, calibration=cal)
     assert precision(result, "add_mask") == precision(result, "softmax") == "float16"
-    assert precision(result, "mask") == "float16"  # its sentinel constant is -65504 in float16 (weights.SENTINEL)
+    assert (
+        precision(result, "mask") == "float16"
+    )  # its sentinel constant is -65504 in float16 (weights.SENTINEL)
     plain = rewrite(model)  # calibration no longer changes anything here
     assert result.model.SerializeToString() == plain.model.SerializeToString()
     assert_matches(model, result.model, feeds + samples(seed=7))
@@ -140,12 +155,18 @@ def test_check_validates_and_the_fallback_does_not_blame_the_mask():
     checked = driver.check(model, samples=feeds, calibrate=True, validate=True, reference=True)
     assert checked.passed, checked.validation.to_text()
     assert checked.result.report.node("softmax")["precision"] == "float16"
-    assert [s["tensor"] for s in checked.result.report.to_dict()["calibration"]["sentinels"]] == ["mask", "masked"]
-    assert ("2 tensor(s) held +-finfo(float32).max sentinels, not counted as overflow: 'mask', 'masked'"
-            in checked.result.report.to_text())
+    assert [s["tensor"] for s in checked.result.report.to_dict()["calibration"]["sentinels"]] == [
+        "mask",
+        "masked",
+    ]
+    assert (
+        "2 tensor(s) held +-finfo(float32).max sentinels, not counted as overflow: 'mask', 'masked'"
+        in checked.result.report.to_text()
+    )
     # a tolerance float16 cannot meet: the fallback pins where rounding enters, never the masked sum
-    fitted = driver.check(model, samples=feeds, calibrate=True, tolerance=True, reference=True, rtol=1e-6,
-                            atol=1e-7, max_runs=3)
+    fitted = driver.check(
+        model, samples=feeds, calibrate=True, tolerance=True, reference=True, rtol=1e-6, atol=1e-7, max_runs=3
+    )
     # (k grows fast enough to reach every node the ranking blames within max_runs: the second
     # search pins all of them, so the first pin is the one that shows the ranking)
     pinned = fitted.fallback.pinned
@@ -160,7 +181,15 @@ def test_check_validates_and_the_fallback_does_not_blame_the_mask():
 def _expected(arrays, flush):
     """The figures of calibrate._accumulate, value by value in plain Python/numpy."""
     big = float(np.finfo(F32).max)
-    out = {"count": 0, "nonfinite": 0, "sentinels": 0, "sentinel_rows": 0, "max_abs": 0.0, "nonzero": 0, "flushed": 0}
+    out = {
+        "count": 0,
+        "nonfinite": 0,
+        "sentinels": 0,
+        "sentinel_rows": 0,
+        "max_abs": 0.0,
+        "nonzero": 0,
+        "flushed": 0,
+    }
     for a in arrays:
         flat = np.abs(a.astype(np.float64)).ravel()
         out["count"] += flat.size

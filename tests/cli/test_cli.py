@@ -51,24 +51,44 @@ def test_cli_dry_run_writes_nothing(model_file):
 
 def test_cli_flags_move_ops_and_pin_nodes(model_file, tmp_path):
     report = tmp_path / "r.json"
-    assert main([str(model_file), "--allow", "LogSoftmax", "--keep-fp32-node", "mm2", "--report", str(report),
-                 "--dry-run", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                str(model_file),
+                "--allow",
+                "LogSoftmax",
+                "--keep-fp32-node",
+                "mm2",
+                "--report",
+                str(report),
+                "--dry-run",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     precision = {n["name"]: n["precision"] for n in json.loads(report.read_text())["nodes"]}
     assert precision["sm"] == "float16" and precision["mm2"] == "float32"
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["missing.onnx"], 3, "no such file"),
-    (["--target", "float8", "X"], 2, "invalid choice"),
-    (["X", "--allow", "Softmax", "--deny", "Softmax"], 4, "both"),
-    (["X", "--keep-fp32-node", "("], 2, "regular expression"),
-    (["X", "--op-lists", "nope.yaml"], 4, "cannot read op list"),
-    (["X", "--dim", "N"], 2, "expected NAME=SIZE"),
-    (["X", "--dim", "N=-1"], 2, "expected NAME=SIZE"),
-    (["X", "--dim", "N=0"], 2, "at least 1"),
-    (["X", "--dim", "N=8", "--dim", "batch=8"], 2, "'batch': not a symbolic dim of the model's inputs (its inputs' "
-                                                  "symbolic dims are N)"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["missing.onnx"], 3, "no such file"),
+        (["--target", "float8", "X"], 2, "invalid choice"),
+        (["X", "--allow", "Softmax", "--deny", "Softmax"], 4, "both"),
+        (["X", "--keep-fp32-node", "("], 2, "regular expression"),
+        (["X", "--op-lists", "nope.yaml"], 4, "cannot read op list"),
+        (["X", "--dim", "N"], 2, "expected NAME=SIZE"),
+        (["X", "--dim", "N=-1"], 2, "expected NAME=SIZE"),
+        (["X", "--dim", "N=0"], 2, "at least 1"),
+        (
+            ["X", "--dim", "N=8", "--dim", "batch=8"],
+            2,
+            "'batch': not a symbolic dim of the model's inputs (its inputs' symbolic dims are N)",
+        ),
+    ],
+)
 def test_cli_errors_are_one_line_with_exit_code(model_file, capsys, args, code, message):
     args = [str(model_file) if a == "X" else a for a in args]
     assert main(args) == code
@@ -77,10 +97,16 @@ def test_cli_errors_are_one_line_with_exit_code(model_file, capsys, args, code, 
 
 
 def test_cli_rejects_non_model_files_without_traceback(tmp_path):
-    for name, data in [("empty.onnx", b""), ("text.onnx", b"hello world\n"), ("random.onnx", bytes(range(256)) * 4)]:
+    for name, data in [
+        ("empty.onnx", b""),
+        ("text.onnx", b"hello world\n"),
+        ("random.onnx", bytes(range(256)) * 4),
+    ]:
         path = tmp_path / name
         path.write_bytes(data)
-        done = subprocess.run([sys.executable, "-m", "amp_rewrite", str(path)], capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "amp_rewrite", str(path)], capture_output=True, text=True
+        )
         assert done.returncode == 3, done.stderr
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
         assert not (tmp_path / name.replace(".onnx", ".fp16.onnx")).exists()
@@ -105,7 +131,12 @@ def test_cli_dim_sizes_the_estimates_not_the_model(model_file, tmp_path, capsys)
     the written model is the same bytes."""
     plain, sized, report = tmp_path / "plain.onnx", tmp_path / "sized.onnx", tmp_path / "r.json"
     assert main([str(model_file), "-o", str(plain), "--quiet", "--placement", "tf"]) == 0
-    assert main([str(model_file), "-o", str(sized), "--dim", "N=32", "--report", str(report), "--placement", "tf"]) == 0
+    assert (
+        main(
+            [str(model_file), "-o", str(sized), "--dim", "N=32", "--report", str(report), "--placement", "tf"]
+        )
+        == 0
+    )
     assert "(tf placement, N=32)" in capsys.readouterr().out
     assert plain.read_bytes() == sized.read_bytes()
     assert json.loads(report.read_text())["summary"]["dims"] == {"N": 32}

@@ -32,13 +32,20 @@ def test_version_and_help_name_explain(capsys):
     assert shipped.is_file() and str(shipped) in "".join(out.split())
 
 
-@pytest.mark.parametrize("args, code, expected", [
-    (["--deny", "MatMull"], 2, "--deny: unknown op type 'MatMull'"),
-    (["--allow", "matmul"], 2, "did you mean 'MatMul'?"),
-    (["--infer", "Sofmax"], 2, "did you mean 'Softmax'"),
-    (["--keep-fp32-node", "nosuchnode"], 2, "--keep-fp32-node 'nosuchnode' names or fully matches no node"),
-    (["--keep-fp32-node", "mm"], 2, "did you mean 'mm"),
-])
+@pytest.mark.parametrize(
+    "args, code, expected",
+    [
+        (["--deny", "MatMull"], 2, "--deny: unknown op type 'MatMull'"),
+        (["--allow", "matmul"], 2, "did you mean 'MatMul'?"),
+        (["--infer", "Sofmax"], 2, "did you mean 'Softmax'"),
+        (
+            ["--keep-fp32-node", "nosuchnode"],
+            2,
+            "--keep-fp32-node 'nosuchnode' names or fully matches no node",
+        ),
+        (["--keep-fp32-node", "mm"], 2, "did you mean 'mm"),
+    ],
+)
 def test_typos_are_refused_with_did_you_mean(model_file, capsys, args, code, expected):
     assert main([str(model_file), "--dry-run", *args]) == code
     err = capsys.readouterr().err
@@ -71,8 +78,13 @@ def test_closed_pipe_ends_quietly(model_file):
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first line, as `| head -0` leaves it
     try:
-        done = subprocess.run([sys.executable, "-m", "amp_rewrite", str(model_file), "--dry-run"], stdout=write,
-                              stderr=subprocess.PIPE, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "amp_rewrite", str(model_file), "--dry-run"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write)
     assert done.returncode == 0 and done.stderr == ""
@@ -97,8 +109,13 @@ def test_reference_flag_alone_and_validation_rule(model_file, capsys):
 def test_fallback_text_shows_ten_pins_report_keeps_all(model_file, tmp_path):
     result = amp_rewrite.rewrite(mlp())
     pins = {f"node{i}": f"accuracy fallback (run {i})" for i in range(15)}
-    result.report.sections["fallback"] = {"passed": True, "validation_runs": 5, "pinned": list(pins),
-                                          "reasons": pins, "history": []}
+    result.report.sections["fallback"] = {
+        "passed": True,
+        "validation_runs": 5,
+        "pinned": list(pins),
+        "reasons": pins,
+        "history": [],
+    }
     text = result.report.to_text()
     assert "15 node(s) pinned float32, the first 10" in text
     assert sum(1 for line in text.splitlines() if line.startswith("  node")) == 10

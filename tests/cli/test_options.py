@@ -27,14 +27,17 @@ def test_options_are_frozen_and_normalised():
     assert sized.replace(target="bfloat16").dims == {"batch": 8}
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"target": "float8"}, "unknown target"),
-    ({"keep_fp32_nodes": ["("]}, "not a valid regular expression"),
-    ({"keep_io": True}, "unknown rewrite option"),
-    ({"dims": {"batch": 0}}, "at least 1"),
-    ({"dims": {"batch": 2.5}}, "at least 1"),
-    ({"dims": {"batch": True}}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"target": "float8"}, "unknown target"),
+        ({"keep_fp32_nodes": ["("]}, "not a valid regular expression"),
+        ({"keep_io": True}, "unknown rewrite option"),
+        ({"dims": {"batch": 0}}, "at least 1"),
+        ({"dims": {"batch": 2.5}}, "at least 1"),
+        ({"dims": {"batch": True}}, "at least 1"),
+    ],
+)
 def test_bad_options_are_one_usage_error(bad, message):
     with pytest.raises(UsageError, match=message):
         RewriteOptions.of(**bad)
@@ -43,12 +46,22 @@ def test_bad_options_are_one_usage_error(bad, message):
 def test_cli_and_api_build_the_same_options_and_the_same_model(tmp_path):
     rng = np.random.default_rng(7)
     model = make_model(
-        [node("MatMul", ["x", "w"], ["h"], name="mm"), node("Gelu", ["h"], ["g"], name="gelu", domain=""),
-         node("MatMul", ["g", "w2"], ["y"], name="mm2")],
-        [tensor("x", [2, 8])], [tensor("y", [2, 4])],
-        [init("w", rng.standard_normal((8, 8)).astype(np.float32)),
-         init("w2", rng.standard_normal((8, 4)).astype(np.float32))], opset=20)
-    args = build_parser().parse_args(["m.onnx", "--deny", "Gelu", "--keep-fp32-node", "mm2", "--target", "bfloat16"])
+        [
+            node("MatMul", ["x", "w"], ["h"], name="mm"),
+            node("Gelu", ["h"], ["g"], name="gelu", domain=""),
+            node("MatMul", ["g", "w2"], ["y"], name="mm2"),
+        ],
+        [tensor("x", [2, 8])],
+        [tensor("y", [2, 4])],
+        [
+            init("w", rng.standard_normal((8, 8)).astype(np.float32)),
+            init("w2", rng.standard_normal((8, 4)).astype(np.float32)),
+        ],
+        opset=20,
+    )
+    args = build_parser().parse_args(
+        ["m.onnx", "--deny", "Gelu", "--keep-fp32-node", "mm2", "--target", "bfloat16"]
+    )
     from_cli = rewrite_options(args)
     assert from_cli == RewriteOptions.of(target="bfloat16", deny=["Gelu"], keep_fp32_nodes=["mm2"])
     sized = rewrite_options(build_parser().parse_args(["m.onnx", "--dim", "batch=8", "--dim", "seq=128"]))

@@ -23,5 +23,8 @@ def test_bench_quick_runs_and_reports_valid_outputs():
 
 
 def _markdown_rows(text: str, size: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in text.splitlines() if line.startswith(f"| {size} ")]
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith(f"| {size} ")
+    ]

@@ -9,13 +9,17 @@ import importlib.util
 
 import numpy as np
 import pytest
-from helpers import load_script
 from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 
+from helpers import load_script
+
 ABSENT = [name for name in ("torch", "transformers", "onnxscript") if importlib.util.find_spec(name) is None]
-pytestmark = pytest.mark.skipif(bool(ABSENT), reason=f"the decoder is exported from transformers by torch's dynamo "
-                                                      f"exporter: {', '.join(ABSENT)} not installed")
+pytestmark = pytest.mark.skipif(
+    bool(ABSENT),
+    reason=f"the decoder is exported from transformers by torch's dynamo "
+    f"exporter: {', '.join(ABSENT)} not installed",
+)
 STEPS, PROMPT = 32, [1, 5, 9, 2]
 
 
@@ -34,7 +38,10 @@ def test_cache_is_float16_at_the_edge_and_the_rest_keeps_its_type(decoder):
     types = {v.name: v.type.tensor_type.elem_type for v in (*half.graph.input, *half.graph.output)}
     past, present = example.cache_names(2)
     assert {types[name] for name in past + present} == {TensorProto.FLOAT16}
-    assert types["input_ids"] == types["attention_mask"] == TensorProto.INT64 and types["logits"] == TensorProto.FLOAT
+    assert (
+        types["input_ids"] == types["attention_mask"] == TensorProto.INT64
+        and types["logits"] == TensorProto.FLOAT
+    )
     producers = {o: n for n in half.graph.node for o in n.output}
     for p, q in zip(past, present):  # the exporter's Concat reads the past and writes the present, as is
         assert producers[q].op_type == "Concat" and producers[q].input[0] == p
@@ -55,8 +62,9 @@ def test_onnx_reference_agrees_on_the_first_steps(decoder):
     example, _, half, tokens, expected = decoder
     reference = ReferenceEvaluator(half)
     steps = 3
-    _, by_reference, dtypes = example.decode(lambda feeds: reference.run(None, feeds), half, PROMPT, steps,
-                                             follow=tokens)
+    _, by_reference, dtypes = example.decode(
+        lambda feeds: reference.run(None, feeds), half, PROMPT, steps, follow=tokens
+    )
     _, by_ort, _ = example.decode(example.session_runner(half), half, PROMPT, steps, follow=tokens)
     assert all(step == {np.dtype(np.float16)} for step in dtypes)
     for r, o, e in zip(by_reference, by_ort, expected):

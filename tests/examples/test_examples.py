@@ -71,8 +71,10 @@ def test_export_pipeline_example_runs_and_stays_close():
     assert int(re.search(r"Cast nodes in the rewritten model: (\d+)", done.stdout).group(1)) > 0
 
 
-@pytest.mark.skipif(not (HAS_TORCH and importlib.util.find_spec("transformers") and importlib.util.find_spec("onnxscript")),
-                    reason="torch, transformers and onnxscript are optional")
+@pytest.mark.skipif(
+    not (HAS_TORCH and importlib.util.find_spec("transformers") and importlib.util.find_spec("onnxscript")),
+    reason="torch, transformers and onnxscript are optional",
+)
 def test_finetune_export_example_trains_in_float16():
     done = run_script("examples/finetune_export.py", "--steps", "8", timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -27,9 +27,17 @@ HEAVY = {"MatMul", "Gemm", "Conv"}
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                                  nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                  nn.Linear(8, 5))
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 5),
+        )
 
     def forward(self, x):
         return self.body(x)
@@ -46,7 +54,11 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x) if self.causal else x).reshape(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln1(x) if self.causal else x)
+            .reshape(b, t, 3, self.heads, h // self.heads)
+            .permute(2, 0, 3, 1, 4)
+        )
         scores = q @ k.transpose(-1, -2) / (h // self.heads) ** 0.5
         if self.causal:
             mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
@@ -90,8 +102,15 @@ def _export(module, example, opset, dynamo):
             program = torch.onnx.export(module, (example,), dynamo=True, opset_version=opset, verbose=False)
             model = program.model_proto
         else:
-            torch.onnx.export(module, (example,), buffer, dynamo=False, opset_version=opset,
-                              input_names=["x"], output_names=["y"])
+            torch.onnx.export(
+                module,
+                (example,),
+                buffer,
+                dynamo=False,
+                opset_version=opset,
+                input_names=["x"],
+                output_names=["y"],
+            )
             model = onnx.load_from_string(buffer.getvalue())
     if model.ir_version > 10:
         model.ir_version = 10  # ORT 1.31 loads up to IR 10 here; nothing newer is used
@@ -117,12 +136,17 @@ def _heavy_nodes(model):
     return found
 
 
-CASES = [("float16", name, opset, dynamo) for name in MODELS for opset in (17, 18) for dynamo in (False, True)]
+CASES = [
+    ("float16", name, opset, dynamo) for name in MODELS for opset in (17, 18) for dynamo in (False, True)
+]
 CASES += [("bfloat16", name, 18, True) for name in MODELS]  # bfloat16: one exporter, to keep CI short
 
 
-@pytest.mark.parametrize("target,name,opset,dynamo", CASES,
-                         ids=[f"{t}-{n}-{o}-{'dynamo' if d else 'torchscript'}" for t, n, o, d in CASES])
+@pytest.mark.parametrize(
+    "target,name,opset,dynamo",
+    CASES,
+    ids=[f"{t}-{n}-{o}-{'dynamo' if d else 'torchscript'}" for t, n, o, d in CASES],
+)
 def test_exported_model(name, opset, dynamo, target):
     torch.manual_seed(0)
     make, example_fn = MODELS[name]
@@ -134,8 +158,11 @@ def test_exported_model(name, opset, dynamo, target):
     assert uncovered_low_nodes(result.model, target) == []  # every low node has a CUDA kernel at its opset
     heavy = [n for n in result.report.nodes if n["op_type"] in HEAVY]
     assert heavy and len(heavy) == len(_heavy_nodes(result.model))
-    not_low = [(n["name"], n["precision"]) for n in heavy if n["precision"] != target
-               and not (target == "bfloat16" and _schema_refuses_bf16(n))]
+    not_low = [
+        (n["name"], n["precision"])
+        for n in heavy
+        if n["precision"] != target and not (target == "bfloat16" and _schema_refuses_bf16(n))
+    ]
     assert not not_low, not_low
     feeds = {model.graph.input[0].name: example.numpy()}
     expected = run_ort(model, feeds)
@@ -157,8 +184,16 @@ def test_eager_vit_export_loses_its_softmax_casts():
     the rewrite holds fewer Casts than the export (as bench_placement measures on ViT-S/16)."""
     tr = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = tr.ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, intermediate_size=64, attn_implementation="eager")
+    config = tr.ViTConfig(
+        image_size=8,
+        patch_size=2,
+        num_channels=1,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        attn_implementation="eager",
+    )
     vit = tr.ViTModel(config, add_pooling_layer=False).eval()
 
     class Hidden(nn.Module):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -51,16 +51,22 @@ def _vi(name, shape=(2, 4), elem=TensorProto.FLOAT):
 
 
 def _model(nodes, inputs=("x",), outputs=("y",), inits=(), opset=17, ir=IR, opsets=None):
-    graph = helper.make_graph(list(nodes), "g", [_vi(i) if isinstance(i, str) else i for i in inputs],
-                              [_vi(o) if isinstance(o, str) else o for o in outputs], list(inits))
+    graph = helper.make_graph(
+        list(nodes),
+        "g",
+        [_vi(i) if isinstance(i, str) else i for i in inputs],
+        [_vi(o) if isinstance(o, str) else o for o in outputs],
+        list(inits),
+    )
     model = helper.make_model(graph, opset_imports=opsets or [helper.make_opsetid("", opset)])
     model.ir_version = ir
     return model
 
 
 def _n(op, inputs, outputs, name=None, domain="", **attrs):
-    return helper.make_node(op, list(inputs), list(outputs), name=name or f"{op}_{outputs[0]}", domain=domain,
-                            **attrs)
+    return helper.make_node(
+        op, list(inputs), list(outputs), name=name or f"{op}_{outputs[0]}", domain=domain, **attrs
+    )
 
 
 def valid_model() -> onnx.ModelProto:
@@ -68,8 +74,14 @@ def valid_model() -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     w1 = numpy_helper.from_array((rng.standard_normal((4, 32)) / 2).astype(np.float32), "W1")
     w2 = numpy_helper.from_array((rng.standard_normal((32, 4)) / 6).astype(np.float32), "W2")
-    return _model([_n("MatMul", ["x", "W1"], ["h"], "mm1"), _n("Relu", ["h"], ["r"], "relu"),
-                   _n("MatMul", ["r", "W2"], ["y"], "mm2")], inits=[w1, w2])
+    return _model(
+        [
+            _n("MatMul", ["x", "W1"], ["h"], "mm1"),
+            _n("Relu", ["h"], ["r"], "relu"),
+            _n("MatMul", ["r", "W2"], ["y"], "mm2"),
+        ],
+        inits=[w1, w2],
+    )
 
 
 def _write_model(folder: Path, model: onnx.ModelProto, name="model.onnx") -> Path:
@@ -83,6 +95,7 @@ def _api_rewrite(path, **kwargs):
         import amp_rewrite
 
         return amp_rewrite.rewrite(str(path), **kwargs)
+
     return call
 
 
@@ -90,6 +103,7 @@ def _model_case(make: Callable[[], onnx.ModelProto]):
     def build(folder: Path) -> Built:
         path = _write_model(folder, make())
         return Built([str(path)], _api_rewrite(path))
+
     return build
 
 
@@ -98,6 +112,7 @@ def _bytes_case(data: bytes, name="model.onnx"):
         path = folder / name
         path.write_bytes(data)
         return Built([str(path)], _api_rewrite(path))
+
     return build
 
 
@@ -133,6 +148,7 @@ def _external_case(location_of: Callable[[Path], str], message_write=True, lengt
         else:
             path = _with_external(model_dir, location, length_delta=length_delta, write_data=message_write)
         return Built([str(path)], _api_rewrite(path), watch=[model_dir, outside])
+
     return build
 
 
@@ -143,16 +159,21 @@ def _yaml_case(text: str | bytes, extra_files: dict[str, str] | None = None):
         lists.write_bytes(text.encode() if isinstance(text, str) else text)
         for name, content in (extra_files or {}).items():
             (folder / name).write_text(content)
-        return Built([str(path), "--op-lists", str(lists), "--dry-run"], _api_rewrite(path, op_lists=[str(lists)]))
+        return Built(
+            [str(path), "--op-lists", str(lists), "--dry-run"], _api_rewrite(path, op_lists=[str(lists)])
+        )
+
     return build
 
 
 def _args_case(args: list[str], api_kwargs: dict | None = None):
     """CLI flags (MODEL stands for the model path); api_kwargs: the same mistake through the API."""
+
     def build(folder: Path) -> Built:
         path = _write_model(folder, valid_model())
         cli = [str(path) if a == "MODEL" else a for a in args]
         return Built(cli, _api_rewrite(path, **api_kwargs) if api_kwargs is not None else None)
+
     return build
 
 
@@ -182,6 +203,7 @@ def _with(mutate):
         model = valid_model()
         mutate(model)
         return model
+
     return make
 
 
@@ -267,32 +289,99 @@ CASES: list[Case] = [
     Case("random_bytes", MODEL, "not an ONNX model", _bytes_case(np.random.default_rng(7).bytes(4096))),
     Case("truncated_model", MODEL, "not an ONNX model", _bytes_case(_truncated())),
     Case("text_file", MODEL, "not an ONNX model", _bytes_case(b"ir_version: 8\nthis is not a model\n")),
-    Case("tensor_proto_not_model", MODEL, "not an ONNX model",
-         _bytes_case(numpy_helper.from_array(np.ones((3, 3), np.float32), "t").SerializeToString())),
-    Case("graph_proto_not_model", MODEL, "not an ONNX model", _bytes_case(valid_model().graph.SerializeToString())),
+    Case(
+        "tensor_proto_not_model",
+        MODEL,
+        "not an ONNX model",
+        _bytes_case(numpy_helper.from_array(np.ones((3, 3), np.float32), "t").SerializeToString()),
+    ),
+    Case(
+        "graph_proto_not_model",
+        MODEL,
+        "not an ONNX model",
+        _bytes_case(valid_model().graph.SerializeToString()),
+    ),
     Case("model_without_graph", MODEL, "no graph", _model_case(_no_graph)),
     Case("model_without_opsets", MODEL, "no opset", _model_case(_no_opset)),
-    Case("missing_file", MODEL, "no such file", lambda d: Built([str(d / "absent.onnx")],
-                                                                 _api_rewrite(d / "absent.onnx"))),
+    Case(
+        "missing_file",
+        MODEL,
+        "no such file",
+        lambda d: Built([str(d / "absent.onnx")], _api_rewrite(d / "absent.onnx")),
+    ),
     Case("directory_as_model", MODEL, "not a file", lambda d: Built([str(d)], _api_rewrite(d))),
     # graphs that are not valid
-    Case("cycle", MODEL, "cycle", _model_case(lambda: _model(
-        [_n("Relu", ["b"], ["a"], "r1"), _n("Relu", ["a"], ["b"], "r2"), _n("Add", ["x", "b"], ["y"], "add")]))),
-    Case("undefined_input", MODEL, "which nothing defines", _model_case(lambda: _model(
-        [_n("Add", ["x", "ghost"], ["y"], "add")]))),
-    Case("undefined_in_subgraph", MODEL, "which nothing defines", _model_case(lambda: _model(
-        [_n("Constant", [], ["c"], "c", value=helper.make_tensor("v", TensorProto.BOOL, [], [True])),
-         _n("If", ["c"], ["y"], "if",
-            then_branch=helper.make_graph([_n("Relu", ["phantom"], ["t"], "tr")], "then", [], [_vi("t")]),
-            else_branch=helper.make_graph([_n("Relu", ["x"], ["e"], "er")], "else", [], [_vi("e")]))]))),
-    Case("duplicate_tensor_name", MODEL, "defined twice", _model_case(lambda: _model(
-        [_n("Relu", ["x"], ["y"], "a"), _n("Sigmoid", ["x"], ["y"], "b")]))),
+    Case(
+        "cycle",
+        MODEL,
+        "cycle",
+        _model_case(
+            lambda: _model(
+                [
+                    _n("Relu", ["b"], ["a"], "r1"),
+                    _n("Relu", ["a"], ["b"], "r2"),
+                    _n("Add", ["x", "b"], ["y"], "add"),
+                ]
+            )
+        ),
+    ),
+    Case(
+        "undefined_input",
+        MODEL,
+        "which nothing defines",
+        _model_case(lambda: _model([_n("Add", ["x", "ghost"], ["y"], "add")])),
+    ),
+    Case(
+        "undefined_in_subgraph",
+        MODEL,
+        "which nothing defines",
+        _model_case(
+            lambda: _model(
+                [
+                    _n(
+                        "Constant",
+                        [],
+                        ["c"],
+                        "c",
+                        value=helper.make_tensor("v", TensorProto.BOOL, [], [True]),
+                    ),
+                    _n(
+                        "If",
+                        ["c"],
+                        ["y"],
+                        "if",
+                        then_branch=helper.make_graph(
+                            [_n("Relu", ["phantom"], ["t"], "tr")], "then", [], [_vi("t")]
+                        ),
+                        else_branch=helper.make_graph(
+                            [_n("Relu", ["x"], ["e"], "er")], "else", [], [_vi("e")]
+                        ),
+                    ),
+                ]
+            )
+        ),
+    ),
+    Case(
+        "duplicate_tensor_name",
+        MODEL,
+        "defined twice",
+        _model_case(lambda: _model([_n("Relu", ["x"], ["y"], "a"), _n("Sigmoid", ["x"], ["y"], "b")])),
+    ),
     Case("duplicate_initializer", MODEL, "defined twice", _model_case(_with(_dup_init))),
     Case("duplicate_graph_input", MODEL, "defined twice", _model_case(_with(_dup_input))),
-    Case("graph_without_outputs", MODEL, "no outputs", _model_case(_with(lambda m: m.graph.ClearField("output")))),
+    Case(
+        "graph_without_outputs",
+        MODEL,
+        "no outputs",
+        _model_case(_with(lambda m: m.graph.ClearField("output"))),
+    ),
     Case("output_not_produced", MODEL, "not produced", _model_case(_with(_output_undefined))),
-    Case("undeclared_op_domain", MODEL, "No opset import for domain", _model_case(lambda: _model(
-        [_n("Frob", ["x"], ["y"], "frob", domain="com.hostile")]))),
+    Case(
+        "undeclared_op_domain",
+        MODEL,
+        "No opset import for domain",
+        _model_case(lambda: _model([_n("Frob", ["x"], ["y"], "frob", domain="com.hostile")])),
+    ),
     Case("unknown_op_default_domain", MODEL, "Frobnicate", _model_case(_with(_unknown_op))),
     Case("empty_op_type", MODEL, "invalid ONNX model", _model_case(_with(_empty_op))),
     Case("unknown_attribute", MODEL, "bogus", _model_case(_with(_bad_attr))),
@@ -300,10 +389,19 @@ CASES: list[Case] = [
     Case("duplicate_opset_import", MODEL, "imported twice", _model_case(_with(_dup_opset))),
     # versions
     Case("ir_version_too_new", MODEL, "IR version 14 is newer", _model_case(_with(lambda m: _set_ir(m, 14)))),
-    Case("ir_version_far_future", MODEL, "IR version 99 is newer", _model_case(_with(lambda m: _set_ir(m, 99)))),
+    Case(
+        "ir_version_far_future", MODEL, "IR version 99 is newer", _model_case(_with(lambda m: _set_ir(m, 99)))
+    ),
     Case("ir_version_missing", MODEL, "no IR version", _model_case(_with(lambda m: _set_ir(m, 0)))),
-    Case("opset_too_new_for_ort", MODEL, "newer than ONNX Runtime", _model_case(_with(lambda m: _set_opset(m, 27)))),
-    Case("opset_far_future", MODEL, "newer than ONNX Runtime", _model_case(_with(lambda m: _set_opset(m, 99)))),
+    Case(
+        "opset_too_new_for_ort",
+        MODEL,
+        "newer than ONNX Runtime",
+        _model_case(_with(lambda m: _set_opset(m, 27))),
+    ),
+    Case(
+        "opset_far_future", MODEL, "newer than ONNX Runtime", _model_case(_with(lambda m: _set_opset(m, 99)))
+    ),
     # types and tensors
     Case("input_without_type", MODEL, "type", _model_case(_with(_no_type))),
     Case("input_without_elem_type", MODEL, "no element type", _model_case(_with(_no_elem_type))),
@@ -313,45 +411,102 @@ CASES: list[Case] = [
     Case("initializer_huge_shape_no_data", MODEL, "needs", _model_case(_with(_huge_claim))),
     Case("initializer_unknown_dtype", MODEL, "unknown element type", _model_case(_with(_wrong_elem))),
     # external data
-    Case("external_data_missing", MODEL, "is missing", _external_case(lambda d: "weights.bin", message_write=False)),
-    Case("external_data_dotdot", MODEL, "escapes the model's folder", _external_case(lambda d: "../outside/w.bin")),
-    Case("external_data_absolute", MODEL, "must be a relative path",
-         _external_case(lambda d: str(d / "outside" / "w.bin"))),
-    Case("external_data_symlink_out", MODEL, "escapes the model's folder",
-         _external_case(lambda d: "weights.bin", symlink=True)),
-    Case("external_data_short", MODEL, "needs 512", _external_case(lambda d: "weights.bin", length_delta=-100)),
+    Case(
+        "external_data_missing",
+        MODEL,
+        "is missing",
+        _external_case(lambda d: "weights.bin", message_write=False),
+    ),
+    Case(
+        "external_data_dotdot",
+        MODEL,
+        "escapes the model's folder",
+        _external_case(lambda d: "../outside/w.bin"),
+    ),
+    Case(
+        "external_data_absolute",
+        MODEL,
+        "must be a relative path",
+        _external_case(lambda d: str(d / "outside" / "w.bin")),
+    ),
+    Case(
+        "external_data_symlink_out",
+        MODEL,
+        "escapes the model's folder",
+        _external_case(lambda d: "weights.bin", symlink=True),
+    ),
+    Case(
+        "external_data_short", MODEL, "needs 512", _external_case(lambda d: "weights.bin", length_delta=-100)
+    ),
     # op lists
-    Case("yaml_alias_bomb", OPLIST, "aliases are not allowed", _yaml_case(
-        "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
-        "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nallow: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n")),
+    Case(
+        "yaml_alias_bomb",
+        OPLIST,
+        "aliases are not allowed",
+        _yaml_case(
+            "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+            "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nallow: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+        ),
+    ),
     Case("yaml_unknown_key", OPLIST, "unknown key 'alow'", _yaml_case("alow:\n  MatMul: typo\n")),
     Case("yaml_op_in_two_lists", OPLIST, "in both", _yaml_case("allow: [Softmax]\ndeny: [Softmax]\n")),
     Case("yaml_syntax_error", OPLIST, "invalid YAML", _yaml_case("allow: [MatMul\ndeny: {\n")),
     Case("yaml_not_mapping", OPLIST, "must be a mapping", _yaml_case("- MatMul\n- Relu\n")),
-    Case("yaml_python_tag", OPLIST, "invalid YAML", _yaml_case("allow: !!python/object/apply:os.system ['true']\n")),
+    Case(
+        "yaml_python_tag",
+        OPLIST,
+        "invalid YAML",
+        _yaml_case("allow: !!python/object/apply:os.system ['true']\n"),
+    ),
     Case("yaml_binary", OPLIST, "not UTF-8", _yaml_case(b"\xff\xfe\x00allow")),
     Case("yaml_bad_entry", OPLIST, "not an op type name", _yaml_case("allow:\n  - [MatMul]\n")),
     Case("yaml_extends_loop", OPLIST, "loops back", _yaml_case("extends: lists.yaml\nallow: [MatMul]\n")),
-    Case("yaml_wrong_target", OPLIST, "written for target", _yaml_case("target: bfloat16\nallow: [MatMul]\n")),
-    Case("yaml_missing_file", OPLIST, "cannot read op list",
-         _args_case(["MODEL", "--op-lists", "/nonexistent/lists.yaml"], {"op_lists": ["/nonexistent/lists.yaml"]})),
-    Case("flag_op_in_two_lists", OPLIST, "in both",
-         _args_case(["MODEL", "--allow", "Softmax", "--deny", "Softmax"], {"allow": ["Softmax"], "deny": ["Softmax"]})),
+    Case(
+        "yaml_wrong_target", OPLIST, "written for target", _yaml_case("target: bfloat16\nallow: [MatMul]\n")
+    ),
+    Case(
+        "yaml_missing_file",
+        OPLIST,
+        "cannot read op list",
+        _args_case(
+            ["MODEL", "--op-lists", "/nonexistent/lists.yaml"], {"op_lists": ["/nonexistent/lists.yaml"]}
+        ),
+    ),
+    Case(
+        "flag_op_in_two_lists",
+        OPLIST,
+        "in both",
+        _args_case(
+            ["MODEL", "--allow", "Softmax", "--deny", "Softmax"], {"allow": ["Softmax"], "deny": ["Softmax"]}
+        ),
+    ),
     # bad CLI values
     Case("bad_target", USAGE, "'float8'", _args_case(["MODEL", "--target", "float8"], {"target": "float8"})),
-    Case("bad_regex", USAGE, "regular expression",
-         _args_case(["MODEL", "--keep-fp32-node", "(unclosed"], {"keep_fp32_nodes": ["(unclosed"]})),
+    Case(
+        "bad_regex",
+        USAGE,
+        "regular expression",
+        _args_case(["MODEL", "--keep-fp32-node", "(unclosed"], {"keep_fp32_nodes": ["(unclosed"]}),
+    ),
     Case("unknown_flag", USAGE, "unrecognized arguments", _args_case(["MODEL", "--make-it-fast"])),
     Case("missing_model_argument", USAGE, "required", lambda d: Built([], None)),
     Case("flag_missing_value", USAGE, "expected one argument", _args_case(["MODEL", "-o"])),
     # outputs
     Case("output_is_input", OUTPUT, "is the input", _args_case(["MODEL", "-o", "MODEL", "--force"])),
     Case("output_exists", OUTPUT, "already exists", lambda d: _existing_output(d)),
-    Case("output_folder_missing", OUTPUT, "does not exist",
-         lambda d: _args_case(["MODEL", "-o", str(d / "no" / "such" / "out.onnx")])(d)),
+    Case(
+        "output_folder_missing",
+        OUTPUT,
+        "does not exist",
+        lambda d: _args_case(["MODEL", "-o", str(d / "no" / "such" / "out.onnx")])(d),
+    ),
     Case("output_is_directory", OUTPUT, "is a directory", lambda d: _output_dir(d)),
-    Case("output_folder_unwritable", OUTPUT, "not writable" if os.geteuid() != 0 else "cannot write",
-         lambda d: _unwritable(d)),
+    Case(
+        "output_folder_unwritable",
+        OUTPUT,
+        "not writable" if os.geteuid() != 0 else "cannot write",
+        lambda d: _unwritable(d),
+    ),
     Case("report_is_input", OUTPUT, "is the input", _args_case(["MODEL", "--dry-run", "--report", "MODEL"])),
     Case("disk_full", OUTPUT, "No space left", lambda d: _disk_full(d, external=False)),
     Case("disk_full_external_data", OUTPUT, "No space left", lambda d: _disk_full(d, external=True)),

@@ -37,23 +37,71 @@ from helpers import load_script
 make_corpus = load_script("tests/hostile/make_corpus.py")
 
 EXAMPLES = int(os.environ.get("AMP_REWRITE_HYPOTHESIS_EXAMPLES", "40"))
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("AMP_REWRITE_HYPOTHESIS_EXAMPLES"),
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("AMP_REWRITE_HYPOTHESIS_EXAMPLES"),
+    suppress_health_check=list(HealthCheck),
+)
 
 NAMES = ["x", "y", "h", "r", "W1", "W2", "", "ghost", "x\0", "é", "a" * 300, "../../etc/passwd"]
-OPS = ["Relu", "MatMul", "Add", "If", "Loop", "Cast", "Constant", "Softmax", "Exp", "Frob", "", "Scan", "Identity"]
+OPS = [
+    "Relu",
+    "MatMul",
+    "Add",
+    "If",
+    "Loop",
+    "Cast",
+    "Constant",
+    "Softmax",
+    "Exp",
+    "Frob",
+    "",
+    "Scan",
+    "Identity",
+]
 DOMAINS = ["", "ai.onnx", "com.microsoft", "local", "ai.onnx.ml", "\0", "x" * 200]
-LOCATIONS = ["w.bin", "../outside.bin", "/etc/passwd", "/dev/zero", "", "w\0.bin", "x" * 5000, "loop", "fifo",
-             "sub/../w.bin", "."]
+LOCATIONS = [
+    "w.bin",
+    "../outside.bin",
+    "/etc/passwd",
+    "/dev/zero",
+    "",
+    "w\0.bin",
+    "x" * 5000,
+    "loop",
+    "fifo",
+    "sub/../w.bin",
+    ".",
+]
 ELEM_TYPES = list(range(-1, 26))
 
 
 def _mutate(draw, model: onnx.ModelProto) -> None:
     """One hostile change to `model` (drawn)."""
     graph = model.graph
-    kind = draw(st.sampled_from([
-        "ir", "opset", "op", "rename", "drop_node", "dup_node", "dims", "elem", "raw", "external", "attribute",
-        "output_type", "function", "value_info", "sparse", "subgraph"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "ir",
+                "opset",
+                "op",
+                "rename",
+                "drop_node",
+                "dup_node",
+                "dims",
+                "elem",
+                "raw",
+                "external",
+                "attribute",
+                "output_type",
+                "function",
+                "value_info",
+                "sparse",
+                "subgraph",
+            ]
+        )
+    )
     if kind == "ir":
         model.ir_version = draw(st.integers(-5, 20))
     elif kind == "opset":
@@ -78,46 +126,85 @@ def _mutate(draw, model: onnx.ModelProto) -> None:
         del tensor.dims[:]
         tensor.dims.extend(draw(st.lists(st.integers(-3, 2**40), max_size=4)))
     elif kind == "elem" and graph.initializer:
-        graph.initializer[draw(st.integers(0, len(graph.initializer) - 1))].data_type = draw(st.sampled_from(ELEM_TYPES))
+        graph.initializer[draw(st.integers(0, len(graph.initializer) - 1))].data_type = draw(
+            st.sampled_from(ELEM_TYPES)
+        )
     elif kind == "raw" and graph.initializer:
         tensor = graph.initializer[draw(st.integers(0, len(graph.initializer) - 1))]
-        tensor.raw_data = tensor.raw_data[: draw(st.integers(0, len(tensor.raw_data)))] + draw(st.binary(max_size=16))
+        tensor.raw_data = tensor.raw_data[: draw(st.integers(0, len(tensor.raw_data)))] + draw(
+            st.binary(max_size=16)
+        )
     elif kind == "external" and graph.initializer:
         tensor = graph.initializer[draw(st.integers(0, len(graph.initializer) - 1))]
         tensor.ClearField("raw_data")
         tensor.data_location = TensorProto.EXTERNAL
-        for key in draw(st.lists(st.sampled_from(["location", "offset", "length", "checksum", "junk"]), max_size=4)):
+        for key in draw(
+            st.lists(st.sampled_from(["location", "offset", "length", "checksum", "junk"]), max_size=4)
+        ):
             entry = tensor.external_data.add()
             entry.key = key
-            entry.value = draw(st.sampled_from(LOCATIONS) if key == "location"
-                               else st.sampled_from(["0", "-1", "512", "4096", "x", "", "99999999999999999999999"]))
+            entry.value = draw(
+                st.sampled_from(LOCATIONS)
+                if key == "location"
+                else st.sampled_from(["0", "-1", "512", "4096", "x", "", "99999999999999999999999"])
+            )
     elif kind == "attribute" and graph.node:
         node = graph.node[draw(st.integers(0, len(graph.node) - 1))]
-        value = draw(st.one_of(st.integers(-2**63, 2**63 - 1), st.floats(), st.text(max_size=8),
-                               st.lists(st.integers(-5, 5), min_size=1, max_size=3)))
-        node.attribute.append(helper.make_attribute(draw(st.sampled_from(["axis", "to", "perm", "bogus", "value"])), value))
+        value = draw(
+            st.one_of(
+                st.integers(-(2**63), 2**63 - 1),
+                st.floats(),
+                st.text(max_size=8),
+                st.lists(st.integers(-5, 5), min_size=1, max_size=3),
+            )
+        )
+        node.attribute.append(
+            helper.make_attribute(draw(st.sampled_from(["axis", "to", "perm", "bogus", "value"])), value)
+        )
     elif kind == "output_type":
         graph.output[0].type.tensor_type.elem_type = draw(st.sampled_from(ELEM_TYPES))
     elif kind == "function":
-        body = [helper.make_node(draw(st.sampled_from(OPS)), ["a", draw(st.sampled_from(["b", "a", ""]))], ["c"])]
-        model.functions.append(helper.make_function("local", "F", ["a", "b"], ["c"], body, [helper.make_opsetid("", 17)]))
-        graph.node.append(helper.make_node("F", draw(st.lists(st.sampled_from(NAMES[:4]), max_size=3)), ["fy"],
-                                           domain=draw(st.sampled_from(["local", "other"])), name="call"))
+        body = [
+            helper.make_node(draw(st.sampled_from(OPS)), ["a", draw(st.sampled_from(["b", "a", ""]))], ["c"])
+        ]
+        model.functions.append(
+            helper.make_function("local", "F", ["a", "b"], ["c"], body, [helper.make_opsetid("", 17)])
+        )
+        graph.node.append(
+            helper.make_node(
+                "F",
+                draw(st.lists(st.sampled_from(NAMES[:4]), max_size=3)),
+                ["fy"],
+                domain=draw(st.sampled_from(["local", "other"])),
+                name="call",
+            )
+        )
         if draw(st.booleans()):
             model.opset_import.add(domain="local", version=1)
     elif kind == "value_info":
-        graph.value_info.append(helper.make_tensor_value_info(draw(st.sampled_from(NAMES)),
-                                                              draw(st.sampled_from(ELEM_TYPES[2:])), None))
+        graph.value_info.append(
+            helper.make_tensor_value_info(
+                draw(st.sampled_from(NAMES)), draw(st.sampled_from(ELEM_TYPES[2:])), None
+            )
+        )
     elif kind == "sparse":
         values = numpy_helper.from_array(np.ones(2, np.float32), "S")
-        indices = numpy_helper.from_array(np.array(draw(st.lists(st.integers(-3, 300), min_size=2, max_size=2)),
-                                                   np.int64), "S_i")
-        graph.sparse_initializer.append(helper.make_sparse_tensor(values, indices, draw(st.lists(st.integers(-1, 40),
-                                                                                                   max_size=3))))
+        indices = numpy_helper.from_array(
+            np.array(draw(st.lists(st.integers(-3, 300), min_size=2, max_size=2)), np.int64), "S_i"
+        )
+        graph.sparse_initializer.append(
+            helper.make_sparse_tensor(values, indices, draw(st.lists(st.integers(-1, 40), max_size=3)))
+        )
     elif kind == "subgraph" and graph.node:
-        branch = helper.make_graph([helper.make_node(draw(st.sampled_from(OPS)), [draw(st.sampled_from(NAMES[:5]))],
-                                                     ["b"])], "b", [], [helper.make_tensor_value_info("b", 1, None)])
-        graph.node[0].attribute.append(helper.make_attribute(draw(st.sampled_from(["then_branch", "body", "g"])), branch))
+        branch = helper.make_graph(
+            [helper.make_node(draw(st.sampled_from(OPS)), [draw(st.sampled_from(NAMES[:5]))], ["b"])],
+            "b",
+            [],
+            [helper.make_tensor_value_info("b", 1, None)],
+        )
+        graph.node[0].attribute.append(
+            helper.make_attribute(draw(st.sampled_from(["then_branch", "body", "g"])), branch)
+        )
 
 
 @st.composite
@@ -187,13 +274,17 @@ OPTION_VALUES = {
     "keep_fp32_nodes": st.lists(st.sampled_from(["mm1", "(", "[a-", ".*", "relu", "\\"]), max_size=2),
     "allow": st.lists(st.sampled_from(["Relu", "MatMul", "", " ", "a b", "com.x:Op"]), max_size=2),
     "deny": st.lists(st.sampled_from(["Relu", "MatMul", "Softmax"]), max_size=2),
-    "dims": st.dictionaries(st.sampled_from(["batch", "", "n"]), st.one_of(st.integers(-2, 5), st.just(True),
-                                                                            st.floats(allow_nan=True))),
+    "dims": st.dictionaries(
+        st.sampled_from(["batch", "", "n"]),
+        st.one_of(st.integers(-2, 5), st.just(True), st.floats(allow_nan=True)),
+    ),
     "relax_margin": st.floats(allow_nan=True, allow_infinity=True),
     "placement": st.sampled_from(["tf", "cost", "best", ""]),
     "provider": st.sampled_from(["cuda", "cpu", "any", "tpu", ""]),
     "op_block_list": st.one_of(st.none(), st.sampled_from(["Relu", ["MatMul"]])),
-    "op_lists": st.lists(st.sampled_from(["/nonexistent.yaml", "/dev/zero", "/etc/passwd", "", "."]), max_size=1),
+    "op_lists": st.lists(
+        st.sampled_from(["/nonexistent.yaml", "/dev/zero", "/etc/passwd", "", "."]), max_size=1
+    ),
 }
 
 
@@ -203,9 +294,40 @@ def test_rewrite_options_raise_only_amp_rewrite_errors(options):
     _only_ours(lambda: amp_rewrite.rewrite(make_corpus.valid_model(), **options))
 
 
-YAML_PIECES = ["allow:", "deny:", "infer:", "clear:", "target:", "extends:", " - Relu", " MatMul: why", "[", "]",
-               "{", "}", "&a", "*a", "!!python/object:os.system", "\n", "  ", "- ", "float16", "bfloat16",
-               "../outside.bin", "/dev/zero", "fifo", "\xff", "\0", ": ", "'", '"', "#", "? ", "|", ">"]
+YAML_PIECES = [
+    "allow:",
+    "deny:",
+    "infer:",
+    "clear:",
+    "target:",
+    "extends:",
+    " - Relu",
+    " MatMul: why",
+    "[",
+    "]",
+    "{",
+    "}",
+    "&a",
+    "*a",
+    "!!python/object:os.system",
+    "\n",
+    "  ",
+    "- ",
+    "float16",
+    "bfloat16",
+    "../outside.bin",
+    "/dev/zero",
+    "fifo",
+    "\xff",
+    "\0",
+    ": ",
+    "'",
+    '"',
+    "#",
+    "? ",
+    "|",
+    ">",
+]
 
 
 @SETTINGS
@@ -224,8 +346,11 @@ def _good_npz() -> bytes:
 
 
 @SETTINGS
-@given(cuts=st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 255)), max_size=4), cut=st.integers(0, 2000),
-       compress=st.booleans())
+@given(
+    cuts=st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 255)), max_size=4),
+    cut=st.integers(0, 2000),
+    compress=st.booleans(),
+)
 def test_sample_files_raise_only_usage_errors(cuts, cut, compress):
     data = bytearray(_good_npz())
     if compress:
@@ -241,8 +366,12 @@ def test_sample_files_raise_only_usage_errors(cuts, cut, compress):
         _only_ours(lambda: load_samples(path, make_corpus.valid_model()))
 
 
-EXPECTED_META = {"format": "amp-rewrite-trainer/1", "optimizer": {"kind": "SGD", "lr": 0.1}, "loss_scale": {"kind": "none"},
-                 "lr": 0.1}
+EXPECTED_META = {
+    "format": "amp-rewrite-trainer/1",
+    "optimizer": {"kind": "SGD", "lr": 0.1},
+    "loss_scale": {"kind": "none"},
+    "lr": 0.1,
+}
 EXPECTED_STATE = {"W": np.zeros((4, 2), np.float32), "step": np.zeros((), np.int64)}
 
 
@@ -254,11 +383,23 @@ def _checkpoint_bytes(meta: str, names: list, shapes: list) -> bytes:
 
 
 @SETTINGS
-@given(meta=st.one_of(st.text(max_size=40), st.sampled_from(['{"format": "amp-rewrite-trainer/1"}', "[]", "1", "null",
-                                                           '{"lr": "x", "format": 1, "optimizer": 2, "loss_scale": 3}'])),
-       names=st.lists(st.sampled_from(["W", "step", "", "W"]), max_size=3),
-       shapes=st.lists(st.lists(st.integers(0, 3), max_size=2), max_size=3),
-       flips=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), max_size=2))
+@given(
+    meta=st.one_of(
+        st.text(max_size=40),
+        st.sampled_from(
+            [
+                '{"format": "amp-rewrite-trainer/1"}',
+                "[]",
+                "1",
+                "null",
+                '{"lr": "x", "format": 1, "optimizer": 2, "loss_scale": 3}',
+            ]
+        ),
+    ),
+    names=st.lists(st.sampled_from(["W", "step", "", "W"]), max_size=3),
+    shapes=st.lists(st.lists(st.integers(0, 3), max_size=2), max_size=3),
+    flips=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), max_size=2),
+)
 def test_checkpoints_raise_only_training_errors(meta, names, shapes, flips):
     data = bytearray(_checkpoint_bytes(meta, names, shapes))
     for at, value in flips:
@@ -269,12 +410,57 @@ def test_checkpoints_raise_only_training_errors(meta, names, shapes, flips):
         _only_ours(lambda: read_checkpoint(path, EXPECTED_META, EXPECTED_STATE))
 
 
-FLAGS = ["--target", "--force", "--dry-run", "--report", "--html", "--allow", "--deny", "--op-lists", "--keep-fp32-node",
-         "--clamp", "--provider", "--placement", "--dim", "--external-data", "--validate", "--calibrate", "--tolerance",
-         "--inputs", "--samples", "--rtol", "--atol", "--safety", "--max-runs", "--explain", "--keep-failed", "-o",
-         "--relax-margin", "--reference", "--quiet"]
-VALUES = ["0", "-1", "nan", "inf", "1e-400", "float16", "cpu", "batch=0", "x=", "relu", "(", "{out}", "{model}",
-          "{data}", "{fifo}", "{folder}", "a\nb", "1"]
+FLAGS = [
+    "--target",
+    "--force",
+    "--dry-run",
+    "--report",
+    "--html",
+    "--allow",
+    "--deny",
+    "--op-lists",
+    "--keep-fp32-node",
+    "--clamp",
+    "--provider",
+    "--placement",
+    "--dim",
+    "--external-data",
+    "--validate",
+    "--calibrate",
+    "--tolerance",
+    "--inputs",
+    "--samples",
+    "--rtol",
+    "--atol",
+    "--safety",
+    "--max-runs",
+    "--explain",
+    "--keep-failed",
+    "-o",
+    "--relax-margin",
+    "--reference",
+    "--quiet",
+]
+VALUES = [
+    "0",
+    "-1",
+    "nan",
+    "inf",
+    "1e-400",
+    "float16",
+    "cpu",
+    "batch=0",
+    "x=",
+    "relu",
+    "(",
+    "{out}",
+    "{model}",
+    "{data}",
+    "{fifo}",
+    "{folder}",
+    "a\nb",
+    "1",
+]
 
 
 @SETTINGS
@@ -283,8 +469,13 @@ def test_the_cli_never_exits_70(argv):
     with _folder() as folder:
         model = folder / "model.onnx"
         model.write_bytes(make_corpus.valid_model().SerializeToString())
-        names = {"out": str(folder / "out.onnx"), "model": str(model), "data": str(folder / "w.bin"),
-                 "fifo": str(folder / "fifo"), "folder": str(folder)}
+        names = {
+            "out": str(folder / "out.onnx"),
+            "model": str(model),
+            "data": str(folder / "w.bin"),
+            "fifo": str(folder / "fifo"),
+            "folder": str(folder),
+        }
         args = [str(model), *(a.format(**names) for a in argv), "--provider", "cpu", "--reference", "never"]
         err = io.StringIO()
         with _chdir(folder), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

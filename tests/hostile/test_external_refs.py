@@ -32,7 +32,9 @@ def _external(tensor: TensorProto, location: str, length: int | None = 64, offse
     tensor.ClearField("raw_data")
     tensor.data_location = TensorProto.EXTERNAL
     del tensor.external_data[:]
-    pairs = [("location", location), ("offset", str(offset))] + ([("length", str(length))] if length is not None else [])
+    pairs = [("location", location), ("offset", str(offset))] + (
+        [("length", str(length))] if length is not None else []
+    )
     for key, value in pairs:
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
@@ -44,11 +46,15 @@ def _function_model(location: str, length: int | None = 64) -> onnx.ModelProto:
     k = _external(TensorProto(name="K", data_type=TensorProto.FLOAT, dims=[4, 4]), location, length)
     body = [helper.make_node("Constant", [], ["k"], value=k), helper.make_node("MatMul", ["x", "k"], ["y"])]
     fn = helper.make_function("local", "Secret", ["x"], ["y"], body, [helper.make_opsetid("", 17)])
-    graph = helper.make_graph([helper.make_node("Secret", ["x"], ["y"], domain="local", name="call")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
-    model = helper.make_model(graph, functions=[fn],
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
+    graph = helper.make_graph(
+        [helper.make_node("Secret", ["x"], ["y"], domain="local", name="call")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(
+        graph, functions=[fn], opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    )
     model.ir_version = 8
     return model
 
@@ -56,15 +62,30 @@ def _function_model(location: str, length: int | None = 64) -> onnx.ModelProto:
 def _subgraph_model(location: str) -> onnx.ModelProto:
     """An If whose then-branch holds the external initializer."""
     k = _external(numpy_helper.from_array(np.ones((4, 4), np.float32), "K"), location)
-    then = helper.make_graph([helper.make_node("MatMul", ["x", "K"], ["t"])], "then", [],
-                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 4])], [k])
-    other = helper.make_graph([helper.make_node("Relu", ["x"], ["e"])], "else", [],
-                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 4])])
+    then = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "K"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 4])],
+        [k],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 4])],
+    )
     cond = helper.make_tensor("c", TensorProto.BOOL, [], [True])
-    nodes = [helper.make_node("Constant", [], ["c"], value=cond),
-             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    nodes = [
+        helper.make_node("Constant", [], ["c"], value=cond),
+        helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
@@ -85,7 +106,9 @@ def _sparse_attribute_model(location: str) -> onnx.ModelProto:
     values = _external(numpy_helper.from_array(np.ones(16, np.float32), "SV"), location)
     indices = numpy_helper.from_array(np.arange(16, dtype=np.int64), "SV_idx")
     sparse = helper.make_sparse_tensor(values, indices, [4, 32])
-    model.graph.node.insert(0, helper.make_node("Constant", [], ["sv"], name="sparse_const", sparse_value=sparse))
+    model.graph.node.insert(
+        0, helper.make_node("Constant", [], ["sv"], name="sparse_const", sparse_value=sparse)
+    )
     return model
 
 
@@ -95,8 +118,13 @@ def _initializer_model(location: str) -> onnx.ModelProto:
     return model
 
 
-PLACES = {"function": _function_model, "subgraph": _subgraph_model, "sparse": _sparse_model,
-          "sparse_attribute": _sparse_attribute_model, "initializer": _initializer_model}
+PLACES = {
+    "function": _function_model,
+    "subgraph": _subgraph_model,
+    "sparse": _sparse_model,
+    "sparse_attribute": _sparse_attribute_model,
+    "initializer": _initializer_model,
+}
 
 
 @pytest.fixture()
@@ -188,12 +216,15 @@ def test_only_regular_files_inside_the_folder(kind, planted, capsys):
     assert not (folder / "out.onnx").exists()
 
 
-@pytest.mark.parametrize("location, fragment", [
-    ("w\0.bin", "contains a NUL byte"),
-    ("x" * 5000, "too long to be a file name"),
-    ("loop.bin", "cannot be resolved"),
-    ("", "has no file name"),
-])
+@pytest.mark.parametrize(
+    "location, fragment",
+    [
+        ("w\0.bin", "contains a NUL byte"),
+        ("x" * 5000, "too long to be a file name"),
+        ("loop.bin", "cannot be resolved"),
+        ("", "has no file name"),
+    ],
+)
 def test_unusable_names_are_one_line(location, fragment, planted, capsys):
     _, folder = planted
     _link(folder, "loop.bin", "loop2.bin")
@@ -220,12 +251,15 @@ def test_a_length_the_file_cannot_hold_is_refused(lazy, planted, capsys, monkeyp
     assert sorted(p.name for p in folder.iterdir()) == ["model.onnx", "w.bin"]
 
 
-@pytest.mark.parametrize("length, offset, fragment", [
-    (100, 0, "its shape [4, 4] needs 64"),
-    (None, 100, "run past the end"),
-    ("-5", 0, "not a whole number"),
-    ("1_0", 0, "not a whole number"),
-])
+@pytest.mark.parametrize(
+    "length, offset, fragment",
+    [
+        (100, 0, "its shape [4, 4] needs 64"),
+        (None, 100, "run past the end"),
+        ("-5", 0, "not a whole number"),
+        ("1_0", 0, "not a whole number"),
+    ],
+)
 def test_lengths_and_offsets_are_checked_against_shape_and_file(length, offset, fragment, planted, capsys):
     _, folder = planted
     (folder / "k.bin").write_bytes(b"\0" * 120)

@@ -86,8 +86,13 @@ def test_hostile_subprocess(name, tmp_path):
     """The real command: exit code, one stderr line, nothing written."""
     case = CASES[name]
     built, watch, before = _build(case, tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "amp_rewrite", *built.cli], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "amp_rewrite", *built.cli],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == case.code, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and case.message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
@@ -117,8 +122,12 @@ def _interrupted_run(tmp_path, stage, extra=()):
     out = tmp_path / "out.onnx"
     out.write_bytes(b"previous output")
     env = dict(os.environ, AMP_REWRITE_TEST_PAUSE=f"{stage}:30")
-    proc = subprocess.Popen([sys.executable, "-m", "amp_rewrite", str(model_path), "-o", str(out), "--force",
-                             "--quiet", *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "amp_rewrite", str(model_path), "-o", str(out), "--force", "--quiet", *extra],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 60
     while time.time() < deadline:  # wait until the temp file is complete and the process sleeps
         temps = [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]

@@ -38,23 +38,42 @@ def _field(number: int, payload: bytes) -> bytes:
 
 def _nested_ifs(depth: int) -> bytes:
     """A model whose If is nested `depth` deep, encoded by hand (upb cannot build one past its limit)."""
+
     def value(name):
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 4]).SerializeToString()
 
     def branch(name, out):
-        return helper.make_graph([helper.make_node("Relu", ["x"], [out], name=name)], name, [],
-                                 [helper.make_tensor_value_info(out, TensorProto.FLOAT, [2, 4])]).SerializeToString()
+        return helper.make_graph(
+            [helper.make_node("Relu", ["x"], [out], name=name)],
+            name,
+            [],
+            [helper.make_tensor_value_info(out, TensorProto.FLOAT, [2, 4])],
+        ).SerializeToString()
 
     graph = branch("leaf", "o0")
     for d in range(1, depth + 1):
         then = _field(1, b"then_branch") + _varint(20 << 3) + _varint(5) + _field(6, graph)
-        other = _field(1, b"else_branch") + _varint(20 << 3) + _varint(5) + _field(6, branch(f"e{d}", f"e{d}"))
-        node = (_field(1, b"c") + _field(2, f"o{d}".encode()) + _field(3, f"if{d}".encode()) + _field(4, b"If")
-                + _field(5, then) + _field(5, other))
+        other = (
+            _field(1, b"else_branch") + _varint(20 << 3) + _varint(5) + _field(6, branch(f"e{d}", f"e{d}"))
+        )
+        node = (
+            _field(1, b"c")
+            + _field(2, f"o{d}".encode())
+            + _field(3, f"if{d}".encode())
+            + _field(4, b"If")
+            + _field(5, then)
+            + _field(5, other)
+        )
         graph = _field(1, node) + _field(2, f"g{d}".encode()) + _field(12, value(f"o{d}"))
-    cond = helper.make_node("Constant", [], ["c"], name="cc", value=helper.make_tensor("v", TensorProto.BOOL, [], [True]))
-    main_graph = helper.make_graph([cond], "main", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                                   [helper.make_tensor_value_info(f"o{depth}", TensorProto.FLOAT, [2, 4])])
+    cond = helper.make_node(
+        "Constant", [], ["c"], name="cc", value=helper.make_tensor("v", TensorProto.BOOL, [], [True])
+    )
+    main_graph = helper.make_graph(
+        [cond],
+        "main",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info(f"o{depth}", TensorProto.FLOAT, [2, 4])],
+    )
     model = helper.make_model(helper.make_graph([], "", [], []), opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     model.ClearField("graph")
@@ -99,11 +118,15 @@ def test_a_domain_that_is_not_utf8_is_a_model_error(where, tmp_path, capsys):
 def test_a_function_call_without_an_input_its_body_reads(tmp_path, capsys):
     body = [helper.make_node("Add", ["a", "b"], ["c"])]
     fn = helper.make_function("local", "F", ["a", "b"], ["c"], body, [helper.make_opsetid("", 17)])
-    graph = helper.make_graph([helper.make_node("F", ["x"], ["y"], domain="local", name="call")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
-    model = helper.make_model(graph, functions=[fn],
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
+    graph = helper.make_graph(
+        [helper.make_node("F", ["x"], ["y"], domain="local", name="call")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    model = helper.make_model(
+        graph, functions=[fn], opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    )
     model.ir_version = 8
     path = tmp_path / "fn.onnx"
     path.write_bytes(model.SerializeToString())
@@ -114,13 +137,24 @@ def test_a_function_call_without_an_input_its_body_reads(tmp_path, capsys):
 
 
 def test_a_valid_model_with_a_string_output_validates(tmp_path, capsys):
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="mm"),
-             helper.make_node("Constant", [], ["s"], name="c", value=helper.make_tensor("v", TensorProto.STRING, [1], [b"hi"])),
-             helper.make_node("Identity", ["s"], ["t"], name="i")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"], name="mm"),
+        helper.make_node(
+            "Constant", [], ["s"], name="c", value=helper.make_tensor("v", TensorProto.STRING, [1], [b"hi"])
+        ),
+        helper.make_node("Identity", ["s"], ["t"], name="i"),
+    ]
     w1 = make_corpus.valid_model().graph.initializer[0]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                              [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 32]),
-                               helper.make_tensor_value_info("t", TensorProto.STRING, [1])], [w1])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 32]),
+            helper.make_tensor_value_info("t", TensorProto.STRING, [1]),
+        ],
+        [w1],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     path = tmp_path / "s.onnx"
@@ -150,11 +184,15 @@ def test_a_function_call_with_more_inputs_than_the_function_declares(tmp_path, c
     """Hypothesis found it: onnx's inliner asserts (a RuntimeError, exit 70) on such a call."""
     body = [helper.make_node("Add", ["a", "b"], ["c"])]
     fn = helper.make_function("local", "F", ["a", "b"], ["c"], body, [helper.make_opsetid("", 17)])
-    graph = helper.make_graph([helper.make_node("F", ["x", "x", "x"], ["y"], domain="local", name="call")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
-    model = helper.make_model(graph, functions=[fn],
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
+    graph = helper.make_graph(
+        [helper.make_node("F", ["x", "x", "x"], ["y"], domain="local", name="call")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    model = helper.make_model(
+        graph, functions=[fn], opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    )
     model.ir_version = 8
     with pytest.raises(errors.ModelError, match="with 3 inputs; it declares 2"):
         amp_rewrite.rewrite(model)

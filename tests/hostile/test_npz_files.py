@@ -54,7 +54,7 @@ def _set_sizes(path, file_size: int) -> None:
     """Make the zip's central directory claim `file_size` for its (only) member."""
     data = bytearray(path.read_bytes())
     at = data.rfind(b"PK\x01\x02")
-    data[at + 24:at + 28] = struct.pack("<I", file_size)
+    data[at + 24 : at + 28] = struct.pack("<I", file_size)
     path.write_bytes(bytes(data))
 
 
@@ -90,7 +90,9 @@ def _case(kind, tmp_path):
         return path, "not a readable .npz"
     if kind == "header_lies":
         image = io.BytesIO()  # a header that claims 32 MB over 32 bytes of data
-        np.lib.format.write_array_header_1_0(image, {"descr": "<f4", "fortran_order": False, "shape": (2000, 4000)})
+        np.lib.format.write_array_header_1_0(
+            image, {"descr": "<f4", "fortran_order": False, "shape": (2000, 4000)}
+        )
         _zip(path, {"x.npy": image.getvalue() + np.ones(8, np.float32).tobytes()})
         return path, "holds 32 bytes of data but its shape [2000, 4000]"
     if kind == "truncated":
@@ -109,8 +111,19 @@ def _case(kind, tmp_path):
     raise AssertionError(kind)
 
 
-KINDS = ["wrong_dtype", "wrong_shape", "object_array", "bad_crc", "directory_claims_huge", "directory_lies_small",
-         "header_lies", "truncated", "empty", "not_npy_member", "fifo"]
+KINDS = [
+    "wrong_dtype",
+    "wrong_shape",
+    "object_array",
+    "bad_crc",
+    "directory_claims_huge",
+    "directory_lies_small",
+    "header_lies",
+    "truncated",
+    "empty",
+    "not_npy_member",
+    "fifo",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -148,8 +161,14 @@ def test_good_samples_still_load(tmp_path):
 
 
 def _trainer(optimizer=None):
-    return Trainer(softmax_regression(), optimizer=optimizer or Adam(0.05), precision="float32", provider="cpu",
-                   gradient_builder=softmax_regression_gradient, loss_scale="dynamic")
+    return Trainer(
+        softmax_regression(),
+        optimizer=optimizer or Adam(0.05),
+        precision="float32",
+        provider="cpu",
+        gradient_builder=softmax_regression_gradient,
+        loss_scale="dynamic",
+    )
 
 
 def _rewrite_checkpoint(path, edit) -> None:
@@ -165,6 +184,7 @@ def _meta_edit(change):
         meta = json.loads(str(arrays["meta"]))
         change(meta)
         arrays["meta"] = np.array(json.dumps(meta), dtype=np.str_)
+
     return edit
 
 
@@ -183,16 +203,31 @@ BROKEN = {
     "truncated": (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "cannot read checkpoint"),
     "bit_flipped": (_flip_a_byte, "cannot read checkpoint"),
     "empty": (lambda p: p.write_bytes(b""), "cannot read checkpoint"),
-    "meta_without_lr": (lambda p: _rewrite_checkpoint(p, _meta_edit(lambda m: m.pop("lr"))), "metadata lacks lr"),
-    "meta_lr_not_a_number": (lambda p: _rewrite_checkpoint(p, _meta_edit(lambda m: m.update(lr="fast"))), "lr 'fast'"),
+    "meta_without_lr": (
+        lambda p: _rewrite_checkpoint(p, _meta_edit(lambda m: m.pop("lr"))),
+        "metadata lacks lr",
+    ),
+    "meta_lr_not_a_number": (
+        lambda p: _rewrite_checkpoint(p, _meta_edit(lambda m: m.update(lr="fast"))),
+        "lr 'fast'",
+    ),
     "meta_missing": (lambda p: _rewrite_checkpoint(p, lambda a: a.pop("meta")), "no metadata"),
     "names_missing": (lambda p: _rewrite_checkpoint(p, lambda a: a.pop("names")), "no state names"),
-    "last_tensor_wrong_shape": (lambda p: _rewrite_checkpoint(p, _last_tensor_wrong_shape), r"is \w+\[.*\], expected"),
+    "last_tensor_wrong_shape": (
+        lambda p: _rewrite_checkpoint(p, _last_tensor_wrong_shape),
+        r"is \w+\[.*\], expected",
+    ),
     "tensor_missing": (lambda p: _rewrite_checkpoint(p, lambda a: a.pop("state_0")), "is missing"),
-    "wrong_dtype": (lambda p: _rewrite_checkpoint(p, lambda a: a.update(state_0=a["state_0"].astype(np.float64))),
-                    "is float64"),
-    "object_array": (lambda p: _zip(p, {"meta.npy": _npy(np.array([_Payload(p.parent / "pwned")], dtype=object),
-                                                         allow_pickle=True)}), "object array"),
+    "wrong_dtype": (
+        lambda p: _rewrite_checkpoint(p, lambda a: a.update(state_0=a["state_0"].astype(np.float64))),
+        "is float64",
+    ),
+    "object_array": (
+        lambda p: _zip(
+            p, {"meta.npy": _npy(np.array([_Payload(p.parent / "pwned")], dtype=object), allow_pickle=True)}
+        ),
+        "object array",
+    ),
 }
 
 

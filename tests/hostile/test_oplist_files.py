@@ -68,8 +68,17 @@ def _setup(kind, lists, outside):
     raise AssertionError(kind)
 
 
-KINDS = ["extends_outside", "extends_absolute_dev_zero", "extends_link_to_dev_zero", "extends_link_outside",
-         "extends_fifo", "top_file_fifo", "oversize", "deep_brackets", "deep_mappings"]
+KINDS = [
+    "extends_outside",
+    "extends_absolute_dev_zero",
+    "extends_link_to_dev_zero",
+    "extends_link_outside",
+    "extends_fifo",
+    "top_file_fifo",
+    "oversize",
+    "deep_brackets",
+    "deep_mappings",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -32,10 +32,12 @@ def _big_model(dim=512, seed=1) -> onnx.ModelProto:
     """x @ W1 -> Relu -> @ W2 with 8 KiB weights (external data from 1 KiB, float16 too)."""
     rng = np.random.default_rng(seed)
     model = make_corpus.valid_model()
-    model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(
-        (rng.standard_normal((4, dim)) / 2).astype(np.float32), "W1"))
-    model.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(
-        (rng.standard_normal((dim, 4)) / 6).astype(np.float32), "W2"))
+    model.graph.initializer[0].CopyFrom(
+        onnx.numpy_helper.from_array((rng.standard_normal((4, dim)) / 2).astype(np.float32), "W1")
+    )
+    model.graph.initializer[1].CopyFrom(
+        onnx.numpy_helper.from_array((rng.standard_normal((dim, 4)) / 6).astype(np.float32), "W2")
+    )
     return model
 
 
@@ -43,8 +45,14 @@ def _big_model(dim=512, seed=1) -> onnx.ModelProto:
 def external(tmp_path):
     """model.onnx with its weights in weights.bin."""
     path = tmp_path / "model.onnx"
-    onnx.save(_big_model(), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="weights.bin", size_threshold=256)
+    onnx.save(
+        _big_model(),
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.bin",
+        size_threshold=256,
+    )
     return path, tmp_path / "weights.bin"
 
 
@@ -58,13 +66,16 @@ def _refused(capsys, code, expected_code, fragment):
     assert len(err.splitlines()) == 1 and err.startswith("amp-rewrite: error: ") and fragment in err, err
 
 
-@pytest.mark.parametrize("flags", [
-    ["-o", "{data}", "--force"],
-    ["--report", "{data}", "--force"],
-    ["--html", "{data}", "--force"],
-    ["--report", "{data}", "--dry-run", "--force"],
-    ["--html", "{data}", "--dry-run", "--force"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["-o", "{data}", "--force"],
+        ["--report", "{data}", "--force"],
+        ["--html", "{data}", "--force"],
+        ["--report", "{data}", "--dry-run", "--force"],
+        ["--html", "{data}", "--dry-run", "--force"],
+    ],
+)
 def test_no_write_lands_on_an_input_data_file(flags, external, capsys):
     path, data = external
     before = _files(path.parent)
@@ -79,14 +90,21 @@ def test_no_write_lands_on_an_input_data_file(flags, external, capsys):
 def test_a_data_file_named_like_the_outputs_is_never_replaced(tmp_path, capsys):
     """The input's data file is out.onnx.data: -o out.onnx used to replace it without --force."""
     path = tmp_path / "model.onnx"
-    onnx.save(_big_model(), str(path), save_as_external_data=True, location="out.onnx.data", size_threshold=256)
+    onnx.save(
+        _big_model(), str(path), save_as_external_data=True, location="out.onnx.data", size_threshold=256
+    )
     data = (tmp_path / "out.onnx.data").read_bytes()
     out = tmp_path / "out.onnx"
-    for extra in ([], ["--force"]):  # the second run replaces out.onnx, whose data it may remove: never an input
+    for extra in (
+        [],
+        ["--force"],
+    ):  # the second run replaces out.onnx, whose data it may remove: never an input
         assert main([str(path), "-o", str(out), "--quiet", *extra]) == 0, capsys.readouterr().err
         assert (tmp_path / "out.onnx.data").read_bytes() == data
     feeds = {"x": np.ones((2, 4), np.float32)}
-    np.testing.assert_allclose(run_ort(onnx.load(str(out)), feeds)[0], run_ort(_big_model(), feeds)[0], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        run_ort(onnx.load(str(out)), feeds)[0], run_ort(_big_model(), feeds)[0], rtol=1e-2, atol=1e-2
+    )
 
 
 def test_an_unrelated_data_file_beside_the_output_is_left_alone(tmp_path):
@@ -97,18 +115,21 @@ def test_an_unrelated_data_file_beside_the_output_is_left_alone(tmp_path):
     assert (tmp_path / "out.onnx.data").read_bytes() == b"someone else's"
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["-o", "{out}", "--report", "{out}"], "name the same file"),
-    (["--report", "{r}", "--html", "{r}", "--dry-run"], "name the same file"),
-    (["-o", "{out}", "--report", "{old}"], "already exists"),
-    (["-o", "{out}", "--html", "{old}"], "already exists"),
-    (["-o", "{npz}", "--force", "--validate", "--inputs", "{npz}"], "is the --inputs file"),
-    (["-o", "{yaml}", "--force", "--op-lists", "{yaml}"], "is an --op-lists file"),
-    (["-o", "{model}", "--force"], "is the input model"),
-    (["-o", "{link}", "--force"], "is the input model"),
-    (["-o", "{fifo}", "--force"], "is not a regular file"),
-    (["--report", "{fifo}", "--force", "--dry-run"], "is not a regular file"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["-o", "{out}", "--report", "{out}"], "name the same file"),
+        (["--report", "{r}", "--html", "{r}", "--dry-run"], "name the same file"),
+        (["-o", "{out}", "--report", "{old}"], "already exists"),
+        (["-o", "{out}", "--html", "{old}"], "already exists"),
+        (["-o", "{npz}", "--force", "--validate", "--inputs", "{npz}"], "is the --inputs file"),
+        (["-o", "{yaml}", "--force", "--op-lists", "{yaml}"], "is an --op-lists file"),
+        (["-o", "{model}", "--force"], "is the input model"),
+        (["-o", "{link}", "--force"], "is the input model"),
+        (["-o", "{fifo}", "--force"], "is not a regular file"),
+        (["--report", "{fifo}", "--force", "--dry-run"], "is not a regular file"),
+    ],
+)
 def test_output_plan_clashes_are_one_line(flags, fragment, tmp_path, capsys):
     path = tmp_path / "model.onnx"
     path.write_bytes(make_corpus.valid_model().SerializeToString())
@@ -117,9 +138,16 @@ def test_output_plan_clashes_are_one_line(flags, fragment, tmp_path, capsys):
     (tmp_path / "old.json").write_text("{}")
     os.symlink(path, tmp_path / "link.onnx")  # the input by another name
     os.mkfifo(tmp_path / "pipe")  # a device or FIFO is never replaced, even with --force
-    names = {"out": tmp_path / "out.onnx", "r": tmp_path / "r.json", "old": tmp_path / "old.json",
-             "npz": tmp_path / "s.npz", "yaml": tmp_path / "l.yaml", "model": path, "link": tmp_path / "link.onnx",
-             "fifo": tmp_path / "pipe"}
+    names = {
+        "out": tmp_path / "out.onnx",
+        "r": tmp_path / "r.json",
+        "old": tmp_path / "old.json",
+        "npz": tmp_path / "s.npz",
+        "yaml": tmp_path / "l.yaml",
+        "model": path,
+        "link": tmp_path / "link.onnx",
+        "fifo": tmp_path / "pipe",
+    }
     before = _files(tmp_path)
     args = [re.sub(r"\{(\w+)\}", lambda m: str(names[m.group(1)]), a) for a in flags]
     _refused(capsys, main([str(path), *args]), 5, fragment)
@@ -138,7 +166,14 @@ def test_over_tolerance_writes_nothing_unless_asked(tmp_path, capsys):
     """Finding 7: exit 6 left the output and printed 'wrote'; the README says a refusal writes nothing."""
     path = tmp_path / "model.onnx"
     path.write_bytes(_big_model().SerializeToString())
-    outs = ["-o", str(tmp_path / "out.onnx"), "--report", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")]
+    outs = [
+        "-o",
+        str(tmp_path / "out.onnx"),
+        "--report",
+        str(tmp_path / "r.json"),
+        "--html",
+        str(tmp_path / "r.html"),
+    ]
     strict = ["--validate", "--rtol", "0", "--atol", "0", "--provider", "any", "--reference", "never"]
     assert main([str(path), *outs, *strict]) == 6
     captured = capsys.readouterr()
@@ -149,14 +184,17 @@ def test_over_tolerance_writes_nothing_unless_asked(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "out.onnx", "r.html", "r.json"]
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["--validate", "--samples", "0"], "samples 0 must be"),
-    (["--calibrate", "--samples", "-2"], "samples -2 must be"),
-    (["--calibrate", "--safety", "0"], "safety 0.0 must be a positive number"),
-    (["--calibrate", "--safety", "nan"], "safety nan must be"),
-    (["--validate", "--rtol", "-1"], "rtol -1.0 must be"),
-    (["--tolerance", "--max-runs", "0"], "max runs 0 must be"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--validate", "--samples", "0"], "samples 0 must be"),
+        (["--calibrate", "--samples", "-2"], "samples -2 must be"),
+        (["--calibrate", "--safety", "0"], "safety 0.0 must be a positive number"),
+        (["--calibrate", "--safety", "nan"], "safety nan must be"),
+        (["--validate", "--rtol", "-1"], "rtol -1.0 must be"),
+        (["--tolerance", "--max-runs", "0"], "max runs 0 must be"),
+    ],
+)
 def test_check_values_that_cannot_work_are_usage_errors(flags, fragment, tmp_path, capsys):
     path = tmp_path / "model.onnx"
     path.write_bytes(make_corpus.valid_model().SerializeToString())
@@ -178,8 +216,24 @@ def test_a_newline_in_a_path_is_one_line(tmp_path, capsys):
 
 def _start(path, out, pause, *extra):
     env = dict(os.environ, AMP_REWRITE_TEST_PAUSE=pause)
-    return subprocess.Popen([sys.executable, "-m", "amp_rewrite", str(path), "-o", str(out), "--force", "--quiet",
-                             "--external-data", *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "amp_rewrite",
+            str(path),
+            "-o",
+            str(out),
+            "--force",
+            "--quiet",
+            "--external-data",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(predicate, proc, what):
@@ -197,7 +251,9 @@ def _wait_for(predicate, proc, what):
 def _check_pair(out: Path, source: onnx.ModelProto) -> None:
     """out.onnx loads with its own data and computes what `source` computes."""
     feeds = {"x": np.ones((2, 4), np.float32)}
-    np.testing.assert_allclose(run_ort(onnx.load(str(out)), feeds)[0], run_ort(source, feeds)[0], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        run_ort(onnx.load(str(out)), feeds)[0], run_ort(source, feeds)[0], rtol=2e-2, atol=2e-2
+    )
 
 
 def test_two_writers_interleaved_never_mix_model_and_data(tmp_path):
@@ -209,10 +265,27 @@ def test_two_writers_interleaved_never_mix_model_and_data(tmp_path):
     out = tmp_path / "out.onnx"
     go = tmp_path / "go"
     a = _start(path, out, f"between:@{go}")
-    _wait_for(lambda: any(re.fullmatch(r"out\.onnx\.[0-9a-f]{8}\.data", p.name) for p in tmp_path.iterdir()),
-              a, "its data link")
-    b = subprocess.run([sys.executable, "-m", "amp_rewrite", str(other), "-o", str(out), "--force", "--quiet",
-                        "--external-data"], cwd=ROOT, capture_output=True, text=True)
+    _wait_for(
+        lambda: any(re.fullmatch(r"out\.onnx\.[0-9a-f]{8}\.data", p.name) for p in tmp_path.iterdir()),
+        a,
+        "its data link",
+    )
+    b = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "amp_rewrite",
+            str(other),
+            "-o",
+            str(out),
+            "--force",
+            "--quiet",
+            "--external-data",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert b.returncode == 0, b.stderr
     _check_pair(out, _big_model(seed=2))  # while A waits, readers see B's pair
     go.touch()
@@ -228,8 +301,14 @@ def test_a_kill_mid_write_leaves_the_previous_pair(stage, tmp_path):
     assert main([str(path), "-o", str(out), "--external-data", "--quiet"]) == 0
     path.write_bytes(_big_model(seed=3).SerializeToString())  # the killed run writes other weights
     proc = _start(path, out, f"{stage}:30")
-    _wait_for(lambda: len([p for p in tmp_path.iterdir() if p.name.startswith(".")]) >= 1
-              and (stage == "rename" or len(list(tmp_path.glob("out.onnx.*.data"))) == 2), proc, stage)
+    _wait_for(
+        lambda: (
+            len([p for p in tmp_path.iterdir() if p.name.startswith(".")]) >= 1
+            and (stage == "rename" or len(list(tmp_path.glob("out.onnx.*.data"))) == 2)
+        ),
+        proc,
+        stage,
+    )
     time.sleep(0.3)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

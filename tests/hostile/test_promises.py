@@ -33,8 +33,11 @@ def _table() -> dict[int, tuple[str, str, str]]:
 
 def test_every_error_class_has_its_row_and_code():
     rows = _table()
-    classes = {cls.__name__: cls for cls in vars(errors).values()
-               if isinstance(cls, type) and issubclass(cls, errors.AmpRewriteError)}
+    classes = {
+        cls.__name__: cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.AmpRewriteError)
+    }
     named = {}
     for code, (cells, _, _) in rows.items():
         for name in re.findall(r"`(\w+)`", cells):

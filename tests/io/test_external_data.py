@@ -12,8 +12,8 @@ import pytest
 
 import amp_rewrite
 from amp_rewrite import io as model_io
-from amp_rewrite.io import loader
 from amp_rewrite.cli import main
+from amp_rewrite.io import loader
 from helpers import assert_close, init, make_model, node, random_feeds, run_ort, tensor
 
 
@@ -22,7 +22,10 @@ def _weights_model(dim=64, layers=3):
     nodes, inits, source = [], [], "x"
     for i in range(layers):
         inits.append(init(f"W{i}", (rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32)))
-        nodes += [node("MatMul", [source, f"W{i}"], [f"h{i}"], f"mm{i}"), node("Relu", [f"h{i}"], [f"r{i}"], f"relu{i}")]
+        nodes += [
+            node("MatMul", [source, f"W{i}"], [f"h{i}"], f"mm{i}"),
+            node("Relu", [f"h{i}"], [f"r{i}"], f"relu{i}"),
+        ]
         source = f"r{i}"
     inits.append(init("small", np.full(4, 0.5, np.float32)))  # stays inline (under the threshold)
     return make_model(nodes, [tensor("x", [2, dim])], [tensor(source, [2, dim])], inits)
@@ -34,8 +37,14 @@ def external_model(tmp_path):
     original = onnx.ModelProto()
     original.CopyFrom(model)
     path = tmp_path / "net.onnx"
-    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="net.onnx.data",
-              size_threshold=1024)
+    onnx.save(
+        model,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="net.onnx.data",
+        size_threshold=1024,
+    )
     return path, original
 
 
@@ -43,7 +52,9 @@ def _data_file(model_path):
     """The one data file a saved model names (`<name>.<run>.data`, unique to the run that wrote it)."""
     model = onnx.load(str(model_path), load_external_data=False)
     names = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
-    assert len(names) == 1 and re.fullmatch(re.escape(model_path.name) + r"\.[0-9a-f]{8}\.data", next(iter(names)))
+    assert len(names) == 1 and re.fullmatch(
+        re.escape(model_path.name) + r"\.[0-9a-f]{8}\.data", next(iter(names))
+    )
     return model_path.parent / names.pop()
 
 
@@ -65,7 +76,9 @@ def test_cli_keeps_external_data_and_halves_it(external_model, tmp_path):
     onnx.checker.check_model(str(out), full_check=True)
     feeds = random_feeds(original)
     assert_close(_session(out).run(None, feeds), run_ort(original, feeds))
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before} == before  # input untouched
+    assert {
+        p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in before
+    } == before  # input untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, out.name, data_out.name])
 
 
@@ -159,16 +172,26 @@ def test_cli_leaves_big_weights_on_disk_until_saved_and_matches_the_in_memory_re
     original = onnx.ModelProto()
     original.CopyFrom(model)  # onnx.save below turns `model`'s weights into references
     path = tmp_path / "big.onnx"
-    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="big.onnx.data",
-              size_threshold=0)
+    onnx.save(
+        model,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="big.onnx.data",
+        size_threshold=0,
+    )
     loaded = model_io.load(path, lazy_weights=True)
-    assert loaded.lazy and sum(t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.model.graph.initializer) == 3
+    assert (
+        loaded.lazy
+        and sum(t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.model.graph.initializer) == 3
+    )
     out = tmp_path / "big.fp16.onnx"
     assert main([str(path), "-o", str(out), "--quiet"]) == 0
     eager = amp_rewrite.rewrite(str(path)).model  # everything read up front
     lazy_out = onnx.load(str(out))
-    assert {t.name: (t.data_type, numpy_helper_bytes(t)) for t in lazy_out.graph.initializer} == \
-        {t.name: (t.data_type, numpy_helper_bytes(t)) for t in eager.graph.initializer}
+    assert {t.name: (t.data_type, numpy_helper_bytes(t)) for t in lazy_out.graph.initializer} == {
+        t.name: (t.data_type, numpy_helper_bytes(t)) for t in eager.graph.initializer
+    }
     onnx.checker.check_model(str(out), full_check=True)
     feeds = random_feeds(original)
     assert_close(_session(out).run(None, feeds), run_ort(original, feeds), rtol=2e-2, atol=2e-2)

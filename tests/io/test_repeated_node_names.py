@@ -27,22 +27,33 @@ def test_a_model_with_repeated_node_names_rewrites_with_a_note_and_the_input_unc
         result = amp_rewrite.rewrite(source)
         names = [n.name for n in result.model.graph.node]
         assert len(names) == len(set(names)), names
-        assert any("renamed 3 nodes whose names repeat ('F0::anon' x4)" in note for note in result.report.notes)
-        check_both(mlp(), result.model)  # ONNX Runtime refuses this input itself ("two nodes with same node name")
+        assert any(
+            "renamed 3 nodes whose names repeat ('F0::anon' x4)" in note for note in result.report.notes
+        )
+        check_both(
+            mlp(), result.model
+        )  # ONNX Runtime refuses this input itself ("two nodes with same node name")
     assert model.SerializeToString() == before and path.read_bytes() == before
 
 
 def test_renaming_is_deterministic_and_skips_names_in_use():
     loaded = load(_repeated(mlp()))
-    assert [n.name for n in loaded.model.graph.node] == ["F0::anon", "F0::anon_2", "F0::anon_3", "F0::anon_4",
-                                                         "F0::anon_1"]
+    assert [n.name for n in loaded.model.graph.node] == [
+        "F0::anon",
+        "F0::anon_2",
+        "F0::anon_3",
+        "F0::anon_4",
+        "F0::anon_1",
+    ]
 
 
 def test_the_trainer_trains_a_model_with_repeated_node_names_and_says_so():
     model = _repeated(mlp())
     lines = []
     rng = np.random.default_rng(0)
-    trainer = Trainer(model, loss="mse", optimizer=SGD(0.1), precision="float32", provider="cpu", verbose=False)
+    trainer = Trainer(
+        model, loss="mse", optimizer=SGD(0.1), precision="float32", provider="cpu", verbose=False
+    )
     feeds = {"x": weights(rng, 4, 8), "targets": weights(rng, 4, 4)}
     losses = [trainer.step(feeds).loss for _ in range(3)]
     assert losses[-1] < losses[0]

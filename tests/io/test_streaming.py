@@ -13,12 +13,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import init, load_tool, make_model, node, tensor
 
 import amp_rewrite
 from amp_rewrite.cli import main
 from amp_rewrite.io import loader, save
 from amp_rewrite.io.save import MMAP_ALIGN, MMAP_ALIGN_FROM
+from helpers import init, load_tool, make_model, node, tensor
 
 DIM = 512  # a 512 x 512 float32 weight is 1 MiB: loader.LAZY_MIN_BYTES, so it stays on disk
 SENTINEL = float(np.finfo(np.float32).min)
@@ -35,17 +35,31 @@ def streamed_model(big: float | None = None):
     mask = np.zeros((2, DIM), np.float32)
     mask[:, ::7] = SENTINEL
     w1 = (rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32)
-    nodes = [node("MatMul", ["x", "W0"], ["h"], "mm0"), node("Add", ["h", "M"], ["m"], "mask"),
-             node("Relu", ["m"], ["r"], "relu"), node("MatMul", ["r", "W1"], ["y"], "mm1"),
-             node("ReduceSumSquare", ["W1"], ["n"], "norm", keepdims=0)]
-    return make_model(nodes, [tensor("x", [2, DIM])], [tensor("y", [2, DIM]), tensor("n", [])],
-                      [init("W0", w0), init("M", np.tile(mask, (DIM // 2, 1))[:2]), init("W1", w1)])
+    nodes = [
+        node("MatMul", ["x", "W0"], ["h"], "mm0"),
+        node("Add", ["h", "M"], ["m"], "mask"),
+        node("Relu", ["m"], ["r"], "relu"),
+        node("MatMul", ["r", "W1"], ["y"], "mm1"),
+        node("ReduceSumSquare", ["W1"], ["n"], "norm", keepdims=0),
+    ]
+    return make_model(
+        nodes,
+        [tensor("x", [2, DIM])],
+        [tensor("y", [2, DIM]), tensor("n", [])],
+        [init("W0", w0), init("M", np.tile(mask, (DIM // 2, 1))[:2]), init("W1", w1)],
+    )
 
 
 def saved(model, folder, name="net.onnx"):
     path = folder / name
-    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=f"{name}.data",
-              size_threshold=1024)
+    onnx.save(
+        model,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=f"{name}.data",
+        size_threshold=1024,
+    )
     return path
 
 
@@ -70,11 +84,16 @@ def test_streamed_output_is_the_eager_rewrite_byte_for_byte(tmp_path, big, flags
     eager = amp_rewrite.rewrite(str(path), clamp=bool(flags)).model  # the API reads every weight
     streamed, files = data_files(out)
     assert len(files) == 1
-    ours = {t.name: onnx.numpy_helper.to_array(t, base_dir=str(tmp_path)).tobytes() for t in streamed.graph.initializer}
+    ours = {
+        t.name: onnx.numpy_helper.to_array(t, base_dir=str(tmp_path)).tobytes()
+        for t in streamed.graph.initializer
+    }
     theirs = {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in eager.graph.initializer}
     assert ours == theirs
     types = {t.name: t.data_type for t in streamed.graph.initializer}
-    assert types["W0"] == types["W1_fp16"] == onnx.TensorProto.FLOAT16 and types["W1"] == onnx.TensorProto.FLOAT
+    assert (
+        types["W0"] == types["W1_fp16"] == onnx.TensorProto.FLOAT16 and types["W1"] == onnx.TensorProto.FLOAT
+    )
     assert types["M"] == onnx.TensorProto.FLOAT16  # the sentinel became -65504
     for t in streamed.graph.initializer:
         info = {e.key: e.value for e in t.external_data}
@@ -98,7 +117,9 @@ def test_external_data_takes_the_name_given(tmp_path, capsys):
     assert not other.exists()
     assert main([str(path), "-o", str(out), "--quiet", "--force", "--external-data", "weights.bin"]) == 0
     assert data_files(out)[1] == {"weights.bin"} and len(list(tmp_path.glob("*.data"))) == 1  # the input's
-    assert main([str(path), "-o", str(out), "--force", "--external-data", "net.onnx.data"]) == 5  # the input's
+    assert (
+        main([str(path), "-o", str(out), "--force", "--external-data", "net.onnx.data"]) == 5
+    )  # the input's
     assert main([str(path), "-o", str(out), "--force", "--external-data", "sub/w.bin"]) == 2
     assert "without a folder" in capsys.readouterr().err
     x = np.random.default_rng(1).standard_normal((2, DIM)).astype(np.float32)
@@ -111,12 +132,17 @@ def test_a_model_over_two_gigabytes_gets_external_data_unasked(tmp_path, monkeyp
     monkeypatch.setattr(module, "TWO_GB", 2**26 + 2**20)  # the threshold less 64 MiB: 1 MiB here
     save(model, tmp_path / "big.onnx")
     written, files = data_files(tmp_path / "big.onnx")
-    assert len(files) == 1 and sum(t.data_location == onnx.TensorProto.EXTERNAL for t in written.graph.initializer) == 3
+    assert (
+        len(files) == 1
+        and sum(t.data_location == onnx.TensorProto.EXTERNAL for t in written.graph.initializer) == 3
+    )
 
 
-MEASURE = ("import resource, subprocess, sys\n"
-           "code = subprocess.run(sys.argv[1:]).returncode\n"
-           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, code)")
+MEASURE = (
+    "import resource, subprocess, sys\n"
+    "code = subprocess.run(sys.argv[1:]).returncode\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, code)"
+)
 
 
 def test_peak_memory_stays_well_below_the_model(tmp_path):
@@ -126,8 +152,24 @@ def test_peak_memory_stays_well_below_the_model(tmp_path):
     big_model = load_tool("big_model")
     path = big_model.build(tmp_path, 5 * 64 / 1024, 4096)
     size = path.stat().st_size + (tmp_path / "big.onnx.data").stat().st_size
-    done = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, "-m", "amp_rewrite", str(path), "-o",
-                           str(tmp_path / "out.onnx"), "--quiet"], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MEASURE,
+            sys.executable,
+            "-m",
+            "amp_rewrite",
+            str(path),
+            "-o",
+            str(tmp_path / "out.onnx"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     peak, code = map(int, done.stdout.split())
     assert code == 0, done.stderr
     assert peak < 0.6 * size, (peak, size)

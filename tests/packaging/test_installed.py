@@ -45,8 +45,14 @@ def test_every_source_module_imports_from_the_installed_distribution(tmp_path):
     assert "amp_rewrite.autodiff.rules.nn" in names and len(names) > 40
     clean_path = [p for p in sys.path if p and Path(p).resolve() != SOURCE.parent]
     env = {"PYTHONPATH": "", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path[:] = {clean_path!r}\n" + PROBE,
-                          json.dumps(names)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path[:] = {clean_path!r}\n" + PROBE, json.dumps(names)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["failed"] == {}, found["failed"]

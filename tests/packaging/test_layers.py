@@ -17,10 +17,30 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[2] / "amp_rewrite"
 RANK = {
-    "errors": 0, "naming": 0, "progress": 0, "op_lists": 0, "plan": 0, "onnx_facts": 1, "ir": 1,
-    "runtime": 1, "flops": 2, "io": 2, "analysis": 3, "deployment": 3.5, "options": 4, "report": 4,
-    "transform": 5, "api": 6, "toggles": 7, "checks": 8, "autodiff": 9, "training": 10, "driver": 10.5,
-    "cli": 11, "__init__": 12, "__main__": 12,
+    "errors": 0,
+    "naming": 0,
+    "progress": 0,
+    "op_lists": 0,
+    "plan": 0,
+    "onnx_facts": 1,
+    "ir": 1,
+    "runtime": 1,
+    "flops": 2,
+    "io": 2,
+    "analysis": 3,
+    "deployment": 3.5,
+    "options": 4,
+    "report": 4,
+    "transform": 5,
+    "api": 6,
+    "toggles": 7,
+    "checks": 8,
+    "autodiff": 9,
+    "training": 10,
+    "driver": 10.5,
+    "cli": 11,
+    "__init__": 12,
+    "__main__": 12,
 }
 
 
@@ -50,8 +70,15 @@ def imports(path: Path):
                 continue
             for alias in node.names:  # `from amp_rewrite.x import y`: y may be a module
                 candidate = f"{base}.{alias.name}"
-                yield (candidate if (PACKAGE.parent / candidate.replace(".", "/")).with_suffix(".py").exists()
-                       or (PACKAGE.parent / candidate.replace(".", "/")).is_dir() else base), id(node) in top_level
+                yield (
+                    (
+                        candidate
+                        if (PACKAGE.parent / candidate.replace(".", "/")).with_suffix(".py").exists()
+                        or (PACKAGE.parent / candidate.replace(".", "/")).is_dir()
+                        else base
+                    ),
+                    id(node) in top_level,
+                )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "amp_rewrite":
@@ -74,7 +101,10 @@ def test_imports_only_go_down():
 def test_io_and_analysis_know_nothing_above_them():
     for path in sorted((PACKAGE / "io").rglob("*.py")) + sorted((PACKAGE / "analysis").rglob("*.py")):
         for imported, _ in imports(path):
-            assert stage(imported) in ("onnx_facts", "ir", "plan", "errors", "naming", "io", "analysis"), (path.name, imported)
+            assert stage(imported) in ("onnx_facts", "ir", "plan", "errors", "naming", "io", "analysis"), (
+                path.name,
+                imported,
+            )
 
 
 def import_graph() -> nx.DiGraph:

@@ -11,7 +11,9 @@ MAX_LINES = 400
 
 def oversized(package: Path = PACKAGE, limit: int = MAX_LINES) -> dict[str, int]:
     """{module path: line count} of every module over `limit` lines."""
-    counts = {p.relative_to(package).as_posix(): len(p.read_text().splitlines()) for p in package.rglob("*.py")}
+    counts = {
+        p.relative_to(package).as_posix(): len(p.read_text().splitlines()) for p in package.rglob("*.py")
+    }
     return {name: n for name, n in sorted(counts.items()) if n > limit}
 
 

@@ -7,9 +7,19 @@ from html.parser import HTMLParser
 import numpy as np
 import onnx
 
-from amp_rewrite.cli import main
 from amp_rewrite import rewrite
-from helpers import assert_close, deny_chain_model, init, make_model, node, random_feeds, run_ort, run_reference, tensor
+from amp_rewrite.cli import main
+from helpers import (
+    assert_close,
+    deny_chain_model,
+    init,
+    make_model,
+    node,
+    random_feeds,
+    run_ort,
+    run_reference,
+    tensor,
+)
 
 
 class _Page(HTMLParser):
@@ -57,12 +67,16 @@ def test_html_collapses_large_graphs_into_regions(tmp_path):
     rng = np.random.default_rng(1)
     nodes, inits, x = [], [], "x"
     for b in range(100):  # 100 blocks of MatMul -> Add -> Relu -> Mul: 400 nodes
-        inits += [init(f"W{b}", (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)),
-                  init(f"c{b}", np.float32(0.5))]
-        nodes += [node("MatMul", [x, f"W{b}"], [f"p{b}"], name=f"block{b}/mm"),
-                  node("Add", [f"p{b}", x], [f"q{b}"], name=f"block{b}/add"),
-                  node("Relu", [f"q{b}"], [f"r{b}"], name=f"block{b}/relu"),
-                  node("Mul", [f"r{b}", f"c{b}"], [f"o{b}"], name=f"block{b}/scale")]
+        inits += [
+            init(f"W{b}", (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)),
+            init(f"c{b}", np.float32(0.5)),
+        ]
+        nodes += [
+            node("MatMul", [x, f"W{b}"], [f"p{b}"], name=f"block{b}/mm"),
+            node("Add", [f"p{b}", x], [f"q{b}"], name=f"block{b}/add"),
+            node("Relu", [f"q{b}"], [f"r{b}"], name=f"block{b}/relu"),
+            node("Mul", [f"r{b}", f"c{b}"], [f"o{b}"], name=f"block{b}/scale"),
+        ]
         x = f"o{b}"
     model = make_model(nodes, [tensor("x", [2, 8])], [tensor(x, [2, 8])], inits)
     path = tmp_path / "big.onnx"

@@ -14,8 +14,11 @@ import pytest
 import browser
 from amp_rewrite import rewrite
 from amp_rewrite.cli import main
-from amp_rewrite.report import annotate as notes, html as html_report, layout as report_layout
-from amp_rewrite.report import picture as report_page, regions as report_regions
+from amp_rewrite.report import annotate as notes
+from amp_rewrite.report import html as html_report
+from amp_rewrite.report import layout as report_layout
+from amp_rewrite.report import picture as report_page
+from amp_rewrite.report import regions as report_regions
 from helpers import assert_close, init, load_tool, make_model, node, random_feeds, run_ort, tensor
 
 exported, synthetic = load_tool("exported"), load_tool("synthetic")
@@ -33,12 +36,15 @@ def folded(model: onnx.ModelProto) -> set[str]:
 
 def nested(model: onnx.ModelProto) -> set[str]:
     """Names of the nodes inside subgraphs (a training step's update `If` holds the optimizer)."""
-    names, pending = set(), [a.g for n in model.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    names, pending = (
+        set(),
+        [a.g for n in model.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH],
+    )
     while pending:
         graph = pending.pop()
-        for node in graph.node:
-            names.add(node.name)
-            pending.extend(a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
+        for n in graph.node:
+            names.add(n.name)
+            pending.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
     return names
 
 
@@ -50,14 +56,24 @@ def check_drawing(dom: browser.Dom, model: onnx.ModelProto, report) -> None:
     assert not any(n["data-op"] == "Constant" for n in dom.nodes)
     assert len({n["data-i"] for n in dom.nodes}) == len(dom.nodes)
     assert len(dom.nodes) + sum(int(r["data-nodes"]) for r in dom.regions) == compute_nodes(model)
-    kinds = {k: sum(n["data-kind"] == k for n in dom.nodes) + sum(int(r[f"data-{k}"]) for r in dom.regions)
-             for k in ("low", "mixed", "float32")}
-    s, skip = report.summary, folded(model) | nested(model)  # an Identity of a weight is a float node of the report's;
+    kinds = {
+        k: sum(n["data-kind"] == k for n in dom.nodes) + sum(int(r[f"data-{k}"]) for r in dom.regions)
+        for k in ("low", "mixed", "float32")
+    }
+    s, skip = (
+        report.summary,
+        folded(model) | nested(model),
+    )  # an Identity of a weight is a float node of the report's;
     # a branch's nodes are counted by the report and drawn inside their If
-    off = {k: sum(1 for n in report.nodes if n["name"] in skip and n["precision"] == p)
-           for k, p in (("low", report.target), ("mixed", "mixed"), ("float32", "float32"))}
-    assert kinds == {"low": s["nodes_low"] - off["low"], "mixed": s["nodes_mixed"] - off["mixed"],
-                     "float32": s["nodes_float32"] - off["float32"]}
+    off = {
+        k: sum(1 for n in report.nodes if n["name"] in skip and n["precision"] == p)
+        for k, p in (("low", report.target), ("mixed", "mixed"), ("float32", "float32"))
+    }
+    assert kinds == {
+        "low": s["nodes_low"] - off["low"],
+        "mixed": s["nodes_mixed"] - off["mixed"],
+        "float32": s["nodes_float32"] - off["float32"],
+    }
     assert sum(dom.casts) + sum(int(r["data-casts"]) for r in dom.regions) == s["casts_inserted"]
     assert dom.body["data-overflow-x"] == "false"  # no horizontal scrolling at 1400 px
 
@@ -101,8 +117,10 @@ def test_bert_export_collapses_by_module_names_and_expands_in_place(pictures):
     assert len(opened.regions) + len(opened.nodes) > len(dom.regions) + len(dom.nodes)  # its insides drawn
     check_drawing(opened, model, result.report)
     browser.screenshot(page, pictures / "bert.png", f"only,expand={layer['data-g']}")
-    feeds = {"input_ids": np.random.default_rng(0).integers(0, 1000, (2, 16)),
-             "attention_mask": np.ones((2, 16), np.int64)}
+    feeds = {
+        "input_ids": np.random.default_rng(0).integers(0, 1000, (2, 16)),
+        "attention_mask": np.ones((2, 16), np.int64),
+    }
     assert_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=2e-2, atol=2e-2)
 
 
@@ -160,7 +178,10 @@ def test_training_step_graph_shows_its_phases_apart(pictures):
     assert sum(phases.values()) == compute_nodes(step)
     browser.screenshot(page, pictures / "step.png", "only")
     onnx.save(step, pictures / "step.onnx")  # the CLI on a saved step graph finds the phases by name
-    assert main([str(pictures / "step.onnx"), "--dry-run", "--quiet", "--html", str(pictures / "cli_step.html")]) == 0
+    assert (
+        main([str(pictures / "step.onnx"), "--dry-run", "--quiet", "--html", str(pictures / "cli_step.html")])
+        == 0
+    )
     cli = browser.dom(pictures / "cli_step.html")
     assert {r["data-label"]: int(r["data-nodes"]) for r in cli.open_regions} == phases
 
@@ -168,10 +189,14 @@ def test_training_step_graph_shows_its_phases_apart(pictures):
 def test_regions_are_the_parts_a_model_declares_not_name_prefixes():
     """The compiler knows no training prefix: nodes named like a step graph's are one region
     until the model declares its parts (report.regions.REGIONS_KEY, as training's step graph does)."""
-    nodes = [node("MatMul", ["x", "w"], ["h"], name="grad/MatMul"), node("Relu", ["h"], ["r"], name="opt/Relu"),
-             node("Relu", ["r"], ["y"], name="fw/Relu")]
-    model = make_model(nodes, [tensor("x", [2, 2])], [tensor("y", [2, 2])],
-                       [init("w", np.ones((2, 2), np.float32))])
+    nodes = [
+        node("MatMul", ["x", "w"], ["h"], name="grad/MatMul"),
+        node("Relu", ["h"], ["r"], name="opt/Relu"),
+        node("Relu", ["r"], ["y"], name="fw/Relu"),
+    ]
+    model = make_model(
+        nodes, [tensor("x", [2, 2])], [tensor("y", [2, 2])], [init("w", np.ones((2, 2), np.float32))]
+    )
     assert report_page.page_data(rewrite(model).report, model)["open"] == []
     report_regions.declare(model, [("grad/", "backward"), ("opt/", "optimizer")])
     data = report_page.page_data(rewrite(model).report, model)
@@ -181,9 +206,15 @@ def test_regions_are_the_parts_a_model_declares_not_name_prefixes():
 
 def crossings(layers: list[list[int]], edges) -> int:
     where = {e: (lay, k) for lay, row in enumerate(layers) for k, e in enumerate(row)}
-    segments = [(where[a][1], where[b][1], where[a][0]) for a, b, _ in edges if where[b][0] == where[a][0] + 1]
-    return sum(1 for i, (a, b, la) in enumerate(segments) for c, d, lc in segments[i + 1:]
-               if la == lc and (a - c) * (b - d) < 0)
+    segments = [
+        (where[a][1], where[b][1], where[a][0]) for a, b, _ in edges if where[b][0] == where[a][0] + 1
+    ]
+    return sum(
+        1
+        for i, (a, b, la) in enumerate(segments)
+        for c, d, lc in segments[i + 1 :]
+        if la == lc and (a - c) * (b - d) < 0
+    )
 
 
 def test_layout_layers_by_longest_path_and_orders_to_cut_crossings():
@@ -198,11 +229,19 @@ def test_layout_layers_by_longest_path_and_orders_to_cut_crossings():
 
 
 def test_picture_data_folds_constants_and_places_every_cast():
-    nodes = [node("Constant", [], ["c"], name="const", value=onnx.numpy_helper.from_array(np.float32(2.0))),
-             node("Mul", ["x", "c"], ["h"], name="scale"), node("MatMul", ["h", "W"], ["m"], name="mm"),
-             node("LogSoftmax", ["m"], ["s"], name="sm", axis=-1), node("MatMul", ["s", "W"], ["y"], name="mm2")]
-    model = make_model(nodes, [tensor("x", [2, 4])], [tensor("y", [2, 4])],
-                       [init("W", np.random.default_rng(3).standard_normal((4, 4)).astype(np.float32))])
+    nodes = [
+        node("Constant", [], ["c"], name="const", value=onnx.numpy_helper.from_array(np.float32(2.0))),
+        node("Mul", ["x", "c"], ["h"], name="scale"),
+        node("MatMul", ["h", "W"], ["m"], name="mm"),
+        node("LogSoftmax", ["m"], ["s"], name="sm", axis=-1),
+        node("MatMul", ["s", "W"], ["y"], name="mm2"),
+    ]
+    model = make_model(
+        nodes,
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4])],
+        [init("W", np.random.default_rng(3).standard_normal((4, 4)).astype(np.float32))],
+    )
     result = rewrite(model)
     data = report_page.page_data(result.report, model)
     assert [data["ops"][o] for o in data["op"]] == ["Mul", "MatMul", "LogSoftmax", "MatMul"]
@@ -214,10 +253,13 @@ def test_picture_data_folds_constants_and_places_every_cast():
     assert data["measured"] == []
     pinned = rewrite(model, force_fp32={"mm2": "measured overflow"})
     assert report_page.page_data(pinned.report, model)["measured"] == [3]  # drawn with a red frame
-    assert_close(run_ort(result.model, random_feeds(model)), run_ort(model, random_feeds(model)), rtol=1e-2, atol=1e-2)
+    assert_close(
+        run_ort(result.model, random_feeds(model)), run_ort(model, random_feeds(model)), rtol=1e-2, atol=1e-2
+    )
 
 
 # --- --annotate -------------------------------------------------------------------------------------
+
 
 def _stripped(model: onnx.ModelProto) -> bytes:
     copy = onnx.ModelProto()
@@ -240,7 +282,9 @@ def test_annotate_writes_reasons_and_changes_nothing_else(tmp_path):
     onnx.checker.check_model(annotated.model, full_check=True)
     by_name = {n.name: n for n in annotated.model.graph.node}
     assert notes.read(by_name["a"]) == ("float32", annotated.report.node("a")["because"])
-    assert notes.read(by_name["m1"])[0] == "float16" and by_name["m1"].doc_string == "exported from m1 = x @ W1"
+    assert (
+        notes.read(by_name["m1"])[0] == "float16" and by_name["m1"].doc_string == "exported from m1 = x @ W1"
+    )
     casts = [n for n in annotated.model.graph.node if n.op_type == "Cast"]
     assert casts and all("inserted by amp-rewrite" in notes.read(c)[1] for c in casts)
     feeds = random_feeds(model)
@@ -257,20 +301,39 @@ def test_annotate_writes_reasons_and_changes_nothing_else(tmp_path):
 
 def test_casts_inside_a_branch_are_drawn_on_the_node_holding_it():
     def branch(name, op):  # x is read from the outer graph and cast inside each branch
-        return onnx.helper.make_graph([node("MatMul", ["x", "W"], [f"{name}_mm"], name=f"{name}_mm"),
-                                       node(op, [f"{name}_mm"], [f"{name}_out"], name=f"{name}_act")],
-                                      name, [], [tensor(f"{name}_out", [2, 3])])
+        return onnx.helper.make_graph(
+            [
+                node("MatMul", ["x", "W"], [f"{name}_mm"], name=f"{name}_mm"),
+                node(op, [f"{name}_mm"], [f"{name}_out"], name=f"{name}_act"),
+            ],
+            name,
+            [],
+            [tensor(f"{name}_out", [2, 3])],
+        )
+
     rng = np.random.default_rng(5)
     model = make_model(
-        [node("ReduceSum", ["x"], ["total"], name="total", keepdims=0),
-         node("Greater", ["total", "zero"], ["c"], name="cond"),
-         node("If", ["c"], ["y"], name="if", then_branch=branch("then", "Relu"),
-              else_branch=branch("else", "Sigmoid"))],
-        [tensor("x", [2, 4])], [tensor("y", [2, 3])],
-        [init("W", rng.standard_normal((4, 3)).astype(np.float32)), init("zero", np.float32(0.0))])
+        [
+            node("ReduceSum", ["x"], ["total"], name="total", keepdims=0),
+            node("Greater", ["total", "zero"], ["c"], name="cond"),
+            node(
+                "If",
+                ["c"],
+                ["y"],
+                name="if",
+                then_branch=branch("then", "Relu"),
+                else_branch=branch("else", "Sigmoid"),
+            ),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 3])],
+        [init("W", rng.standard_normal((4, 3)).astype(np.float32)), init("zero", np.float32(0.0))],
+    )
     result = rewrite(model)
     data = report_page.page_data(result.report, model)
     stubs = {data["name"][data["groups"][0]["i"][s[0]]]: s[1:] for s in data["groups"][0]["st"]}
-    assert stubs["if"][2] == result.report.summary["casts_inserted"] == data["casts"] == 4  # x in, out back: per branch
+    assert (
+        stubs["if"][2] == result.report.summary["casts_inserted"] == data["casts"] == 4
+    )  # x in, out back: per branch
     feeds = random_feeds(model)
     assert_close(run_ort(result.model, feeds), run_ort(model, feeds), rtol=2e-2, atol=2e-2)

@@ -12,12 +12,20 @@ from helpers import load_tool
 
 pytest.importorskip("torch")
 
-AMP_ROWS = ("amp-rewrite tf, old lists", "amp-rewrite tf", "amp-rewrite cost", "amp-rewrite tf +calibrate",
-            "amp-rewrite cost +calibrate", "amp-rewrite cost +calibrate +tolerance")
+AMP_ROWS = (
+    "amp-rewrite tf, old lists",
+    "amp-rewrite tf",
+    "amp-rewrite cost",
+    "amp-rewrite tf +calibrate",
+    "amp-rewrite cost +calibrate",
+    "amp-rewrite cost +calibrate +tolerance",
+)
 
 
 def test_small_exports_without_modelopt(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the tool puts the checkout and tools/ first: undone after
+    monkeypatch.setattr(
+        sys, "path", list(sys.path)
+    )  # the tool puts the checkout and tools/ first: undone after
     monkeypatch.delenv("AMP_MODELOPT_PYTHON", raising=False)
     bench = load_tool("bench_placement", needs=("exported", "synthetic", "bench_rewrite"))
     assert bench.main(["--exports", "small", "--sizes", "", "--samples", "2", "--markdown"]) == 0
@@ -38,12 +46,19 @@ def test_tools_option_keeps_the_rows_asked_for(monkeypatch):
     bench = load_tool("bench_placement", needs=("exported", "synthetic", "bench_rewrite"))
     assert [tool.name for tool in bench.tools(bench.parse_args(["--tools", "amp-rewrite"]))] == list(AMP_ROWS)
     chosen = bench.tools(bench.parse_args(["--tools", "amp-rewrite cost", "--tools", "modelopt autocast"]))
-    assert [tool.name for tool in chosen] == ["amp-rewrite cost", "amp-rewrite cost +calibrate",
-                                             "amp-rewrite cost +calibrate +tolerance", "modelopt autocast",
-                                             "modelopt autocast +calibrate"]
+    assert [tool.name for tool in chosen] == [
+        "amp-rewrite cost",
+        "amp-rewrite cost +calibrate",
+        "amp-rewrite cost +calibrate +tolerance",
+        "modelopt autocast",
+        "modelopt autocast +calibrate",
+    ]
     assert len(bench.tools(bench.parse_args([]))) == len(AMP_ROWS) + 4  # two converters, AutoCast twice
 
 
 def _markdown_rows(text: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model ")]
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| model ")
+    ]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 
-import corpus
 import numpy as np
 import pytest
 
+import corpus
 from amp_rewrite.training import Trainer
 
 MAX_SKIPPED_FP16 = 3
@@ -33,7 +33,9 @@ def _model(name):
 
 def _train(name, precision):
     if corpus.CORPUS[name].heavy:
-        pytest.skip(f"{name}: {corpus.CORPUS[name].heavy}; python tools/train_corpus.py --models {name} runs it")
+        pytest.skip(
+            f"{name}: {corpus.CORPUS[name].heavy}; python tools/train_corpus.py --models {name} runs it"
+        )
     model, feeds = _model(name)
     if model is None:
         pytest.skip(feeds)
@@ -52,6 +54,8 @@ def test_a_real_model_fine_tunes_with_the_defaults(name, precision):
     results = _train(name, precision)
     skipped = [r.skipped for r in results]
     allowed = 0 if precision == "float32" else MAX_SKIPPED_FP16
-    assert sum(skipped) <= allowed and skipped == sorted(skipped, reverse=True), skipped  # skips only at the start
+    assert sum(skipped) <= allowed and skipped == sorted(skipped, reverse=True), (
+        skipped
+    )  # skips only at the start
     losses = [r.loss for r in results if not r.skipped]
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses

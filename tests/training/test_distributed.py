@@ -28,10 +28,13 @@ WORKER = ROOT / "tests" / "distributed_worker.py"  # a script (one rank), and th
 
 # --- in process: no MPI needed ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("precision", ["float32", "float16"])
 def test_split_step_run_in_sequence_is_the_one_graph_step_bit_for_bit(precision):
-    step = apply_precision(build_step_graph(mlp((4, 8, 3)), "cross_entropy", AdamW(0.01, max_grad_norm=0.5),
-                                            DynamicLossScale()), precision)
+    step = apply_precision(
+        build_step_graph(mlp((4, 8, 3)), "cross_entropy", AdamW(0.01, max_grad_norm=0.5), DynamicLossScale()),
+        precision,
+    )
     split = split_step_graph(step)
     feeds = {**step.initial_state, LR_INPUT: np.array(0.01, np.float32)}
     for batch in classification_batches(count=2):
@@ -53,7 +56,9 @@ def test_prescaled_seed_scales_the_gradients_not_the_loss():
     quarter = _run(split_step_graph(step, 0.25).gradient, batch)
     assert quarter[step.loss_output] == full[step.loss_output]
     for w in step.weights:
-        np.testing.assert_array_equal(quarter[f"scale/unscaled/{w}"], full[f"scale/unscaled/{w}"] * np.float32(0.25))
+        np.testing.assert_array_equal(
+            quarter[f"scale/unscaled/{w}"], full[f"scale/unscaled/{w}"] * np.float32(0.25)
+        )
 
 
 def _run(model, feeds):
@@ -79,18 +84,22 @@ def test_buckets_hold_each_gradient_once_in_order_with_the_flag_in_the_last():
     assert buckets.flat[1].tolist() == [7, 7, 7, 7, 0, 0] and buckets.tail.size == 2
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"distributed": "nccl"}, "distributed must be None or 'mpi'"),
-    ({"distributed": "mpi", "loss_reduction": "sum"}, "is a mean over samples"),
-    ({"distributed": "mpi", "loss_reduction": "max"}, "loss_reduction"),
-    ({"distributed": "mpi", "bucket_mb": 0}, "bucket_mb"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"distributed": "nccl"}, "distributed must be None or 'mpi'"),
+        ({"distributed": "mpi", "loss_reduction": "sum"}, "is a mean over samples"),
+        ({"distributed": "mpi", "loss_reduction": "max"}, "loss_reduction"),
+        ({"distributed": "mpi", "bucket_mb": 0}, "bucket_mb"),
+    ],
+)
 def test_bad_distributed_options_are_one_line_errors(options, message):
     with pytest.raises(TrainingError, match=message):
         Trainer(mlp((4, 8, 3)), optimizer=SGD(0.1), precision="float32", provider="cpu", **options)
 
 
 # --- under mpiexec ------------------------------------------------------------------------------
+
 
 def _mpiexec():
     pytest.importorskip("mpi4py", reason="the [mpi] extra (mpi4py, mpich) is not installed")
@@ -105,8 +114,13 @@ def launch(ranks, scenario, out, timeout=120):
     """Run the worker on `ranks` ranks; returns (exit status, output, seconds)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     started = time.perf_counter()
-    done = subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), scenario, str(out)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    done = subprocess.run(
+        [_mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), scenario, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     return done.returncode, done.stdout + done.stderr, time.perf_counter() - started
 
 
@@ -158,15 +172,24 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(nonfinite_run):
             if key.startswith("before/") and "scale/" not in key:  # weights, slots, step count
                 assert result[key].tobytes() == result[key.replace("before/", "after/")].tobytes(), key
     for key in ranks[0].files:
-        assert ranks[0][key].tobytes() == ranks[1][key].tobytes(), key  # equal everywhere, loss scale included
+        assert ranks[0][key].tobytes() == ranks[1][key].tobytes(), (
+            key
+        )  # equal everywhere, loss scale included
 
 
 def test_checkpoint_written_by_rank_zero_resumes_every_rank(nonfinite_run):
     out, ranks = nonfinite_run
     for result in ranks:
         np.testing.assert_array_equal(result["again"], result["first"])
-    assert sorted(os.listdir(out)) == ["ckpt.npz", "nonfinite-rank0.npz", "nonfinite-rank1.npz", "trained.onnx"]
-    single = Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=AdamW(0.01), precision="float16", provider="cpu")
+    assert sorted(os.listdir(out)) == [
+        "ckpt.npz",
+        "nonfinite-rank0.npz",
+        "nonfinite-rank1.npz",
+        "trained.onnx",
+    ]
+    single = Trainer(
+        mlp((FEATURES, HIDDEN, CLASSES)), optimizer=AdamW(0.01), precision="float16", provider="cpu"
+    )
     single.load(out / "ckpt.npz")  # a data-parallel checkpoint is an ordinary one
     assert single.step_count == 3 and single.loss_scale == 2.0**14
 
@@ -176,7 +199,9 @@ def test_a_killed_rank_ends_the_job_within_seconds_and_the_checkpoint_is_intact(
     assert status != 0 and "rank 1 fails now" in output
     assert "Killed (signal 9)" in output  # mpiexec's line naming what ended the job
     assert seconds < 30, output
-    single = Trainer(mlp((FEATURES, HIDDEN, CLASSES)), optimizer=SGD(0.1), precision="float32", provider="cpu")
+    single = Trainer(
+        mlp((FEATURES, HIDDEN, CLASSES)), optimizer=SGD(0.1), precision="float32", provider="cpu"
+    )
     single.load(tmp_path / "ckpt.npz")
     assert single.step_count in (4, 5)  # rank 0 saves after each step; it may be stopped mid-save of step 5
 
@@ -205,5 +230,9 @@ def test_bench_distributed_quick_prints_its_table():
     done = run_script("tools/bench_distributed.py", "--quick", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 64 ")]
-    assert [row.split("|")[3].strip() for row in rows] == ["one process (one-graph step)", "1 rank x 16", "2 ranks x 8"]
+    assert [row.split("|")[3].strip() for row in rows] == [
+        "one process (one-graph step)",
+        "1 rank x 16",
+        "2 ranks x 8",
+    ]
     assert all(float(row.split("|")[6]) > 0 for row in rows)  # samples/s

@@ -32,7 +32,9 @@ def _export(name):
 @functools.cache
 def _train(name, precision):
     model, batches, module = _export(name)
-    trainer = Trainer(model, optimizer=AdamW(exported.LR.get(name, 3e-3)), precision=precision, provider="cpu")
+    trainer = Trainer(
+        model, optimizer=AdamW(exported.LR.get(name, 3e-3)), precision=precision, provider="cpu"
+    )
     results = [trainer.step(b) for b in batches]
     return trainer, results
 
@@ -51,7 +53,9 @@ def test_default_arguments_fine_tune_a_real_export(name, capsys):
     curves = {}
     for precision in ("float32", "float16"):
         trainer, results = _train(name, precision)
-        assert set(trainer.trainable) == exported.by_hand(model, module), "default trainable set != the parameters"
+        assert set(trainer.trainable) == exported.by_hand(model, module), (
+            "default trainable set != the parameters"
+        )
         assert sum(r.skipped for r in results) == 0
         losses = np.array([r.loss for r in results])
         assert np.all(np.isfinite(losses))
@@ -69,7 +73,9 @@ def test_float16_step_graph_keeps_what_the_cpu_provider_refuses_float32():
     scatters = [n for n in trainer.step_graph.report.nodes if n["op_type"] == "ScatterND"]
     assert scatters and all(n["precision"] == "float32" for n in scatters)
     assert all("CPU provider refuses ScatterND" in n["because"] for n in scatters)
-    assert any(n["precision"] == "float16" for n in trainer.step_graph.report.nodes if n["op_type"] == "MatMul")
+    assert any(
+        n["precision"] == "float16" for n in trainer.step_graph.report.nodes if n["op_type"] == "MatMul"
+    )
 
 
 def test_constant_node_weights_train_and_export_as_initializers(tmp_path):
@@ -80,7 +86,9 @@ def test_constant_node_weights_train_and_export_as_initializers(tmp_path):
     tuned = onnx.load(tmp_path / "tuned.onnx")
     weights = trainer.weights()
     stored = {t.name: onnx.numpy_helper.to_array(t) for t in tuned.graph.initializer}
-    assert set(weights) <= set(stored) and not any(n.op_type == "Constant" and n.output[0] in weights for n in tuned.graph.node)
+    assert set(weights) <= set(stored) and not any(
+        n.op_type == "Constant" and n.output[0] in weights for n in tuned.graph.node
+    )
     for name, value in weights.items():
         np.testing.assert_array_equal(stored[name], value)
     import onnxruntime as ort

@@ -5,15 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from amp_rewrite.training import SGD, Adam, DynamicLossScale, FixedLossScale, Trainer
 from amp_rewrite.errors import TrainingError
+from amp_rewrite.training import SGD, Adam, DynamicLossScale, FixedLossScale, Trainer
 from training_models import classification_batches, softmax_regression, softmax_regression_gradient
 
 
 def make_trainer(optimizer=None, **kwargs):
     kwargs.setdefault("loss_scale", "dynamic")  # float32's default is no loss scale: these test the scaler
-    return Trainer(softmax_regression(), optimizer=optimizer or Adam(0.05), precision="float32", provider="cpu",
-                   gradient_builder=softmax_regression_gradient, **kwargs)
+    return Trainer(
+        softmax_regression(),
+        optimizer=optimizer or Adam(0.05),
+        precision="float32",
+        provider="cpu",
+        gradient_builder=softmax_regression_gradient,
+        **kwargs,
+    )
 
 
 def poisoned(batch, value):
@@ -88,14 +94,18 @@ def test_fixed_scale_skips_nonfinite_steps_without_changing():
     assert result.skipped and result.loss_scale == 128.0
 
 
-@pytest.mark.parametrize("configure, message", [
-    (lambda: make_trainer(loss_scale=100.0, on_nonfinite="retry"), "dynamic"),
-    (lambda: make_trainer(loss_scale="static"), "loss_scale"),
-    (lambda: make_trainer(loss_scale=-1.0), "positive"),
-    (lambda: DynamicLossScale(initial=0.5), "min_scale"),
-    (lambda: DynamicLossScale(growth_factor=1.0), "growth_factor"),
-    (lambda: make_trainer(on_nonfinite="ignore"), "on_nonfinite"),
-], ids=["retry-fixed", "unknown", "negative", "below-floor", "no-growth", "bad-policy"])
+@pytest.mark.parametrize(
+    "configure, message",
+    [
+        (lambda: make_trainer(loss_scale=100.0, on_nonfinite="retry"), "dynamic"),
+        (lambda: make_trainer(loss_scale="static"), "loss_scale"),
+        (lambda: make_trainer(loss_scale=-1.0), "positive"),
+        (lambda: DynamicLossScale(initial=0.5), "min_scale"),
+        (lambda: DynamicLossScale(growth_factor=1.0), "growth_factor"),
+        (lambda: make_trainer(on_nonfinite="ignore"), "on_nonfinite"),
+    ],
+    ids=["retry-fixed", "unknown", "negative", "below-floor", "no-growth", "bad-policy"],
+)
 def test_bad_loss_scale_configurations_are_clear_errors(configure, message):
     with pytest.raises(TrainingError, match=message):
         configure()

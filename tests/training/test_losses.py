@@ -17,12 +17,16 @@ def linear_regression(features=3, outputs=2, with_loss_output=False):
     nodes = [node("MatMul", ["x", "W"], ["prediction"], name="matmul")]
     inputs, outputs_ = [tensor("x", ["N", features])], [tensor("prediction", ["N", outputs])]
     if with_loss_output:
-        nodes += [node("Sub", ["prediction", "y"], ["error"], name="error"),
-                  node("Mul", ["error", "error"], ["squared"], name="squared"),
-                  node("ReduceMean", ["squared"], ["my_loss"], name="mean", keepdims=0)]
+        nodes += [
+            node("Sub", ["prediction", "y"], ["error"], name="error"),
+            node("Mul", ["error", "error"], ["squared"], name="squared"),
+            node("ReduceMean", ["squared"], ["my_loss"], name="mean", keepdims=0),
+        ]
         inputs.append(tensor("y", ["N", outputs]))
         outputs_ = [tensor("my_loss", [])]
-    return make_model(nodes, inputs, outputs_, [init("W", rng.standard_normal((features, outputs)).astype(np.float32))])
+    return make_model(
+        nodes, inputs, outputs_, [init("W", rng.standard_normal((features, outputs)).astype(np.float32))]
+    )
 
 
 def numpy_mse_sgd(w, batches, lr, target_key):
@@ -37,12 +41,20 @@ def numpy_mse_sgd(w, batches, lr, target_key):
 
 def regression_batches(key, count=4):
     rng = np.random.default_rng(3)
-    return [{"x": rng.standard_normal((8, 3)).astype(np.float32), key: rng.standard_normal((8, 2)).astype(np.float32)}
-            for _ in range(count)]
+    return [
+        {
+            "x": rng.standard_normal((8, 3)).astype(np.float32),
+            key: rng.standard_normal((8, 2)).astype(np.float32),
+        }
+        for _ in range(count)
+    ]
 
 
-@pytest.mark.parametrize("loss, key, with_loss_output", [("mse", "targets", False), ("my_loss", "y", True)],
-                         ids=["builtin-mse", "model-loss-output"])
+@pytest.mark.parametrize(
+    "loss, key, with_loss_output",
+    [("mse", "targets", False), ("my_loss", "y", True)],
+    ids=["builtin-mse", "model-loss-output"],
+)
 def test_regression_losses_match_numpy_step_for_step(loss, key, with_loss_output):
     model = linear_regression(with_loss_output=with_loss_output)
     batches = regression_batches(key)
@@ -60,7 +72,9 @@ def _initial(model, name):
 def test_only_the_trainable_weights_change():
     model = mlp(sizes=(4, 8, 3))
     trainer = Trainer(model, optimizer=SGD(0.5), precision="float32", provider="cpu", trainable=["w1", "b1"])
-    frozen_before = {t.name: _initial(model, t.name) for t in model.graph.initializer if t.name in ("w0", "b0")}
+    frozen_before = {
+        t.name: _initial(model, t.name) for t in model.graph.initializer if t.name in ("w0", "b0")
+    }
     for batch in classification_batches(features=4, count=3):
         trainer.step(batch)
     assert set(trainer.weights()) == {"w1", "b1"}
@@ -72,4 +86,6 @@ def test_only_the_trainable_weights_change():
 
 def test_a_loss_output_that_is_not_scalar_is_a_clear_error():
     with pytest.raises(TrainingError, match="must be a scalar"):
-        Trainer(linear_regression(), loss="prediction", optimizer=SGD(0.1), precision="float32", provider="cpu")
+        Trainer(
+            linear_regression(), loss="prediction", optimizer=SGD(0.1), precision="float32", provider="cpu"
+        )

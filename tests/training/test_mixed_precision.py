@@ -17,8 +17,14 @@ from training_models import classification_batches, softmax_regression, softmax_
 
 
 def make_trainer(precision="float16", **kwargs):
-    return Trainer(softmax_regression(), optimizer=Adam(0.05), precision=precision, provider="cpu",
-                   gradient_builder=softmax_regression_gradient, **kwargs)
+    return Trainer(
+        softmax_regression(),
+        optimizer=Adam(0.05),
+        precision=precision,
+        provider="cpu",
+        gradient_builder=softmax_regression_gradient,
+        **kwargs,
+    )
 
 
 def float16_tensors(model: onnx.ModelProto) -> set[str]:
@@ -96,9 +102,20 @@ def test_training_keeps_layernorm_and_softmax_float32_in_float16_only():
 def _ln_softmax_model():
     rng = np.random.default_rng(2)
     return make_model(
-        [node("MatMul", ["x", "W0"], ["h"], "mm0"), node("LayerNormalization", ["h", "g", "b"], ["n"], "ln", axis=-1),
-         node("MatMul", ["n", "W1"], ["s"], "mm1"), node("Softmax", ["s"], ["p"], "sm", axis=-1),
-         node("MatMul", ["p", "W2"], ["y"], "mm2")],
-        [tensor("x", [2, 8])], [tensor("y", [2, 8])],
-        [init("W0", weights(rng, 8, 8)), init("g", np.ones(8, np.float32)), init("b", np.zeros(8, np.float32)),
-         init("W1", weights(rng, 8, 8)), init("W2", weights(rng, 8, 8))])
+        [
+            node("MatMul", ["x", "W0"], ["h"], "mm0"),
+            node("LayerNormalization", ["h", "g", "b"], ["n"], "ln", axis=-1),
+            node("MatMul", ["n", "W1"], ["s"], "mm1"),
+            node("Softmax", ["s"], ["p"], "sm", axis=-1),
+            node("MatMul", ["p", "W2"], ["y"], "mm2"),
+        ],
+        [tensor("x", [2, 8])],
+        [tensor("y", [2, 8])],
+        [
+            init("W0", weights(rng, 8, 8)),
+            init("g", np.ones(8, np.float32)),
+            init("b", np.zeros(8, np.float32)),
+            init("W1", weights(rng, 8, 8)),
+            init("W2", weights(rng, 8, 8)),
+        ],
+    )

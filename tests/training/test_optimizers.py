@@ -17,14 +17,23 @@ torch = pytest.importorskip("torch")
 
 OPTIMIZERS = {
     "sgd": (lambda: SGD(0.5), lambda p: torch.optim.SGD(p, lr=0.5)),
-    "sgd-momentum-wd": (lambda: SGD(0.3, momentum=0.9, weight_decay=0.01),
-                        lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9, weight_decay=0.01)),
-    "sgd-nesterov": (lambda: SGD(0.3, momentum=0.8, nesterov=True),
-                     lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.8, nesterov=True)),
+    "sgd-momentum-wd": (
+        lambda: SGD(0.3, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9, weight_decay=0.01),
+    ),
+    "sgd-nesterov": (
+        lambda: SGD(0.3, momentum=0.8, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.8, nesterov=True),
+    ),
     "adam": (lambda: Adam(0.05), lambda p: torch.optim.Adam(p, lr=0.05)),
-    "adam-l2": (lambda: Adam(0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-                lambda p: torch.optim.Adam(p, lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
-    "adamw": (lambda: AdamW(0.05, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1)),
+    "adam-l2": (
+        lambda: Adam(0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    ),
+    "adamw": (
+        lambda: AdamW(0.05, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1),
+    ),
 }
 
 
@@ -42,7 +51,10 @@ def torch_forward(params, x):
 def torch_reference(model, make_optimizer, batches, max_grad_norm=None, factor=None):
     """Loss and weights after each step of the same model trained by torch eager (`factor`: a
     LambdaLR multiplier of the step index)."""
-    params = {t.name: torch.tensor(numpy_helper.to_array(t).copy(), requires_grad=True) for t in model.graph.initializer}
+    params = {
+        t.name: torch.tensor(numpy_helper.to_array(t).copy(), requires_grad=True)
+        for t in model.graph.initializer
+    }
     optimizer = make_optimizer(list(params.values()))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor) if factor else None
     history = []
@@ -61,8 +73,14 @@ def torch_reference(model, make_optimizer, batches, max_grad_norm=None, factor=N
 
 
 def ours(model, optimizer, batches, gradient_builder=softmax_regression_gradient, **kwargs):
-    trainer = Trainer(model, optimizer=optimizer, precision="float32", provider="cpu",
-                      gradient_builder=gradient_builder, **kwargs)
+    trainer = Trainer(
+        model,
+        optimizer=optimizer,
+        precision="float32",
+        provider="cpu",
+        gradient_builder=gradient_builder,
+        **kwargs,
+    )
     history = []
     for batch in batches:
         result = trainer.step(batch)
@@ -76,7 +94,9 @@ def assert_same_history(actual, expected):
     for step, ((loss, weights), (ref_loss, ref_weights)) in enumerate(zip(actual, expected)):
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"loss differs at step {step}"
         for name, ref in ref_weights.items():
-            np.testing.assert_allclose(weights[name], ref, rtol=1e-5, atol=1e-5, err_msg=f"{name} at step {step}")
+            np.testing.assert_allclose(
+                weights[name], ref, rtol=1e-5, atol=1e-5, err_msg=f"{name} at step {step}"
+            )
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -99,7 +119,9 @@ def test_step_graph_assembly_with_a_hand_written_gradient_matches_torch(name):
 def test_global_norm_clipping_matches_torch_clip_grad_norm():
     model = mlp(sizes=(6, 16, 4))
     batches = classification_batches(features=6, classes=4, count=4)
-    expected = torch_reference(model, lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.5), batches, max_grad_norm=0.05)
+    expected = torch_reference(
+        model, lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.5), batches, max_grad_norm=0.05
+    )
     actual = ours(model, SGD(0.5, momentum=0.5, max_grad_norm=0.05), batches, gradient_builder=None)
     assert_same_history(actual, expected)
 
@@ -108,11 +130,15 @@ def test_warmup_matches_torch_adamw_with_a_linear_warmup_schedule():
     """warmup_steps=3: the rate is lr/3, 2lr/3, then lr, as torch's LambdaLR(min(1, (i + 1) / 3))."""
     model = mlp(sizes=(6, 16, 4))
     batches = classification_batches(features=6, classes=4, count=5)
-    expected = torch_reference(model, lambda p: torch.optim.AdamW(p, lr=0.05), batches,
-                               factor=lambda i: min(1.0, (i + 1) / 3))
+    expected = torch_reference(
+        model, lambda p: torch.optim.AdamW(p, lr=0.05), batches, factor=lambda i: min(1.0, (i + 1) / 3)
+    )
     actual = ours(model, AdamW(0.05, warmup_steps=3), batches, gradient_builder=None)
     assert_same_history(actual, expected)
-    assert AdamW(0.05, warmup_steps=3).config()["warmup_steps"] == 3 and "warmup_steps" not in AdamW(0.05).config()
+    assert (
+        AdamW(0.05, warmup_steps=3).config()["warmup_steps"] == 3
+        and "warmup_steps" not in AdamW(0.05).config()
+    )
 
 
 def test_fixed_loss_scale_changes_nothing_in_float32():

@@ -13,8 +13,9 @@ from training_models import classification_batches, mlp
 
 
 def test_the_step_updates_the_one_copy_of_the_state_in_place():
-    trainer = Trainer(mlp((4, 8, 3)), optimizer=AdamW(0.01), precision="float16", provider="cpu", verbose=False,
-                      threads=1)
+    trainer = Trainer(
+        mlp((4, 8, 3)), optimizer=AdamW(0.01), precision="float16", provider="cpu", verbose=False, threads=1
+    )
     values = trainer.runner.state.values
     where = {name: value.data_ptr() for name, value in values.items()}
     before = trainer.state()
@@ -29,16 +30,26 @@ def test_the_step_updates_the_one_copy_of_the_state_in_place():
 
 def _state_graph(reader_after_writer: bool):
     """w/next = a gated update of w; m/next = m + (w or x): a reader of w the writer does not wait for."""
-    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
-             helper.make_node("IsNaN", ["s"], ["scale/skipped"]),
-             helper.make_node("Not", ["scale/skipped"], ["ok"]),
-             helper.make_node("Mul", ["w", "s"], ["new"]),
-             helper.make_node("Where", ["ok", "new", "w"], ["w/next"])]
+    nodes = [
+        helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+        helper.make_node("IsNaN", ["s"], ["scale/skipped"]),
+        helper.make_node("Not", ["scale/skipped"], ["ok"]),
+        helper.make_node("Mul", ["w", "s"], ["new"]),
+        helper.make_node("Where", ["ok", "new", "w"], ["w/next"]),
+    ]
     read = "w" if reader_after_writer else "x"
     nodes.append(helper.make_node("Add", ["m", read], ["m/next"], name="late_reader"))
     value = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [2])  # noqa: E731
-    graph = helper.make_graph(nodes, "g", [value("x"), value("w"), value("m")],
-                              [value("w/next"), value("m/next"), helper.make_tensor_value_info("scale/skipped", TensorProto.BOOL, [])])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [value("x"), value("w"), value("m")],
+        [
+            value("w/next"),
+            value("m/next"),
+            helper.make_tensor_value_info("scale/skipped", TensorProto.BOOL, []),
+        ],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
@@ -49,13 +60,16 @@ def test_in_place_check_refuses_a_reader_that_may_run_after_the_writer():
         check_in_place(_state_graph(reader_after_writer=True), state)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"threads": -1}, "threads must be a whole number >= 0"),
-    ({"threads": 1.5}, "threads must be a whole number >= 0"),
-    ({"bucket_mb": 4}, "bucket_mb is a data-parallel option: pass distributed='mpi' too"),
-    ({"distributed": "nccl"}, "distributed must be None or 'mpi'"),
-    ({"colour": 1}, "unexpected option 'colour'"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"threads": -1}, "threads must be a whole number >= 0"),
+        ({"threads": 1.5}, "threads must be a whole number >= 0"),
+        ({"bucket_mb": 4}, "bucket_mb is a data-parallel option: pass distributed='mpi' too"),
+        ({"distributed": "nccl"}, "distributed must be None or 'mpi'"),
+        ({"colour": 1}, "unexpected option 'colour'"),
+    ],
+)
 def test_bad_runner_options_are_one_line(options, message):
     with pytest.raises(TrainingError, match=message):
         Trainer(mlp((4, 8, 3)), optimizer=AdamW(0.01), provider="cpu", verbose=False, **options)

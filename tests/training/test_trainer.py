@@ -15,14 +15,25 @@ from training_models import classification_batches, mlp, softmax_regression, sof
 
 
 def make_trainer(optimizer=None, model=None, **kwargs):
-    options = {"precision": "float32", "provider": "cpu", "gradient_builder": softmax_regression_gradient,
-               "loss_scale": "dynamic", **kwargs}  # the scaler is on (float32's default is none)
+    options = {
+        "precision": "float32",
+        "provider": "cpu",
+        "gradient_builder": softmax_regression_gradient,
+        "loss_scale": "dynamic",
+        **kwargs,
+    }  # the scaler is on (float32's default is none)
     return Trainer(model or softmax_regression(), optimizer=optimizer or Adam(0.05), **options)
 
 
-@pytest.mark.parametrize("make_optimizer, precision", [
-    (lambda: SGD(0.2, momentum=0.9), "float32"), (lambda: AdamW(0.05), "float32"), (lambda: Adam(0.05), "float16"),
-], ids=["sgd", "adamw", "adam-float16"])
+@pytest.mark.parametrize(
+    "make_optimizer, precision",
+    [
+        (lambda: SGD(0.2, momentum=0.9), "float32"),
+        (lambda: AdamW(0.05), "float32"),
+        (lambda: Adam(0.05), "float16"),
+    ],
+    ids=["sgd", "adamw", "adam-float16"],
+)
 def test_checkpoint_then_continue_is_bit_identical_to_not_stopping(tmp_path, make_optimizer, precision):
     batches = classification_batches(count=6)
     batches[2] = dict(batches[2], x=np.full_like(batches[2]["x"], np.inf))  # a skip inside the first half
@@ -105,18 +116,31 @@ class GradScalerLike:
         return 65536.0
 
 
-@pytest.mark.parametrize("configure, message", [
-    (lambda: make_trainer(GradScalerLike()), "already does loss scaling"),
-    (lambda: make_trainer(object()), "amp_rewrite.training optimizer"),
-    (lambda: make_trainer(precision="float8"), "precision"),
-    (lambda: make_trainer(provider="tpu"), "provider"),
-    (lambda: make_trainer(loss="nll"), "neither a built-in"),
-    (lambda: make_trainer(model=model_with_labels_input()), "already has an input named 'labels'"),
-    (lambda: SGD(0.1, nesterov=True), "nesterov"),
-    (lambda: Adam(-1.0), "lr"),
-    (lambda: Trainer("/nonexistent/model.onnx", optimizer=SGD(0.1)), "cannot load model"),
-], ids=["loss-scaled-optimizer", "foreign-optimizer", "precision", "provider", "loss", "labels-clash",
-        "nesterov", "negative-lr", "missing-model"])
+@pytest.mark.parametrize(
+    "configure, message",
+    [
+        (lambda: make_trainer(GradScalerLike()), "already does loss scaling"),
+        (lambda: make_trainer(object()), "amp_rewrite.training optimizer"),
+        (lambda: make_trainer(precision="float8"), "precision"),
+        (lambda: make_trainer(provider="tpu"), "provider"),
+        (lambda: make_trainer(loss="nll"), "neither a built-in"),
+        (lambda: make_trainer(model=model_with_labels_input()), "already has an input named 'labels'"),
+        (lambda: SGD(0.1, nesterov=True), "nesterov"),
+        (lambda: Adam(-1.0), "lr"),
+        (lambda: Trainer("/nonexistent/model.onnx", optimizer=SGD(0.1)), "cannot load model"),
+    ],
+    ids=[
+        "loss-scaled-optimizer",
+        "foreign-optimizer",
+        "precision",
+        "provider",
+        "loss",
+        "labels-clash",
+        "nesterov",
+        "negative-lr",
+        "missing-model",
+    ],
+)
 def test_bad_configurations_are_one_line_training_errors(configure, message):
     with pytest.raises(TrainingError, match=message) as error:
         configure()
@@ -141,7 +165,9 @@ def test_opset_13_and_18_step_graphs_train_identically_and_keep_their_opset():
     """Reduce ops take axes as attributes or inputs depending on the opset; both paths must agree."""
     runs = {}
     for opset in (13, 18):
-        trainer = Trainer(mlp(sizes=(6, 8, 3), opset=opset), optimizer=Adam(0.01), precision="float32", provider="cpu")
+        trainer = Trainer(
+            mlp(sizes=(6, 8, 3), opset=opset), optimizer=Adam(0.01), precision="float32", provider="cpu"
+        )
         runs[opset] = [trainer.step(b).loss for b in classification_batches(features=6, count=3)]
         assert [o.version for o in trainer.step_graph.model.opset_import if o.domain == ""] == [opset]
     np.testing.assert_allclose(runs[13], runs[18], rtol=1e-6)

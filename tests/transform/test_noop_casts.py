@@ -21,7 +21,18 @@ from onnx import TensorProto, helper
 from amp_rewrite import rewrite
 from amp_rewrite.plan import Step
 from amp_rewrite.report import html, picture_graph
-from helpers import assert_close, check_both, init, make_model, node, random_feeds, run_ort, run_reference, tensor, weights
+from helpers import (
+    assert_close,
+    check_both,
+    init,
+    make_model,
+    node,
+    random_feeds,
+    run_ort,
+    run_reference,
+    tensor,
+    weights,
+)
 
 FLOAT, F16, BF16, INT64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.INT64
 
@@ -40,14 +51,25 @@ def attention(extra_nodes=(), extra_outputs=(), seed=0):
     """One attention head as torch's eager attention exports it: scores = q k^T, Softmax, then
     Cast(to=FLOAT) twice on the float32 probabilities, then probabilities @ v, and a projection."""
     rng = np.random.default_rng(seed)
-    nodes = [node("MatMul", ["x", "Wq"], ["q"], "q"), node("MatMul", ["x", "Wk"], ["k"], "k"),
-             node("MatMul", ["x", "Wv"], ["v"], "v"), node("Transpose", ["k"], ["kt"], "kt", perm=[0, 2, 1]),
-             node("MatMul", ["q", "kt"], ["scores"], "scores"), node("Softmax", ["scores"], ["p"], "softmax", axis=-1),
-             node("Cast", ["p"], ["p1"], "cast", to=FLOAT), node("Cast", ["p1"], ["p2"], "cast_1", to=FLOAT),
-             node("MatMul", ["p2", "v"], ["ctx"], "ctx"), node("MatMul", ["ctx", "Wo"], ["y"], "proj"),
-             *extra_nodes]
-    return make_model(nodes, [tensor("x", [2, 4, 8])], [tensor("y", [2, 4, 8]), *extra_outputs],
-                      [init(name, weights(rng, 8, 8)) for name in ("Wq", "Wk", "Wv", "Wo")])
+    nodes = [
+        node("MatMul", ["x", "Wq"], ["q"], "q"),
+        node("MatMul", ["x", "Wk"], ["k"], "k"),
+        node("MatMul", ["x", "Wv"], ["v"], "v"),
+        node("Transpose", ["k"], ["kt"], "kt", perm=[0, 2, 1]),
+        node("MatMul", ["q", "kt"], ["scores"], "scores"),
+        node("Softmax", ["scores"], ["p"], "softmax", axis=-1),
+        node("Cast", ["p"], ["p1"], "cast", to=FLOAT),
+        node("Cast", ["p1"], ["p2"], "cast_1", to=FLOAT),
+        node("MatMul", ["p2", "v"], ["ctx"], "ctx"),
+        node("MatMul", ["ctx", "Wo"], ["y"], "proj"),
+        *extra_nodes,
+    ]
+    return make_model(
+        nodes,
+        [tensor("x", [2, 4, 8])],
+        [tensor("y", [2, 4, 8]), *extra_outputs],
+        [init(name, weights(rng, 8, 8)) for name in ("Wq", "Wk", "Wv", "Wo")],
+    )
 
 
 @pytest.mark.parametrize("placement", ["cost", "tf"])
@@ -82,8 +104,13 @@ def test_a_cast_whose_output_is_a_graph_output_stays():
     """Cast(to=FLOAT) of float32 Exp (deny) is a no-op, but its output is a graph output: it stays,
     name and type. p1, the export's first Cast, is made a graph output too: that Cast stays, and
     the second, the round trip back to float16, still goes (it reads p directly)."""
-    model = attention(extra_nodes=[node("Exp", ["y"], ["ey"], "exp"), node("Cast", ["ey"], ["ey_out"], "cast_out", to=FLOAT)],
-                      extra_outputs=[tensor("ey_out", [2, 4, 8])])
+    model = attention(
+        extra_nodes=[
+            node("Exp", ["y"], ["ey"], "exp"),
+            node("Cast", ["ey"], ["ey_out"], "cast_out", to=FLOAT),
+        ],
+        extra_outputs=[tensor("ey_out", [2, 4, 8])],
+    )
     model.graph.output.append(helper.make_tensor_value_info("p1", FLOAT, [2, 4, 4]))
     result = rewrite(model)
     check_both(model, result.model, rtol=3e-2, atol=3e-2)
@@ -103,13 +130,21 @@ def test_real_conversions_stay():
     (retargeted to float16, still a conversion): all stay."""
     rng = np.random.default_rng(1)
     model = make_model(
-        [node("MatMul", ["x", "W1"], ["m"], "mm1"), node("Exp", ["m"], ["e"], "exp"),
-         node("Cast", ["e"], ["e16"], "to_half", to=F16), node("Cast", ["e16"], ["e32"], "back", to=FLOAT),
-         node("Log", ["e32"], ["l"], "log"),
-         node("Cast", ["m"], ["i"], "to_int", to=INT64), node("Cast", ["i"], ["f"], "int_back", to=FLOAT),
-         node("Add", ["l", "f"], ["s"], "add"), node("MatMul", ["s", "W2"], ["y"], "mm2")],
-        [tensor("x", [2, 4])], [tensor("y", [2, 4])],
-        [init("W1", weights(rng, 4, 4, scale=0.1)), init("W2", weights(rng, 4, 4))])
+        [
+            node("MatMul", ["x", "W1"], ["m"], "mm1"),
+            node("Exp", ["m"], ["e"], "exp"),
+            node("Cast", ["e"], ["e16"], "to_half", to=F16),
+            node("Cast", ["e16"], ["e32"], "back", to=FLOAT),
+            node("Log", ["e32"], ["l"], "log"),
+            node("Cast", ["m"], ["i"], "to_int", to=INT64),
+            node("Cast", ["i"], ["f"], "int_back", to=FLOAT),
+            node("Add", ["l", "f"], ["s"], "add"),
+            node("MatMul", ["s", "W2"], ["y"], "mm2"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4])],
+        [init("W1", weights(rng, 4, 4, scale=0.1)), init("W2", weights(rng, 4, 4))],
+    )
     result = rewrite(model)
     check_both(model, result.model)
     own = {n: c for n, c in _casts(result.model.graph).items() if not n.startswith("amp/")}
@@ -120,8 +155,15 @@ def test_real_conversions_stay():
 
 def test_a_model_left_unchanged_keeps_its_noop_casts():
     """Without an allow op nothing is rewritten (casts would not pay), its no-op Casts included."""
-    model = make_model([node("Relu", ["x"], ["r"], "relu"), node("Cast", ["r"], ["c"], "cast", to=FLOAT),
-                        node("Sigmoid", ["c"], ["y"], "sig")], [tensor("x", [2, 4])], [tensor("y", [2, 4])])
+    model = make_model(
+        [
+            node("Relu", ["x"], ["r"], "relu"),
+            node("Cast", ["r"], ["c"], "cast", to=FLOAT),
+            node("Sigmoid", ["c"], ["y"], "sig"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4])],
+    )
     result = rewrite(model)
     assert result.model.SerializeToString() == model.SerializeToString() and not result.changed
 
@@ -137,21 +179,43 @@ def _if_model():
         last = f"{name}_out"
         mm = node("MatMul", ["c", "Wb"], [f"{name}_mm"], f"{name}_mm")
         if cast_is_output:
-            nodes = [mm, node("Exp", [f"{name}_mm"], [f"{name}_e"], f"{name}_exp"),
-                     node("Cast", [f"{name}_e"], [last], f"{name}_cast", to=FLOAT)]
+            nodes = [
+                mm,
+                node("Exp", [f"{name}_mm"], [f"{name}_e"], f"{name}_exp"),
+                node("Cast", [f"{name}_e"], [last], f"{name}_cast", to=FLOAT),
+            ]
         else:
-            nodes = [mm, node("Cast", [f"{name}_mm"], [f"{name}_c"], f"{name}_cast", to=FLOAT),
-                     node("MatMul", [f"{name}_c", "Wb"], [last], f"{name}_mm2")]
+            nodes = [
+                mm,
+                node("Cast", [f"{name}_mm"], [f"{name}_c"], f"{name}_cast", to=FLOAT),
+                node("MatMul", [f"{name}_c", "Wb"], [last], f"{name}_mm2"),
+            ]
         return helper.make_graph(nodes, name, [], [tensor(last, [2, 4])])
 
     return make_model(
-        [node("MatMul", ["x", "W"], ["m"], "mm"), node("Cast", ["m"], ["c"], "cast", to=FLOAT),
-         node("MatMul", ["c", "W"], ["y"], "mm2"), node("ReduceSum", ["x"], ["total"], "total", keepdims=0),
-         node("Greater", ["total", "zero"], ["flag"], "flag"),
-         node("If", ["flag"], ["z"], "if", then_branch=branch("then", False),
-              else_branch=branch("else", True))],
-        [tensor("x", [2, 4])], [tensor("y", [2, 4]), tensor("z", [2, 4])],
-        [init("W", weights(rng, 4, 4)), init("Wb", weights(rng, 4, 4)), init("zero", np.array(0.0, np.float32))])
+        [
+            node("MatMul", ["x", "W"], ["m"], "mm"),
+            node("Cast", ["m"], ["c"], "cast", to=FLOAT),
+            node("MatMul", ["c", "W"], ["y"], "mm2"),
+            node("ReduceSum", ["x"], ["total"], "total", keepdims=0),
+            node("Greater", ["total", "zero"], ["flag"], "flag"),
+            node(
+                "If",
+                ["flag"],
+                ["z"],
+                "if",
+                then_branch=branch("then", False),
+                else_branch=branch("else", True),
+            ),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4]), tensor("z", [2, 4])],
+        [
+            init("W", weights(rng, 4, 4)),
+            init("Wb", weights(rng, 4, 4)),
+            init("zero", np.array(0.0, np.float32)),
+        ],
+    )
 
 
 def test_noop_casts_feeding_and_inside_if_branches():
@@ -182,7 +246,9 @@ def test_report_and_page_say_which_casts_were_removed():
         e = entries[name]
         assert e["removed"] and e["step"] == Step.REMOVED_NO_OP.value
         assert e["because"].startswith(f"Cast '{name}' removed: ")
-        assert all(g["step"] != Step.REMOVED_NO_OP.value for g in e["groups"].values())  # colours keep their reasons
+        assert all(
+            g["step"] != Step.REMOVED_NO_OP.value for g in e["groups"].values()
+        )  # colours keep their reasons
     assert "and back, exactly" in entries["cast_1"]["because"]
     assert "nothing reads it any more" in entries["cast"]["because"]
     s = result.report.summary
@@ -200,9 +266,15 @@ def test_annotate_skips_removed_casts():
     model = attention()
     result = rewrite(model, annotate=True)
     assert not any(n.name in ("cast", "cast_1") for n in result.model.graph.node)
-    assert all(n.doc_string.startswith("amp-rewrite: ") for n in result.model.graph.node if n.op_type == "MatMul")
-    assert_close(run_reference(result.model, {"x": np.ones((2, 4, 8), np.float32)}),
-                 run_ort(model, {"x": np.ones((2, 4, 8), np.float32)}), 3e-2, 3e-2)
+    assert all(
+        n.doc_string.startswith("amp-rewrite: ") for n in result.model.graph.node if n.op_type == "MatMul"
+    )
+    assert_close(
+        run_reference(result.model, {"x": np.ones((2, 4, 8), np.float32)}),
+        run_ort(model, {"x": np.ones((2, 4, 8), np.float32)}),
+        3e-2,
+        3e-2,
+    )
 
 
 def _inserted_casts(graph):
@@ -214,9 +286,17 @@ def test_a_noop_cast_renamed_for_a_main_output_goes_and_the_output_keeps_its_nam
     no-op Casts writing them are renamed and an inserted Cast writes each output from the new
     name. The no-op goes, the inserted Cast reads its input, the output keeps its name; left in,
     a second rewrite would remove it (not idempotent)."""
-    model = make_model([node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT), node("Cast", ["x"], ["t1"], "n1", to=FLOAT)],
-                       [tensor("x", [2, 4])], [tensor("t0", [2, 4]), tensor("t1", [2, 4])])
-    result = rewrite(model, keep_io_types=False)  # no allow op: the Casts read x as float32 (one inserted Cast)
+    model = make_model(
+        [
+            node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT),
+            node("Cast", ["x"], ["t1"], "n1", to=FLOAT),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("t0", [2, 4]), tensor("t1", [2, 4])],
+    )
+    result = rewrite(
+        model, keep_io_types=False
+    )  # no allow op: the Casts read x as float32 (one inserted Cast)
     out = result.model
     onnx.checker.check_model(out, full_check=True)
     assert not {"n0", "n1"} & set(_casts(out.graph)) and result.report.summary["casts_removed"] == 2
@@ -233,11 +313,17 @@ def test_a_noop_cast_whose_removal_would_duplicate_an_inserted_cast_stays():
     placement colours the Cast's input float16 and so makes it a real conversion."""
     rng = np.random.default_rng(4)
     model = make_model(
-        [node("Exp", ["x"], ["e"], "exp"), node("Cast", ["e"], ["c"], "cast", to=FLOAT),
-         node("MatMul", ["e", "W"], ["y0"], "mm0"), node("MatMul", ["c", "W"], ["y1"], "mm1"),
-         node("Log", ["c"], ["y2"], "log")],
-        [tensor("x", [2, 4])], [tensor("y0", [2, 4]), tensor("y1", [2, 4]), tensor("y2", [2, 4])],
-        [init("W", weights(rng, 4, 4))])
+        [
+            node("Exp", ["x"], ["e"], "exp"),
+            node("Cast", ["e"], ["c"], "cast", to=FLOAT),
+            node("MatMul", ["e", "W"], ["y0"], "mm0"),
+            node("MatMul", ["c", "W"], ["y1"], "mm1"),
+            node("Log", ["c"], ["y2"], "log"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y0", [2, 4]), tensor("y1", [2, 4]), tensor("y2", [2, 4])],
+        [init("W", weights(rng, 4, 4))],
+    )
     result = rewrite(model, placement="tf")
     check_both(model, result.model)
     assert _casts(result.model.graph)["cast"] == ("e", FLOAT) and result.report.summary["casts_removed"] == 0
@@ -260,13 +346,20 @@ def _input_cast_model(float32_reader: bool):
     (found by hypothesis: with keep_io_types=False the first rewrite left a round trip that a
     second rewrite then removed)."""
     rng = np.random.default_rng(3)
-    nodes = [node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT), node("MatMul", ["t0", "W1"], ["t1"], "n1"),
-             node("MatMul", ["t0", "W2"], ["t2"], "n2")]
+    nodes = [
+        node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT),
+        node("MatMul", ["t0", "W1"], ["t1"], "n1"),
+        node("MatMul", ["t0", "W2"], ["t2"], "n2"),
+    ]
     outputs = ["t1", "t2"]
     inits = [init("W1", weights(rng, 4, 4)), init("W2", weights(rng, 4, 4))]
     if float32_reader:
-        nodes += [node("Abs", ["x"], ["a"], "abs"), node("Add", ["a", "one"], ["p"], "pos"),
-                  node("Log", ["p"], ["l"], "log"), node("Add", ["t0", "l"], ["t3"], "n3")]
+        nodes += [
+            node("Abs", ["x"], ["a"], "abs"),
+            node("Add", ["a", "one"], ["p"], "pos"),
+            node("Log", ["p"], ["l"], "log"),
+            node("Add", ["t0", "l"], ["t3"], "n3"),
+        ]
         outputs.append("t3")
         inits.append(init("one", np.ones(1, np.float32)))
     return make_model(nodes, [tensor("x", [2, 4])], [tensor(t, [2, 4]) for t in outputs], inits)
@@ -307,12 +400,22 @@ def test_a_folded_cast_whose_readers_read_an_inserted_cast_keeps_it():
     as read by folded Casts only, and the Mul read a name nothing wrote."""
     rng = np.random.default_rng(0)
     model = make_model(
-        [node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT), node("MatMul", ["x", "W1"], ["t1"], "n1"),
-         node("Cast", ["x"], ["t3"], "n3", to=TensorProto.FLOAT), node("MatMul", ["t3", "W4"], ["t4"], "n4"),
-         node("Mul", ["t0", "c"], ["t8"], "n8")],
-        [tensor("x", [2, 4])], [tensor("t1", [2, 4]), tensor("t4", [2, 4]), tensor("t8", [2, 4])],
-        [init("W1", rng.standard_normal((4, 4)).astype(np.float32)),
-         init("W4", rng.standard_normal((4, 4)).astype(np.float32)), init("c", np.array(0.5, np.float32))], opset=17)
+        [
+            node("Cast", ["x"], ["t0"], "n0", to=TensorProto.FLOAT),
+            node("MatMul", ["x", "W1"], ["t1"], "n1"),
+            node("Cast", ["x"], ["t3"], "n3", to=TensorProto.FLOAT),
+            node("MatMul", ["t3", "W4"], ["t4"], "n4"),
+            node("Mul", ["t0", "c"], ["t8"], "n8"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("t1", [2, 4]), tensor("t4", [2, 4]), tensor("t8", [2, 4])],
+        [
+            init("W1", rng.standard_normal((4, 4)).astype(np.float32)),
+            init("W4", rng.standard_normal((4, 4)).astype(np.float32)),
+            init("c", np.array(0.5, np.float32)),
+        ],
+        opset=17,
+    )
     for placement in ("tf", "cost"):
         result = rewrite(model, keep_io_types=False, placement=placement)
         onnx.checker.check_model(result.model, full_check=True)

@@ -5,11 +5,11 @@ Every rewrite runs in ONNX Runtime and onnx.reference against the float32 origin
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 from amp_rewrite import rewrite
 from amp_rewrite.cli import main
 from amp_rewrite.errors import UsageError
+from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 
 def relu6_classifier(blocks=4, opset=11):
@@ -18,12 +18,17 @@ def relu6_classifier(blocks=4, opset=11):
     nodes, inits, x = [], [init("lo", np.array(0, np.float32)), init("hi", np.array(6, np.float32))], "x"
     for b in range(blocks):
         inits.append(init(f"W{b}", weights(rng, 8, 8 if b else 3, 3, 3) * 0.5))
-        nodes += [node("Conv", [x, f"W{b}"], [f"c{b}"], f"conv{b}", pads=[1, 1, 1, 1]),
-                  node("Clip", [f"c{b}", "lo", "hi"], [f"r{b}"], f"relu6_{b}")]
+        nodes += [
+            node("Conv", [x, f"W{b}"], [f"c{b}"], f"conv{b}", pads=[1, 1, 1, 1]),
+            node("Clip", [f"c{b}", "lo", "hi"], [f"r{b}"], f"relu6_{b}"),
+        ]
         x = f"r{b}"
     inits += [init("Wfc", weights(rng, 8, 10)), init("bfc", weights(rng, 10))]
-    nodes += [node("GlobalAveragePool", [x], ["pooled"], "pool"), node("Flatten", ["pooled"], ["flat"], "flatten"),
-              node("Gemm", ["flat", "Wfc", "bfc"], ["logits"], "fc")]
+    nodes += [
+        node("GlobalAveragePool", [x], ["pooled"], "pool"),
+        node("Flatten", ["pooled"], ["flat"], "flatten"),
+        node("Gemm", ["flat", "Wfc", "bfc"], ["logits"], "fc"),
+    ]
     return make_model(nodes, [tensor("x", [1, 3, 8, 8])], [tensor("logits", [1, 10])], inits, opset=opset)
 
 
@@ -35,7 +40,9 @@ def test_opset_11_clips_stay_float32_and_the_summary_names_the_opset_that_runs_t
     model = relu6_classifier()
     result = rewrite(model)
     clips = [e for e in result.report.nodes if e["op_type"] == "Clip"]
-    assert all(e["precision"] == "float32" and "no float16 kernel on CUDA at opset 11" in e["because"] for e in clips)
+    assert all(
+        e["precision"] == "float32" and "no float16 kernel on CUDA at opset 11" in e["because"] for e in clips
+    )
     assert "4 Clip nodes stay float32 at opset 11: --opset 12 runs them in float16" in result.report.notes
     assert _casts(result.model) > 4
 

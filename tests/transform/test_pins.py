@@ -18,9 +18,21 @@ from helpers import assert_close, run_ort
 
 EXAMPLE_PINS = {  # (example, target, keep_io_types) -> SHA-256 of result.model.SerializeToString()
     ("tiny_transformer", "float16", True): "b96435bf187d80eb785b2518a503448514df9405f7b6a2ae54851f0da0bc07a6",
-    ("tiny_transformer", "float16", False): "46db5b00b8ba912b75555899d7cdbfe706d5bdc1eab71b3174ba60ac13cb79d6",
-    ("tiny_transformer", "bfloat16", True): "b4e076510bdd98a5fe299a28ba2c23a27006ed377801d19ec44987acd5f1343b",
-    ("tiny_transformer", "bfloat16", False): "98e27d71632cfa4ecf4d4e323991706d95c9a9d18921061c44172350feedbbb7",
+    (
+        "tiny_transformer",
+        "float16",
+        False,
+    ): "46db5b00b8ba912b75555899d7cdbfe706d5bdc1eab71b3174ba60ac13cb79d6",
+    (
+        "tiny_transformer",
+        "bfloat16",
+        True,
+    ): "b4e076510bdd98a5fe299a28ba2c23a27006ed377801d19ec44987acd5f1343b",
+    (
+        "tiny_transformer",
+        "bfloat16",
+        False,
+    ): "98e27d71632cfa4ecf4d4e323991706d95c9a9d18921061c44172350feedbbb7",
     ("tiny_cnn", "float16", True): "d6e4bc5c26f20d20a59fa354f3b5d82be6792396293d9448eeb1ecd2c1f828a8",
     ("tiny_cnn", "float16", False): "217c010bf74d19ee6efbeeb8876c7818723cb592d553d9e6e717c6c496b5cfa7",
     ("tiny_cnn", "bfloat16", True): "94d45ac495301684f49fed852732ccd63386095249f95781636d69a3933ba710",
@@ -37,9 +49,21 @@ STACK_PINS = {  # (synthetic.transformer_stack(num_nodes), target), keep_io_type
 # the TF path itself must not move.
 TF_EXAMPLE_PINS = {
     ("tiny_transformer", "float16", True): "817d791f6172a6ed133176a8a1a543e7179ac4824c5b17041c89d417db7c8f8d",
-    ("tiny_transformer", "float16", False): "8de629fbd8df25b2115986025821faffc15e541a0f542a9fbd52baa6e17b66d2",
-    ("tiny_transformer", "bfloat16", True): "58e96b2d891da94d2dbe0b653b87f8d631a9f4c655f73943d6ab164bf8656a0e",
-    ("tiny_transformer", "bfloat16", False): "cb2515931a770872f0c41dadcac9f8a145694582dd0370a5e4753ce05e77adc1",
+    (
+        "tiny_transformer",
+        "float16",
+        False,
+    ): "8de629fbd8df25b2115986025821faffc15e541a0f542a9fbd52baa6e17b66d2",
+    (
+        "tiny_transformer",
+        "bfloat16",
+        True,
+    ): "58e96b2d891da94d2dbe0b653b87f8d631a9f4c655f73943d6ab164bf8656a0e",
+    (
+        "tiny_transformer",
+        "bfloat16",
+        False,
+    ): "cb2515931a770872f0c41dadcac9f8a145694582dd0370a5e4753ce05e77adc1",
     ("tiny_cnn", "float16", True): "2f0a9cdc6aba811266f9d0ee907124b03a67ce7f718aad4f6a134265baf73520",
     ("tiny_cnn", "float16", False): "58c2abd0a47cd7d053e5b7e55a227f6aef7ccf53b245ce351234615e3b425eb5",
     ("tiny_cnn", "bfloat16", True): "94d45ac495301684f49fed852732ccd63386095249f95781636d69a3933ba710",
@@ -93,10 +117,15 @@ def test_a_pinned_rewrite_runs_like_the_original(stacks, synthetic):
 
 @pytest.mark.parametrize("name, target, keep_io_types", sorted(TF_EXAMPLE_PINS))
 def test_example_rewrite_under_tf_placement_is_byte_identical(example_models, name, target, keep_io_types):
-    result = amp_rewrite.rewrite(example_models[name], target=target, keep_io_types=keep_io_types, **_tf_options(target))
+    result = amp_rewrite.rewrite(
+        example_models[name], target=target, keep_io_types=keep_io_types, **_tf_options(target)
+    )
     assert _sha256(result) == TF_EXAMPLE_PINS[name, target, keep_io_types]
 
 
 @pytest.mark.parametrize("size, target", sorted(TF_STACK_PINS))
 def test_synthetic_stack_rewrite_under_tf_placement_is_byte_identical(stacks, size, target):
-    assert _sha256(amp_rewrite.rewrite(stacks[size], target=target, **_tf_options(target))) == TF_STACK_PINS[size, target]
+    assert (
+        _sha256(amp_rewrite.rewrite(stacks[size], target=target, **_tf_options(target)))
+        == TF_STACK_PINS[size, target]
+    )

@@ -20,8 +20,9 @@ def run_ort_unfused(model, feeds):
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=["CPUExecutionProvider"]).run(None, feeds)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )
 
 
 INT = {"int8": (np.int8, -127, 127), "uint8": (np.uint8, 0, 255)}
@@ -40,16 +41,26 @@ def qdq_model(opset: int, int_type: str, per_channel: bool) -> onnx.ModelProto:
         zp = np.full(axis_scale.shape, zero, dtype)
         attrs = {"axis": 1} if per_channel else {}
         inits = [init(f"{name}_q", q), init(f"{name}_scale", axis_scale), init(f"{name}_zp", zp)]
-        return node("DequantizeLinear", [f"{name}_q", f"{name}_scale", f"{name}_zp"], [name], name=f"dq_{name}",
-                    **attrs), inits
+        return node(
+            "DequantizeLinear",
+            [f"{name}_q", f"{name}_scale", f"{name}_zp"],
+            [name],
+            name=f"dq_{name}",
+            **attrs,
+        ), inits
 
     dq1, i1 = weight("w1", (16, 16))
     dq2, i2 = weight("w2", (16, 8))
     act = [init("a_scale", np.array(0.05, np.float32)), init("a_zp", np.array(zero, dtype))]
-    nodes = [dq1, node("MatMul", ["x", "w1"], ["h"], name="mm1"), node("Relu", ["h"], ["r"], name="relu"),
-             node("QuantizeLinear", ["r", "a_scale", "a_zp"], ["rq"], name="q_act"),
-             node("DequantizeLinear", ["rq", "a_scale", "a_zp"], ["rd"], name="dq_act"),
-             dq2, node("MatMul", ["rd", "w2"], ["y"], name="mm2")]
+    nodes = [
+        dq1,
+        node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        node("Relu", ["h"], ["r"], name="relu"),
+        node("QuantizeLinear", ["r", "a_scale", "a_zp"], ["rq"], name="q_act"),
+        node("DequantizeLinear", ["rq", "a_scale", "a_zp"], ["rd"], name="dq_act"),
+        dq2,
+        node("MatMul", ["rd", "w2"], ["y"], name="mm2"),
+    ]
     return make_model(nodes, [tensor("x", [4, 16])], [tensor("y", [4, 8])], i1 + i2 + act, opset=opset)
 
 
@@ -61,8 +72,11 @@ def _casts_after_dq(model):
 CASES = [(opset, t, pc) for opset in (13, 19, 21) for t in INT for pc in (False, True)]
 
 
-@pytest.mark.parametrize("opset,int_type,per_channel", CASES,
-                         ids=[f"opset{o}-{t}-{'channel' if pc else 'tensor'}" for o, t, pc in CASES])
+@pytest.mark.parametrize(
+    "opset,int_type,per_channel",
+    CASES,
+    ids=[f"opset{o}-{t}-{'channel' if pc else 'tensor'}" for o, t, pc in CASES],
+)
 def test_qdq_model(opset, int_type, per_channel):
     model = qdq_model(opset, int_type, per_channel)
     result = rewrite(model)
@@ -81,8 +95,10 @@ def test_qdq_model(opset, int_type, per_channel):
         assert _casts_after_dq(result.model) == []
         assert all(n["precision"] == "float16" for n in dq_nodes), dq_nodes
         assert result.report.node("q_act")["precision"] == "float16"
-        types = {v.name: v.type.tensor_type.elem_type
-                 for v in onnx.shape_inference.infer_shapes(result.model, strict_mode=True).graph.value_info}
+        types = {
+            v.name: v.type.tensor_type.elem_type
+            for v in onnx.shape_inference.infer_shapes(result.model, strict_mode=True).graph.value_info
+        }
         assert types["w1"] == types["rd"] == TensorProto.FLOAT16
         assert result.report.summary["casts_inserted"] == 2  # x in, y out: nothing next to Q/DQ
     else:  # DequantizeLinear-13 writes float only: the schema keeps it, with a Cast after it

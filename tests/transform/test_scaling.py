@@ -23,15 +23,24 @@ def conv_front_end(seed=0):
     """Three Convs of an audio front end: the first one's outputs reach about 2e5."""
     rng = np.random.default_rng(seed)
     f32 = np.float32
-    w1 = np.clip(rng.standard_normal((8, 1, 5)) * 1.5e4, -6e4, 6e4)  # in float16's range: only activations pass it
-    inits = [init("W1", w1.astype(f32)), init("b1", (rng.standard_normal(8) * 1e3).astype(f32)),
-             init("W2", (rng.standard_normal((8, 8, 3)) * 0.05).astype(f32)), init("b2", (rng.standard_normal(8) * 10).astype(f32)),
-             init("W3", (rng.standard_normal((4, 8, 3)) * 0.1).astype(f32)), init("b3", rng.standard_normal(4).astype(f32))]
-    nodes = [node("Conv", ["x", "W1", "b1"], ["c1"], name="conv1", pads=[2, 2]),
-             node("Relu", ["c1"], ["r1"], name="relu1"),
-             node("Conv", ["r1", "W2", "b2"], ["c2"], name="conv2", pads=[1, 1]),
-             node("Relu", ["c2"], ["r2"], name="relu2"),
-             node("Conv", ["r2", "W3", "b3"], ["y"], name="conv3", pads=[1, 1])]
+    w1 = np.clip(
+        rng.standard_normal((8, 1, 5)) * 1.5e4, -6e4, 6e4
+    )  # in float16's range: only activations pass it
+    inits = [
+        init("W1", w1.astype(f32)),
+        init("b1", (rng.standard_normal(8) * 1e3).astype(f32)),
+        init("W2", (rng.standard_normal((8, 8, 3)) * 0.05).astype(f32)),
+        init("b2", (rng.standard_normal(8) * 10).astype(f32)),
+        init("W3", (rng.standard_normal((4, 8, 3)) * 0.1).astype(f32)),
+        init("b3", rng.standard_normal(4).astype(f32)),
+    ]
+    nodes = [
+        node("Conv", ["x", "W1", "b1"], ["c1"], name="conv1", pads=[2, 2]),
+        node("Relu", ["c1"], ["r1"], name="relu1"),
+        node("Conv", ["r1", "W2", "b2"], ["c2"], name="conv2", pads=[1, 1]),
+        node("Relu", ["c2"], ["r2"], name="relu2"),
+        node("Conv", ["r2", "W3", "b3"], ["y"], name="conv3", pads=[1, 1]),
+    ]
     return make_model(nodes, [tensor("x", [1, 1, 256])], [tensor("y", [1, 4, 256])], inits)
 
 
@@ -43,11 +52,19 @@ def ffn(seed=0):
     w1[:, 3] *= 3e4
     b1 = rng.standard_normal(64) * 0.1
     b1[3] = 6e4  # the outlier feature is mostly positive: Relu passes it on
-    inits = [init("W1", w1.astype(f32)), init("b1", b1.astype(f32)),
-             init("W2", (rng.standard_normal((64, 16)) * 0.1).astype(f32)), init("b2", (rng.standard_normal(16) * 0.1).astype(f32))]
-    nodes = [node("MatMul", ["x", "W1"], ["h"], name="fc1"), node("Add", ["h", "b1"], ["hb"], name="fc1/bias"),
-             node("Relu", ["hb"], ["a"], name="act"), node("MatMul", ["a", "W2"], ["o"], name="fc2"),
-             node("Add", ["o", "b2"], ["y"], name="fc2/bias")]
+    inits = [
+        init("W1", w1.astype(f32)),
+        init("b1", b1.astype(f32)),
+        init("W2", (rng.standard_normal((64, 16)) * 0.1).astype(f32)),
+        init("b2", (rng.standard_normal(16) * 0.1).astype(f32)),
+    ]
+    nodes = [
+        node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+        node("Add", ["h", "b1"], ["hb"], name="fc1/bias"),
+        node("Relu", ["hb"], ["a"], name="act"),
+        node("MatMul", ["a", "W2"], ["o"], name="fc2"),
+        node("Add", ["o", "b2"], ["y"], name="fc2/bias"),
+    ]
     return make_model(nodes, [tensor("x", [8, 16])], [tensor("y", [8, 16])], inits)
 
 
@@ -83,7 +100,7 @@ def test_scaled_regions_compute_in_float16_and_match_float32(case):
     top = cal.culprits()[0].max_abs
     assert region["max_abs"] == pytest.approx(top)
     k = region["k"]  # the smallest k that brings the maximum under the limit
-    assert top * 2.0 ** -k <= cal.threshold < top * 2.0 ** -(k - 1)
+    assert top * 2.0**-k <= cal.threshold < top * 2.0 ** -(k - 1)
     by_name = {n["name"]: n for n in result.report.nodes}
     assert all(by_name[key]["scaled"]["k"] == k for key in region["nodes"] if key in by_name)
     assert "power-of-two scaling" in by_name["conv1" if name == "conv" else "fc1"]["because"]
@@ -109,8 +126,10 @@ def test_without_scaling_compute_goes_float32_or_overflows(case):
             got = run_reference(forced.model, feeds)
         expected = run_ort(model, feeds)
         scale = max(float(np.abs(e).max()) for e in expected)
-        wrong += not all(np.isfinite(g).all() and np.allclose(g, e, rtol=1e-2, atol=2e-3 * scale)
-                         for g, e in zip(got, expected))
+        wrong += not all(
+            np.isfinite(g).all() and np.allclose(g, e, rtol=1e-2, atol=2e-3 * scale)
+            for g, e in zip(got, expected)
+        )
     assert wrong
 
 
@@ -118,8 +137,12 @@ def test_a_product_of_two_activations_is_not_scaled():
     """x·xᵀ is of degree two in x: scaling x by 2^-k would scale it by 2^-2k. It stays float32."""
     rng = np.random.default_rng(3)
     inits = [init("W", (rng.standard_normal((8, 8)) * 300).astype(np.float32))]
-    nodes = [node("MatMul", ["x", "W"], ["h"], name="proj"), node("Transpose", ["h"], ["ht"], name="t", perm=[1, 0]),
-             node("MatMul", ["h", "ht"], ["s"], name="scores"), node("Relu", ["s"], ["y"], name="out")]
+    nodes = [
+        node("MatMul", ["x", "W"], ["h"], name="proj"),
+        node("Transpose", ["h"], ["ht"], name="t", perm=[1, 0]),
+        node("MatMul", ["h", "ht"], ["s"], name="scores"),
+        node("Relu", ["s"], ["y"], name="out"),
+    ]
     model = make_model(nodes, [tensor("x", [4, 8])], [tensor("y", [4, 4])], inits)
     cal = calibrate.calibrate(model, samples(model, 1, seed=2))
     assert {r.name for r in cal.culprits()} >= {"s"}
@@ -139,16 +162,46 @@ def test_cli_reports_the_scaled_regions(tmp_path, capsys):
     onnx.save(model, path)
     np.savez(inputs, **{f"{i}/x": s["x"] for i, s in enumerate(samples(model, 2, seed=1))})
     html = tmp_path / "r.html"
-    assert main([str(path), "--calibrate", "--inputs", str(inputs), "-o", str(tmp_path / "o.onnx"),
-                 "--report", str(report), "--html", str(html)]) == 0
+    assert (
+        main(
+            [
+                str(path),
+                "--calibrate",
+                "--inputs",
+                str(inputs),
+                "-o",
+                str(tmp_path / "o.onnx"),
+                "--report",
+                str(report),
+                "--html",
+                str(html),
+            ]
+        )
+        == 0
+    )
     assert "fc1" in html.read_text()  # the picture draws the original graph, matched by node name
     out = capsys.readouterr().out
     assert "power-of-two scaling: 1 region(s)" in out and "region 'fc1'" in out
     data = json.loads(report.read_text())
     assert data["scaling"]["regions"][0]["k"] >= 1
     assert not any(f["node"] in ("fc1", "fc2") for f in data["calibration"]["forced"])
-    assert main([str(path), "--calibrate", "--no-scale-activations", "--inputs", str(inputs), "-o",
-                 str(tmp_path / "p.onnx"), "--report", str(report), "--force"]) == 0  # the report exists
+    assert (
+        main(
+            [
+                str(path),
+                "--calibrate",
+                "--no-scale-activations",
+                "--inputs",
+                str(inputs),
+                "-o",
+                str(tmp_path / "p.onnx"),
+                "--report",
+                str(report),
+                "--force",
+            ]
+        )
+        == 0
+    )  # the report exists
     data = json.loads(report.read_text())
     assert "scaling" not in data and any(f["node"] == "fc1" for f in data["calibration"]["forced"])
 
@@ -161,18 +214,32 @@ def test_unnamed_nodes_graph_outputs_and_subgraph_readers_see_unscaled_values():
     rng = np.random.default_rng(5)
     w1 = rng.standard_normal((16, 32)).astype(np.float32)
     w1[:, 0] *= 3e4
-    inits = [init("W1", w1), init("b1", np.full(32, 5e4, np.float32)),
-             init("W2", (rng.standard_normal((32, 8)) * 0.1).astype(np.float32))]
+    inits = [
+        init("W1", w1),
+        init("b1", np.full(32, 5e4, np.float32)),
+        init("W2", (rng.standard_normal((32, 8)) * 0.1).astype(np.float32)),
+    ]
     then_branch = helper.make_graph([node("Identity", ["h"], ["t"])], "then", [], [tensor("t", [4, 32])])
     else_branch = helper.make_graph([node("Identity", ["hb"], ["e"])], "else", [], [tensor("e", [4, 32])])
     unnamed = helper.make_node
-    nodes = [unnamed("MatMul", ["x", "W1"], ["h"]), unnamed("Add", ["h", "b1"], ["hb"]), unnamed("Relu", ["hb"], ["a"]),
-             unnamed("MatMul", ["a", "W2"], ["y"]),
-             node("If", ["cond"], ["sel"], then_branch=then_branch, else_branch=else_branch)]
-    model = make_model(nodes, [tensor("x", [4, 16]), tensor("cond", [], TensorProto.BOOL)],
-                       [tensor("y", [4, 8]), tensor("hb", [4, 32]), tensor("sel", [4, 32])], inits)
+    nodes = [
+        unnamed("MatMul", ["x", "W1"], ["h"]),
+        unnamed("Add", ["h", "b1"], ["hb"]),
+        unnamed("Relu", ["hb"], ["a"]),
+        unnamed("MatMul", ["a", "W2"], ["y"]),
+        node("If", ["cond"], ["sel"], then_branch=then_branch, else_branch=else_branch),
+    ]
+    model = make_model(
+        nodes,
+        [tensor("x", [4, 16]), tensor("cond", [], TensorProto.BOOL)],
+        [tensor("y", [4, 8]), tensor("hb", [4, 32]), tensor("sel", [4, 32])],
+        inits,
+    )
     rng_feeds = np.random.default_rng(6)
-    feeds = [{"x": rng_feeds.standard_normal((4, 16)).astype(np.float32), "cond": np.array(c)} for c in (True, False)]
+    feeds = [
+        {"x": rng_feeds.standard_normal((4, 16)).astype(np.float32), "cond": np.array(c)}
+        for c in (True, False)
+    ]
     cal = calibrate.calibrate(model, feeds)
     result = rewrite(model, calibration=cal)
     [region] = result.report.sections["scaling"]["regions"]
@@ -220,8 +287,9 @@ def test_fallback_compares_scaled_tensors_at_their_true_scale():
 
     model = conv_front_end()
     feeds = samples(model, 2, seed=1)
-    checked = driver.check(model, samples=feeds, calibrate=True, tolerance=True, rtol=1e-2, atol=1e-3,
-                           reference=True)
+    checked = driver.check(
+        model, samples=feeds, calibrate=True, tolerance=True, rtol=1e-2, atol=1e-3, reference=True
+    )
     assert checked.passed  # atol 1e-3 on outputs near 1e4: only float32 gets there, node by node
     reasons = checked.fallback.pinned
     assert "conv1" in reasons

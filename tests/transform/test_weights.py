@@ -4,6 +4,9 @@ out-of-range constants (and --clamp), many-chunk weights converted once.
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+import amp_rewrite
 from helpers import (
     big_weights_model,
     check_both,
@@ -13,9 +16,6 @@ from helpers import (
     tensor,
     weights,
 )
-from onnx import TensorProto, helper, numpy_helper
-
-import amp_rewrite
 
 F16 = TensorProto.FLOAT16
 
@@ -26,8 +26,21 @@ def test_onnxruntime_float16_cast_matches_numpy_bit_for_bit():
     rng = np.random.default_rng(0)
     patterns = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
     near_range = np.arange(0x33000000, 0x47800000, 9973, dtype=np.uint32)  # subnormals .. past 65504
-    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x477FE000, 0x477FEFFF,
-                        0x477FF000, 0x387FC000, 0x33000001], dtype=np.uint32)  # ties, overflow, tiny
+    special = np.array(
+        [
+            0,
+            0x80000000,
+            0x7F800000,
+            0xFF800000,
+            0x7FC00000,
+            0x477FE000,
+            0x477FEFFF,
+            0x477FF000,
+            0x387FC000,
+            0x33000001,
+        ],
+        dtype=np.uint32,
+    )  # ties, overflow, tiny
     values = np.concatenate([patterns, near_range, near_range | 0x80000000, special]).view(np.float32)
     assert values.size >= weights.ORT_CAST_MIN_VALUES and weights._ort_float16_cast() is not None
     with np.errstate(over="ignore"):
@@ -48,10 +61,17 @@ def test_rewrite_is_the_same_with_numpy_doing_the_casts(monkeypatch):
 
 def test_out_of_range_constant_keeps_consumer_float32_unless_clamped():
     rng = np.random.default_rng(0)
-    model = make_model([node("MatMul", ["x", "W"], ["h"], "mm"), node("Add", ["h", "big"], ["a"], "add_big"),
-                        node("Relu", ["a"], ["r"], "relu"), node("MatMul", ["r", "W"], ["y"], "mm2")],
-                       [tensor("x", [2, 4])], [tensor("y", [2, 4])],
-                       [init("W", weights(rng, 4, 4)), init("big", np.array([0, -1e9, 0, 0], np.float32))])
+    model = make_model(
+        [
+            node("MatMul", ["x", "W"], ["h"], "mm"),
+            node("Add", ["h", "big"], ["a"], "add_big"),
+            node("Relu", ["a"], ["r"], "relu"),
+            node("MatMul", ["r", "W"], ["y"], "mm2"),
+        ],
+        [tensor("x", [2, 4])],
+        [tensor("y", [2, 4])],
+        [init("W", weights(rng, 4, 4)), init("big", np.array([0, -1e9, 0, 0], np.float32))],
+    )
     result = amp_rewrite.rewrite(model)
     entry = result.report.node("add_big")
     assert entry["precision"] == "float32"
@@ -98,15 +118,24 @@ def test_weights_over_many_chunks_convert_once_and_run_the_same():
         bias = (rng.standard_normal(128) * 0.1).astype(np.float32)
         if i == 50:
             bias[7] = 1e5
-        inits += [init(f"W{i}", (rng.standard_normal((128, 128)) / 16).astype(np.float32)), init(f"b{i}", bias)]
-        nodes += [node("MatMul", [h, f"W{i}"], [f"m{i}"], f"mm{i}"), node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], f"add{i}"),
-                  node("Tanh", [f"a{i}"], [f"h{i}"], f"tanh{i}")]
+        inits += [
+            init(f"W{i}", (rng.standard_normal((128, 128)) / 16).astype(np.float32)),
+            init(f"b{i}", bias),
+        ]
+        nodes += [
+            node("MatMul", [h, f"W{i}"], [f"m{i}"], f"mm{i}"),
+            node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], f"add{i}"),
+            node("Tanh", [f"a{i}"], [f"h{i}"], f"tanh{i}"),
+        ]
         h = f"h{i}"
     model = make_model(nodes, [tensor("x", [2, 128])], [tensor(h, [2, 128])], inits)
     assert 64 * 128 * 128 * 4 > 3 * weights.CHUNK_BYTES
     result = amp_rewrite.rewrite(model)
     assert result.report.node("add50")["precision"] == "float32"
-    assert result.report.node("add49")["precision"] == "float16" and result.report.node("mm50")["precision"] == "float16"
+    assert (
+        result.report.node("add49")["precision"] == "float16"
+        and result.report.node("mm50")["precision"] == "float16"
+    )
     converted = {t.name for t in result.model.graph.initializer if t.data_type == F16}
     # every bias whose Add is float16 is converted once: all but b50 (b63's Add, before the float32
     # output, goes either way by the cut's byte count)
@@ -124,20 +153,33 @@ def test_mask_sentinel_constant_becomes_float16s_largest_and_zero_times_it_stays
     0 x -65504 = 0 (with -inf it would be NaN). A constant holding 1e6 as well keeps its reader."""
     rng = np.random.default_rng(5)
     model = make_model(
-        [node("MatMul", ["x", "W"], ["s"], "scores"), node("Sub", ["one", "m"], ["inv"], "inv"),
-         node("Mul", ["inv", "fill"], ["mask"], "mask"), node("Add", ["s", "mask"], ["masked"], "add"),
-         node("Softmax", ["masked"], ["p"], "softmax", axis=-1), node("MatMul", ["p", "V"], ["y"], "out"),
-         node("Mul", ["x", "other"], ["o"], "other_mul")],
-        [tensor("x", [2, 8]), tensor("m", [2, 8])], [tensor("y", [2, 4]), tensor("o", [2, 8])],
-        [init("W", weights(rng, 8, 8)), init("V", weights(rng, 8, 4)), init("one", np.array(1.0, np.float32)),
-         init("fill", np.array(np.finfo(np.float32).min, np.float32)),
-         init("other", np.array([np.finfo(np.float32).max, 1e6, np.inf, 1, 1, 1, 1, 1], np.float32))])
+        [
+            node("MatMul", ["x", "W"], ["s"], "scores"),
+            node("Sub", ["one", "m"], ["inv"], "inv"),
+            node("Mul", ["inv", "fill"], ["mask"], "mask"),
+            node("Add", ["s", "mask"], ["masked"], "add"),
+            node("Softmax", ["masked"], ["p"], "softmax", axis=-1),
+            node("MatMul", ["p", "V"], ["y"], "out"),
+            node("Mul", ["x", "other"], ["o"], "other_mul"),
+        ],
+        [tensor("x", [2, 8]), tensor("m", [2, 8])],
+        [tensor("y", [2, 4]), tensor("o", [2, 8])],
+        [
+            init("W", weights(rng, 8, 8)),
+            init("V", weights(rng, 8, 4)),
+            init("one", np.array(1.0, np.float32)),
+            init("fill", np.array(np.finfo(np.float32).min, np.float32)),
+            init("other", np.array([np.finfo(np.float32).max, 1e6, np.inf, 1, 1, 1, 1, 1], np.float32)),
+        ],
+    )
     result = amp_rewrite.rewrite(model)
     assert result.report.node("mask")["precision"] == "float16"
     assert result.report.node("other_mul")["precision"] == "float32"  # 1e6 is a value, not a sentinel
     fill = next(t for t in result.model.graph.initializer if t.name == "fill")
     assert numpy_helper.to_array(fill) == np.float16(-65504)
-    feeds = {"x": rng.standard_normal((2, 8)).astype(np.float32),
-             "m": (rng.random((2, 8)) > 0.3).astype(np.float32)}
+    feeds = {
+        "x": rng.standard_normal((2, 8)).astype(np.float32),
+        "m": (rng.random((2, 8)) > 0.3).astype(np.float32),
+    }
     feeds["m"][:, 0] = 1  # every row keeps a key
     check_both(model, result.model, feeds)

@@ -9,7 +9,9 @@ def normalize_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def unbroadcast(ctx: GradContext, g: str, x: str, g_dims: list | None = None, x_dims: list | None = None) -> str:
+def unbroadcast(
+    ctx: GradContext, g: str, x: str, g_dims: list | None = None, x_dims: list | None = None
+) -> str:
     """Sum g (shaped like a broadcast result) back to the shape of x.
 
     Leading extra axes are summed away; an axis where x has size 1 is summed with keepdims. Where

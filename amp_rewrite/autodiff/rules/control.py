@@ -50,18 +50,38 @@ def _branch_backward(ctx, branch: onnx.GraphProto, wanted: list[str]) -> onnx.Gr
     e = ctx.emit
     seeds = {out.name: ctx.dy(k) for k, out in enumerate(branch.output) if ctx.dy(k)}
     outer = list(dict.fromkeys([*ir.captures(branch), *wanted]))
-    small = {n: _named(ctx.index.constants[n], n) for n in outer
-             if n in ctx.index.constants and n not in wanted and np.prod(ctx.index.constants[n].dims) <= SMALL_CONSTANT}
+    small = {
+        n: _named(ctx.index.constants[n], n)
+        for n in outer
+        if n in ctx.index.constants
+        and n not in wanted
+        and np.prod(ctx.index.constants[n].dims) <= SMALL_CONSTANT
+    }
     typed = lambda n: helper.make_tensor_value_info(n, ctx.dtype(n), ctx.dims(n))  # noqa: E731
     graph = helper.make_graph(
-        list(branch.node), branch.name or "branch", [typed(n) for n in [*outer, *seeds.values()] if n not in small],
-        list(branch.output), [*branch.initializer, *small.values()])
+        list(branch.node),
+        branch.name or "branch",
+        [typed(n) for n in [*outer, *seeds.values()] if n not in small],
+        list(branch.output),
+        [*branch.initializer, *small.values()],
+    )
     domains = {node.domain for node in branch.node if node.domain not in ("", "ai.onnx")}
-    model = helper.make_model(graph, ir_version=8, opset_imports=[
-        helper.make_opsetid("", ctx.opset), *(helper.make_opsetid(d, 1) for d in sorted(domains))])
+    model = helper.make_model(
+        graph,
+        ir_version=8,
+        opset_imports=[
+            helper.make_opsetid("", ctx.opset),
+            *(helper.make_opsetid(d, 1) for d in sorted(domains)),
+        ],
+    )
     names = {w: e.fresh(f"{e.scope}/{w}_grad_in_branch") for w in wanted}
     ctx.differentiate(model, wanted, seeds, names)
     body = model.graph
     kept = [t for t in body.initializer if t.name not in small]
-    return helper.make_graph(list(body.node), e.fresh(f"{e.scope}/branch_backward"), [],
-                             [helper.make_tensor_value_info(names[w], ctx.dtype(w), ctx.dims(w)) for w in wanted], kept)
+    return helper.make_graph(
+        list(body.node),
+        e.fresh(f"{e.scope}/branch_backward"),
+        [],
+        [helper.make_tensor_value_info(names[w], ctx.dtype(w), ctx.dims(w)) for w in wanted],
+        kept,
+    )

@@ -117,7 +117,9 @@ def sigmoid_grad(ctx, e, x, y):
 @_unary
 def erf_grad(ctx, e, x, y):
     """dY*2/sqrt(pi)*exp(-x^2)."""
-    return e.op("Mul", [ctx.const(2 / math.sqrt(math.pi), x), e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])])])
+    return e.op(
+        "Mul", [ctx.const(2 / math.sqrt(math.pi), x), e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])])]
+    )
 
 
 @_unary
@@ -224,9 +226,13 @@ def prelu_grad(ctx):
     positive = e.op("Greater", [x, zero])
     grads = [None, None]
     if ctx.needs(0):
-        grads[0] = unbroadcast(ctx, e.op("Where", [positive, ctx.dy(), e.op("Mul", [ctx.dy(), slope])]), x, ctx.dims(ctx.y()))
+        grads[0] = unbroadcast(
+            ctx, e.op("Where", [positive, ctx.dy(), e.op("Mul", [ctx.dy(), slope])]), x, ctx.dims(ctx.y())
+        )
     if ctx.needs(1):
-        grads[1] = unbroadcast(ctx, e.op("Where", [positive, zero, e.op("Mul", [ctx.dy(), x])]), slope, ctx.dims(ctx.y()))
+        grads[1] = unbroadcast(
+            ctx, e.op("Where", [positive, zero, e.op("Mul", [ctx.dy(), x])]), slope, ctx.dims(ctx.y())
+        )
     return grads
 
 
@@ -239,14 +245,20 @@ def gelu_grad(ctx):
     c = lambda v: ctx.const(v, x)  # noqa: E731 - a constant of x's type
     if ctx.attr("approximate", "none") == "tanh":
         x2 = e.op("Mul", [x, x])
-        u = e.op("Mul", [c(_SQRT_2_OVER_PI), e.op("Add", [x, e.op("Mul", [c(0.044715), e.op("Mul", [x2, x])])])])
+        u = e.op(
+            "Mul", [c(_SQRT_2_OVER_PI), e.op("Add", [x, e.op("Mul", [c(0.044715), e.op("Mul", [x2, x])])])]
+        )
         t = e.op("Tanh", [u])
         du = e.op("Mul", [c(_SQRT_2_OVER_PI), e.op("Add", [c(1), e.op("Mul", [c(3 * 0.044715), x2])])])
         left = e.op("Mul", [c(0.5), e.op("Add", [c(1), t])])
-        right = e.op("Mul", [e.op("Mul", [c(0.5), x]), e.op("Mul", [e.op("Sub", [c(1), e.op("Mul", [t, t])]), du])])
+        right = e.op(
+            "Mul", [e.op("Mul", [c(0.5), x]), e.op("Mul", [e.op("Sub", [c(1), e.op("Mul", [t, t])]), du])]
+        )
     else:
         cdf = e.op("Mul", [c(0.5), e.op("Add", [c(1), e.op("Erf", [e.op("Mul", [x, c(1 / math.sqrt(2))])])])])
-        pdf = e.op("Mul", [c(1 / math.sqrt(2 * math.pi)), e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), c(-0.5)])])])
+        pdf = e.op(
+            "Mul", [c(1 / math.sqrt(2 * math.pi)), e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), c(-0.5)])])]
+        )
         left, right = cdf, e.op("Mul", [x, pdf])
     return [e.op("Mul", [ctx.dy(), e.op("Add", [left, right])])]
 
@@ -297,13 +309,19 @@ def select_grads(ctx: GradContext):
 
 def sum_grad(ctx):
     """dY to every input, un-broadcast."""
-    return [unbroadcast(ctx, ctx.dy(), x, ctx.dims(ctx.y())) if ctx.needs(i) else None for i, x in enumerate(ctx.node.input)]
+    return [
+        unbroadcast(ctx, ctx.dy(), x, ctx.dims(ctx.y())) if ctx.needs(i) else None
+        for i, x in enumerate(ctx.node.input)
+    ]
 
 
 def mean_grad(ctx):
     """dY/n to every input, un-broadcast."""
     share = ctx.emit.op("Div", [ctx.dy(), ctx.const(len(ctx.node.input), ctx.y())])
-    return [unbroadcast(ctx, share, x, ctx.dims(ctx.y())) if ctx.needs(i) else None for i, x in enumerate(ctx.node.input)]
+    return [
+        unbroadcast(ctx, share, x, ctx.dims(ctx.y())) if ctx.needs(i) else None
+        for i, x in enumerate(ctx.node.input)
+    ]
 
 
 def where_grad(ctx):
@@ -316,5 +334,3 @@ def where_grad(ctx):
     if ctx.needs(2):
         grads[2] = unbroadcast(ctx, e.op("Where", [cond, zero, ctx.dy()]), ctx.x(2), ctx.dims(y))
     return grads
-
-

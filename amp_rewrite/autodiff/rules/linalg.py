@@ -14,16 +14,28 @@ def matmul_grad(ctx):
     e = ctx.emit
     a, b, dy = ctx.x(0), ctx.x(1), ctx.dy()
     a_dims, b_dims, y_dims = ctx.dims(a), ctx.dims(b), ctx.dims(ctx.y())
-    if (a_dims is None or y_dims is None or len(a_dims) > 2) and b_dims is not None and len(b_dims) == 2 \
-            and all(isinstance(d, int) for d in b_dims):
+    if (
+        (a_dims is None or y_dims is None or len(a_dims) > 2)
+        and b_dims is not None
+        and len(b_dims) == 2
+        and all(isinstance(d, int) for d in b_dims)
+    ):
         return _matmul_by_matrix_grad(ctx, a, b, dy, b_dims)
     if a_dims is None or b_dims is None or y_dims is None:
         raise ctx.error("the ranks of both operands must be known")
     if len(a_dims) == 1 and len(b_dims) == 1:  # a dot product
-        return [e.op("Mul", [dy, b]) if ctx.needs(0) else None, e.op("Mul", [dy, a]) if ctx.needs(1) else None]
+        return [
+            e.op("Mul", [dy, b]) if ctx.needs(0) else None,
+            e.op("Mul", [dy, a]) if ctx.needs(1) else None,
+        ]
     # promote 1-D operands to matrices, as numpy does, and give dY the matching unit axes
     if len(a_dims) == 1:
-        a, a_dims, dy, y_dims = e.unsqueeze(a, [0]), [1, *a_dims], e.unsqueeze(dy, [-2]), [*y_dims[:-1], 1, *y_dims[-1:]]
+        a, a_dims, dy, y_dims = (
+            e.unsqueeze(a, [0]),
+            [1, *a_dims],
+            e.unsqueeze(dy, [-2]),
+            [*y_dims[:-1], 1, *y_dims[-1:]],
+        )
     if len(b_dims) == 1:
         b, b_dims, dy, y_dims = e.unsqueeze(b, [1]), [*b_dims, 1], e.unsqueeze(dy, [-1]), [*y_dims, 1]
     grads = [None, None]
@@ -51,8 +63,13 @@ def _matmul_by_matrix_grad(ctx, a, b, dy, b_dims):
         grads[0] = e.op("MatMul", [dy, e.op("Transpose", [b], perm=[1, 0])])
     if ctx.needs(1):
         rows = e.op("Reshape", [a, e.const([-1, k], TensorProto.INT64)])
-        grads[1] = e.op("MatMul", [e.op("Transpose", [rows], perm=[1, 0]),
-                                   e.op("Reshape", [dy, e.const([-1, n], TensorProto.INT64)])])
+        grads[1] = e.op(
+            "MatMul",
+            [
+                e.op("Transpose", [rows], perm=[1, 0]),
+                e.op("Reshape", [dy, e.const([-1, n], TensorProto.INT64)]),
+            ],
+        )
     return grads
 
 
@@ -113,7 +130,9 @@ def einsum_grad(ctx):
         available = set(out).union(*others) if others else set(out)
         kept = [t for t in term if t in available]
         equation = ",".join("".join(t) for t in [out, *others]) + "->" + "".join(kept)
-        g = e.op("Einsum", [ctx.dy(), *[x for j, x in enumerate(ctx.node.input) if j != i]], equation=equation)
+        g = e.op(
+            "Einsum", [ctx.dy(), *[x for j, x in enumerate(ctx.node.input) if j != i]], equation=equation
+        )
         if len(kept) != len(term):  # letters summed away inside this operand alone: broadcast back
             g = e.unsqueeze(g, [k for k, t in enumerate(term) if t not in available])
             g = e.op("Expand", [g, e.shape(ctx.x(i))])

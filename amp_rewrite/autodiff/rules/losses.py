@@ -31,10 +31,18 @@ def _per_sample_factor(ctx, target, weight):
     g = e.op("Mul", [w, dy])  # dY is a scalar for sum/mean, per sample for none
     if reduction == "mean":
         g = e.op("Div", [g, e.op("ReduceSum", [w], keepdims=0)])
-    classes = e.op("Range", [e.const(0, TensorProto.INT64), e.op("Gather", [e.shape(scores), e.const(1, TensorProto.INT64)]),
-                             e.const(1, TensorProto.INT64)])
+    classes = e.op(
+        "Range",
+        [
+            e.const(0, TensorProto.INT64),
+            e.op("Gather", [e.shape(scores), e.const(1, TensorProto.INT64)]),
+            e.const(1, TensorProto.INT64),
+        ],
+    )
     classes = e.op("Reshape", [classes, e.ints([1, -1, *([1] * (rank - 2))])])
-    target64 = safe_target if ctx.dtype(target) == TensorProto.INT64 else e.cast(safe_target, TensorProto.INT64)
+    target64 = (
+        safe_target if ctx.dtype(target) == TensorProto.INT64 else e.cast(safe_target, TensorProto.INT64)
+    )
     one_hot = e.cast(e.op("Equal", [e.unsqueeze(target64, [1]), classes]), elem)
     return one_hot, e.unsqueeze(g, [1])
 

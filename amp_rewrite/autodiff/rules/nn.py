@@ -145,8 +145,9 @@ def conv_transpose_grad(ctx):
     group = ctx.attr("group", 1)
     grads = [None, None, None]
     if ctx.needs(0):
-        grads[0] = ctx.emit.op("Conv", [dy, w], strides=strides, dilations=dilations, pads=pads, group=group,
-                               kernel_shape=kernel)
+        grads[0] = ctx.emit.op(
+            "Conv", [dy, w], strides=strides, dilations=dilations, pads=pads, group=group, kernel_shape=kernel
+        )
     if ctx.needs(1):
         grads[1] = _conv_weight_grad(ctx, x, dy, kernel, strides, dilations, pads, group, w_dims)
     if ctx.needs(2):
@@ -167,10 +168,15 @@ def _tiled_windows(ctx, x, kernel):
     """True when the windows tile x exactly: stride == kernel, no dilation or padding, and static
     spatial sizes that the kernel divides."""
     sizes = (ctx.dims(x) or [None])[2:]
-    return (ctx.opset >= RESIZE_SCALES_SINCE and list(ctx.attr("strides") or []) == list(kernel)
-            and not any(d != 1 for d in ctx.attr("dilations") or [])
-            and not any(ctx.attr("pads") or []) and ctx.attr("auto_pad", "NOTSET") in ("NOTSET", "", "VALID")
-            and len(sizes) == len(kernel) and all(isinstance(s, int) and s % k == 0 for s, k in zip(sizes, kernel)))
+    return (
+        ctx.opset >= RESIZE_SCALES_SINCE
+        and list(ctx.attr("strides") or []) == list(kernel)
+        and not any(d != 1 for d in ctx.attr("dilations") or [])
+        and not any(ctx.attr("pads") or [])
+        and ctx.attr("auto_pad", "NOTSET") in ("NOTSET", "", "VALID")
+        and len(sizes) == len(kernel)
+        and all(isinstance(s, int) and s % k == 0 for s, k in zip(sizes, kernel))
+    )
 
 
 def _tiled_max_pool_grad(ctx, x, kernel):
@@ -180,8 +186,13 @@ def _tiled_max_pool_grad(ctx, x, kernel):
     keep the best mark of each window (MaxPool of the ranks, upsampled, Equal), times upsampled dY."""
     e, elem = ctx.emit, ctx.dtype(x)
     scales = e.const([1.0, 1.0, *map(float, kernel)], TensorProto.FLOAT)
-    up = lambda t: e.op("Resize", [t, "", scales], mode="nearest", coordinate_transformation_mode="asymmetric",  # noqa: E731
-                        nearest_mode="floor")
+    up = lambda t: e.op(  # noqa: E731 - a one-expression helper
+        "Resize",
+        [t, "", scales],
+        mode="nearest",
+        coordinate_transformation_mode="asymmetric",  # noqa: E731
+        nearest_mode="floor",
+    )
     window = np.arange(np.prod(kernel), 0, -1).reshape(kernel)  # first position ranks highest
     tiles = [s // k for s, k in zip(ctx.dims(x)[2:], kernel)]
     rank = e.const(np.tile(window, tiles)[None, None], elem)
@@ -222,8 +233,14 @@ def average_pool_grad(ctx):
     if ctx.attr("count_include_pad", 0) or not any(pads):
         g = e.op("Div", [dy, e.const(float(np.prod(kernel)), elem)])
     else:  # each window's divisor is how many real (unpadded) elements it covers
-        counts = e.op("Conv", [e.ones_of_shape(e.shape(x), elem), ones], strides=strides, dilations=dilations,
-                      pads=pads, group=channels)
+        counts = e.op(
+            "Conv",
+            [e.ones_of_shape(e.shape(x), elem), ones],
+            strides=strides,
+            dilations=dilations,
+            pads=pads,
+            group=channels,
+        )
         g = e.op("Div", [dy, counts])
     return [_conv_input_grad(ctx, g, ones, x, kernel, strides, dilations, pads, channels)]
 

@@ -27,8 +27,10 @@ def _check(ctx, defaults: list[str]) -> None:
     if ctx.attr("clip") is not None:
         raise ctx.error("clip is not supported")
     if ctx.attr("layout", 0):
-        raise ctx.error("layout=1 (batch first) is not supported (ONNX Runtime cannot run it either: export with "
-                        "layout=0, as torch does)")
+        raise ctx.error(
+            "layout=1 (batch first) is not supported (ONNX Runtime cannot run it either: export with "
+            "layout=0, as torch does)"
+        )
     if ctx.attr("input_forget", 0):
         raise ctx.error("input_forget=1 is not supported")
     if ctx.attr("hidden_size") is None:
@@ -91,7 +93,9 @@ class _Direction:
         return None if g is None else self.pick(g, axis=1 if i == 0 else 0)
 
 
-def _scan(ctx, states: list[str], slices: list[str], body, scan_outputs: int, reverse: bool = True) -> list[str]:
+def _scan(
+    ctx, states: list[str], slices: list[str], body, scan_outputs: int, reverse: bool = True
+) -> list[str]:
     """A Scan over time: body(emitter, state names, slice names) -> (new states, per-step outputs)."""
     e = ctx.emit
     elem = ctx.dtype(ctx.x(0))
@@ -102,10 +106,19 @@ def _scan(ctx, states: list[str], slices: list[str], body, scan_outputs: int, re
     outputs = [b.op("Identity", [name]) for name in [*new_states, *outs]]
     # every state and slice is [B, K]; ORT wants the rank of a Scan body's values
     info = lambda names: [helper.make_tensor_value_info(n, elem, [None, None]) for n in names]  # noqa: E731
-    graph = helper.make_graph(b.nodes, b.fresh(f"{e.scope}/scan_body"), info([*state_in, *slice_in]), info(outputs))
+    graph = helper.make_graph(
+        b.nodes, b.fresh(f"{e.scope}/scan_body"), info([*state_in, *slice_in]), info(outputs)
+    )
     direction = 1 if reverse else 0
-    return e.op("Scan", [*states, *slices], len(states) + scan_outputs, body=graph, num_scan_inputs=len(slices),
-                scan_input_directions=[direction] * len(slices), scan_output_directions=[direction] * scan_outputs)
+    return e.op(
+        "Scan",
+        [*states, *slices],
+        len(states) + scan_outputs,
+        body=graph,
+        num_scan_inputs=len(slices),
+        scan_input_directions=[direction] * len(slices),
+        scan_output_directions=[direction] * scan_outputs,
+    )
 
 
 def _outer_sum(e, g: str, x: str) -> str:
@@ -167,8 +180,13 @@ def lstm_grad(ctx):
 def _lstm_gates(ctx, s: _Direction, w: str, r: str, hidden: int) -> list[str]:
     """i, o, f (sigmoid) and g (tanh) of every step at once, from x_t and h_{t-1}."""
     e = ctx.emit
-    z = e.op("Add", [e.op("MatMul", [s.xs, e.op("Transpose", [w], perm=[1, 0])]),
-                     e.op("MatMul", [s.h_prev, e.op("Transpose", [r], perm=[1, 0])])])
+    z = e.op(
+        "Add",
+        [
+            e.op("MatMul", [s.xs, e.op("Transpose", [w], perm=[1, 0])]),
+            e.op("MatMul", [s.h_prev, e.op("Transpose", [r], perm=[1, 0])]),
+        ],
+    )
     if ctx.x(3):
         z = e.op("Add", [z, e.op("Add", e.op("Split", [s.weight(3), e.ints([4 * hidden] * 2)], 2, axis=0))])
     zi, zo, zf, zc = e.op("Split", [z, e.ints([hidden] * 4)], 4, axis=2)
@@ -202,8 +220,16 @@ def _lstm_backward(ctx, s: _Direction, r: str, elem: int, factors: list[str]):
         if mask is not None:  # past a sequence's end the state gradient passes through unchanged
             dh_new, dc = b.op("Mul", [dh_new, mask]), b.op("Mul", [dc, mask])
         dc_new = b.op("Add", [dc, b.op("Mul", [dh_new, k_c])])
-        dz = b.op("Concat", [b.op("Mul", [dc_new, k_i]), b.op("Mul", [dh_new, k_o]), b.op("Mul", [dc_new, k_f]),
-                             b.op("Mul", [dc_new, k_g])], axis=1)
+        dz = b.op(
+            "Concat",
+            [
+                b.op("Mul", [dc_new, k_i]),
+                b.op("Mul", [dh_new, k_o]),
+                b.op("Mul", [dc_new, k_f]),
+                b.op("Mul", [dc_new, k_g]),
+            ],
+            axis=1,
+        )
         dh_prev, dc_prev = b.op("MatMul", [dz, r]), b.op("Mul", [dc_new, f])
         if mask is not None:
             keep = _one_minus(b, mask, elem)
@@ -225,8 +251,11 @@ def _collect(ctx, s: _Direction, grads, dgx, w, dgh, h_in, dh0, dc0=None, dgh_bi
     if ctx.needs(1):
         grads[1].append(_outer_sum(e, dgx, s.xs))
     if ctx.needs(2):
-        grads[2].append(_outer_sum(e, dgh, h_in) if isinstance(dgh, str) else
-                        e.op("Concat", [_outer_sum(e, g, h) for g, h in zip(dgh, h_in)], axis=0))
+        grads[2].append(
+            _outer_sum(e, dgh, h_in)
+            if isinstance(dgh, str)
+            else e.op("Concat", [_outer_sum(e, g, h) for g, h in zip(dgh, h_in)], axis=0)
+        )
     if ctx.needs(3):
         sums = [e.reduce_sum(t, [0, 1], keepdims=False) for t in (dgx, dgh_bias or dgh)]
         grads[3].append(e.op("Concat", sums, axis=0))
@@ -314,15 +343,19 @@ def _gru_backward(ctx, s: _Direction, r: str, elem: int, factors: list[str], spl
         z = xs[0]
         if split_r is None:  # factors: z, [k_z, k_r, k_h*r] (3H)
             tiled = b.op("Concat", [dh_new] * 3, axis=1)
-            dh_prev = b.op("Add", [b.op("Mul", [dh_new, z]), b.op("MatMul", [b.op("Mul", [tiled, xs[1]]), r])])
+            dh_prev = b.op(
+                "Add", [b.op("Mul", [dh_new, z]), b.op("MatMul", [b.op("Mul", [tiled, xs[1]]), r])]
+            )
             outs = [dh_new]
         else:  # factors: z, k_z, k_h, k_r, r
             r_zr, r_h = split_r
             k_z, k_h, k_r, rg = xs[1:5]
             q = b.op("MatMul", [b.op("Mul", [dh_new, k_h]), r_h])
             dzr = b.op("Concat", [b.op("Mul", [dh_new, k_z]), b.op("Mul", [q, k_r])], axis=1)
-            dh_prev = b.op("Add", [b.op("Add", [b.op("Mul", [dh_new, z]), b.op("MatMul", [dzr, r_zr])]),
-                                   b.op("Mul", [q, rg])])
+            dh_prev = b.op(
+                "Add",
+                [b.op("Add", [b.op("Mul", [dh_new, z]), b.op("MatMul", [dzr, r_zr])]), b.op("Mul", [q, rg])],
+            )
             outs = [dh_new, q]
         if mask is not None:
             dh_prev = b.op("Add", [dh_prev, b.op("Mul", [dh, _one_minus(b, mask, elem)])])

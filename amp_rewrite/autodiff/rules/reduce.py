@@ -23,7 +23,15 @@ def reduce_mean_grad(ctx):
 
 def _times_expanded(local):
     def rule(ctx):
-        return [ctx.emit.op("Mul", [_expanded(ctx), local(ctx, ctx.emit, ctx.x(0), reduced_with_keepdims(ctx, ctx.y(), ctx.x(0)))])]
+        return [
+            ctx.emit.op(
+                "Mul",
+                [
+                    _expanded(ctx),
+                    local(ctx, ctx.emit, ctx.x(0), reduced_with_keepdims(ctx, ctx.y(), ctx.x(0))),
+                ],
+            )
+        ]
 
     rule.__doc__, rule.__name__ = local.__doc__, local.__name__
     return rule
@@ -33,10 +41,18 @@ def _times_broadcast(local):
     """For a `local` factor of the input's shape: dY multiplies it by broadcasting, with no
     input-sized Expand of dY (the same values: one input-sized tensor less, e.g. 250 MB for a
     ReduceLogSumExp over a BERT's 16x128x30522 logits)."""
+
     def rule(ctx):
         x = ctx.x(0)
-        return [ctx.emit.op("Mul", [reduced_with_keepdims(ctx, ctx.dy(), x),
-                                    local(ctx, ctx.emit, x, reduced_with_keepdims(ctx, ctx.y(), x))])]
+        return [
+            ctx.emit.op(
+                "Mul",
+                [
+                    reduced_with_keepdims(ctx, ctx.dy(), x),
+                    local(ctx, ctx.emit, x, reduced_with_keepdims(ctx, ctx.y(), x)),
+                ],
+            )
+        ]
 
     rule.__doc__, rule.__name__ = local.__doc__, local.__name__
     return rule

@@ -25,8 +25,10 @@ def _check(ctx) -> tuple[str, str, str]:
     if mode not in ("nearest", "linear", "cubic"):
         raise ctx.error(f"mode='{mode}' is not supported (nearest, linear and cubic are)")
     if coordinates not in COORDINATE_MODES:
-        raise ctx.error(f"coordinate_transformation_mode='{coordinates}' is not supported "
-                        f"({', '.join(COORDINATE_MODES)} are)")
+        raise ctx.error(
+            f"coordinate_transformation_mode='{coordinates}' is not supported "
+            f"({', '.join(COORDINATE_MODES)} are)"
+        )
     if ctx.attr("antialias", 0):
         raise ctx.error("antialias=1 is not supported")
     if ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
@@ -46,7 +48,8 @@ def _resized_axes(ctx, rank: int) -> list[tuple[int, int]]:
         if scales is not None and len(scales) and scales[k] == 1.0:
             continue
         same_size = (sizes is not None and sizes[k] == x_dims[axis]) or (
-            x_dims[axis] is not None and x_dims[axis] == y_dims[axis])
+            x_dims[axis] is not None and x_dims[axis] == y_dims[axis]
+        )
         if same_size and not _has_scales(ctx):
             continue
         kept.append((k, axis))
@@ -128,8 +131,13 @@ def _matrix(ctx, mode, coordinates, nearest, k, axis) -> str:
         weight = e.unsqueeze(e.op("Sub", [clamped, low]), [1])
         i0 = _clamped_index(ctx, low, in_len)
         i1 = e.op("Min", [e.op("Add", [i0, e.ints([1])]), e.op("Sub", [in_len, e.ints([1])])])
-        matrix = e.op("Add", [e.op("Mul", [_one_hot(ctx, i0, in_len), e.op("Sub", [f(1), weight])]),
-                              e.op("Mul", [_one_hot(ctx, i1, in_len), weight])])
+        matrix = e.op(
+            "Add",
+            [
+                e.op("Mul", [_one_hot(ctx, i0, in_len), e.op("Sub", [f(1), weight])]),
+                e.op("Mul", [_one_hot(ctx, i1, in_len), weight]),
+            ],
+        )
     return matrix if ctx.dtype(x) == FLOAT else e.cast(matrix, ctx.dtype(x))
 
 
@@ -142,23 +150,74 @@ def _cubic(ctx, source: str, in_len: str) -> str:
     a = float(ctx.attr("cubic_coeff_a", -0.75))
     low = e.op("Floor", [source])
     r = e.op("Sub", [source, low])
-    near = lambda d: e.op("Add", [e.op("Mul", [e.op("Sub", [e.op("Mul", [f(a + 2), d]), f(a + 3)]),  # noqa: E731
-                                               e.op("Mul", [d, d])]), f(1)])  # |d| <= 1
-    far = lambda d: e.op("Sub", [e.op("Mul", [e.op("Add", [e.op("Mul", [e.op("Sub", [e.op("Mul", [f(a), d]),  # noqa: E731
-                                                                                      f(5 * a)]), d]), f(8 * a)]), d]),
-                                 f(4 * a)])  # 1 < |d| < 2
-    weights = [far(e.op("Add", [r, f(1)])), near(r), near(e.op("Sub", [f(1), r])), far(e.op("Sub", [f(2), r]))]
+    near = lambda d: e.op(  # noqa: E731 - Keys' kernel, |d| <= 1
+        "Add",
+        [
+            e.op(
+                "Mul",
+                [
+                    e.op("Sub", [e.op("Mul", [f(a + 2), d]), f(a + 3)]),
+                    e.op("Mul", [d, d]),
+                ],
+            ),
+            f(1),
+        ],
+    )  # |d| <= 1
+    far = lambda d: e.op(  # noqa: E731 - Keys' kernel, 1 < |d| < 2
+        "Sub",
+        [
+            e.op(
+                "Mul",
+                [
+                    e.op(
+                        "Add",
+                        [
+                            e.op(
+                                "Mul",
+                                [
+                                    e.op(
+                                        "Sub",
+                                        [
+                                            e.op("Mul", [f(a), d]),  # noqa: E731
+                                            f(5 * a),
+                                        ],
+                                    ),
+                                    d,
+                                ],
+                            ),
+                            f(8 * a),
+                        ],
+                    ),
+                    d,
+                ],
+            ),
+            f(4 * a),
+        ],
+    )  # 1 < |d| < 2
+    weights = [
+        far(e.op("Add", [r, f(1)])),
+        near(r),
+        near(e.op("Sub", [f(1), r])),
+        far(e.op("Sub", [f(2), r])),
+    ]
     base = e.cast(low, INT64)
     taps = [e.op("Add", [base, e.ints([offset])]) for offset in (-1, 0, 1, 2)]
     if ctx.attr("exclude_outside", 0):
-        inside = [e.cast(e.op("And", [e.op("GreaterOrEqual", [t, e.ints([0])]), e.op("Less", [t, in_len])]), FLOAT)
-                  for t in taps]
+        inside = [
+            e.cast(e.op("And", [e.op("GreaterOrEqual", [t, e.ints([0])]), e.op("Less", [t, in_len])]), FLOAT)
+            for t in taps
+        ]
         weights = [e.op("Mul", [w, m]) for w, m in zip(weights, inside)]
         total = e.op("Sum", weights)
         weights = [e.op("Div", [w, total]) for w in weights]
     last = e.op("Sub", [in_len, e.ints([1])])
-    rows = [e.op("Mul", [_one_hot(ctx, e.op("Max", [e.op("Min", [t, last]), e.ints([0])]), in_len), e.unsqueeze(w, [1])])
-            for t, w in zip(taps, weights)]
+    rows = [
+        e.op(
+            "Mul",
+            [_one_hot(ctx, e.op("Max", [e.op("Min", [t, last]), e.ints([0])]), in_len), e.unsqueeze(w, [1])],
+        )
+        for t, w in zip(taps, weights)
+    ]
     return e.op("Sum", rows)
 
 

@@ -63,15 +63,19 @@ def _flat_positions(ctx, x):
     """Each element's position in x flattened, shaped like x (int64)."""
     e = ctx.emit
     size = e.op("Size", [x])
-    return e.op("Reshape", [e.op("Range", [e.const(0, TensorProto.INT64), size, e.const(1, TensorProto.INT64)]), e.shape(x)])
+    return e.op(
+        "Reshape",
+        [e.op("Range", [e.const(0, TensorProto.INT64), size, e.const(1, TensorProto.INT64)]), e.shape(x)],
+    )
 
 
 def _scatter_flat(ctx, x, positions, g, reduction=None):
     """zeros(Shape(x)) with g scattered (added when `reduction`) at flat `positions`."""
     e = ctx.emit
     flat = lambda t: e.op("Reshape", [t, e.ints([-1])])  # noqa: E731
-    zeros = e.op("ConstantOfShape", [e.op("Reshape", [e.op("Size", [x]), e.ints([1])])],
-                 value=_zero(ctx.dtype(x)))
+    zeros = e.op(
+        "ConstantOfShape", [e.op("Reshape", [e.op("Size", [x]), e.ints([1])])], value=_zero(ctx.dtype(x))
+    )
     scattered = e.op("ScatterElements", [zeros, flat(positions), flat(g)], axis=0, reduction=reduction)
     return e.reshape_like(scattered, x)
 
@@ -91,7 +95,9 @@ def slice_grad(ctx):
 
 def _needs_scatter_add(ctx):
     if ctx.opset < SCATTER_ADD_SINCE:
-        raise ctx.error(f"its gradient scatter-adds, which needs opset {SCATTER_ADD_SINCE}+; the model has {ctx.opset}")
+        raise ctx.error(
+            f"its gradient scatter-adds, which needs opset {SCATTER_ADD_SINCE}+; the model has {ctx.opset}"
+        )
 
 
 def _dim_scalar(ctx, x, axis):
@@ -119,7 +125,9 @@ def gather_grad(ctx):
     front_shape = e.op("Gather", [e.shape(x), e.ints(front)])
     dy = ctx.dy()
     if axis:  # index axes first, then the remaining data axes in order
-        dy = e.op("Transpose", [dy], perm=[*range(axis, axis + q), *range(axis), *range(axis + q, rank + q - 1)])
+        dy = e.op(
+            "Transpose", [dy], perm=[*range(axis, axis + q), *range(axis), *range(axis + q, rank + q - 1)]
+        )
     if ctx.opset >= SCATTER_ADD_SINCE:
         zeros = e.op("ConstantOfShape", [front_shape], value=_zero(ctx.dtype(x)))
         scattered = e.op("ScatterND", [zeros, e.unsqueeze(indices, [-1]), dy], reduction="add")
