@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from amp_rewrite.analysis.graph import FLOAT, ColouringGraph, group_names
+from amp_rewrite.analysis.graph import FLOAT, ColouringGraph
 from amp_rewrite.analysis.mincut import INF, Network, add_edge, min_cut
 from amp_rewrite.analysis.mincut import regions as cut_regions
+from amp_rewrite.analysis.optemplates import group_names
 from amp_rewrite.plan import Reason, Step
 
 LOW_BYTES, FP32_BYTES = 2, 4
