@@ -1,7 +1,7 @@
 """`RewriteOptions`: everything a rewrite is asked to do, built once (frozen) by the CLI or the API
 and read by the stages that need it; a new option is one field here (its default written only
-here), one read in its stage and, for a flag, one `add_argument` line in cli.py (dest = the field).
-Where the model runs (provider, target, dims) is one value, `deployment` (deployment.py).
+here), one read in its stage and, for a flag, one `add_argument` line in cli_parser.py (dest = the
+field). Where the model runs (provider, target, dims) is one value, `deployment` (deployment.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 import amp_rewrite
-from amp_rewrite import cli, driver, runtime
+from amp_rewrite import cli, cli_parser, driver, runtime
 from amp_rewrite.analysis.oplists import TARGETS
 from amp_rewrite.deployment import PROVIDERS, Deployment
 from amp_rewrite.errors import UsageError
@@ -55,12 +55,12 @@ def test_every_option_has_one_flag_or_is_api_only_and_defaults_come_from_options
     fields = {f.name for f in dataclasses.fields(RewriteOptions)} | {
         f.name for f in dataclasses.fields(Deployment)
     }
-    flags = cli.option_flags()
-    assert set(flags) | set(cli.API_ONLY) == fields and not set(flags) & set(cli.API_ONLY)
-    parser = cli.build_parser()
+    flags = cli_parser.option_flags()
+    assert set(flags) | set(cli_parser.API_ONLY) == fields and not set(flags) & set(cli_parser.API_ONLY)
+    parser = cli_parser.build_parser()
     actions = {a.dest: a for a in parser._actions}
     assert set(flags.values()) <= set(actions)  # every option not API-only has its flag
-    assert not set(cli.API_ONLY) & set(actions)  # and an API-only option none
+    assert not set(cli_parser.API_ONLY) & set(actions)  # and an API-only option none
     args = parser.parse_args(["m.onnx"])
     assert all(getattr(args, dest) is None for dest in flags.values())  # no second default
     assert cli.rewrite_options(args) == RewriteOptions()

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import amp_rewrite
-from amp_rewrite.cli import build_parser, rewrite_options
+from amp_rewrite.cli import rewrite_options
+from amp_rewrite.cli_parser import build_parser
 from amp_rewrite.errors import UsageError
 from amp_rewrite.options import RewriteOptions
 from helpers import init, make_model, node, random_feeds, run_ort, tensor

@@ -3,8 +3,8 @@ imports, at module level or inside functions, form no cycle, across stages or in
 from the source with `ast`, so it needs no import.
 
     errors, naming, progress, plan < onnx_facts, ir, runtime < flops, io < analysis < deployment
-    < options, report < transform < api < toggles < checks < autodiff < training < driver < cli
-    < __main__, the package's __init__
+    < options, report < transform < api < toggles < checks < autodiff < training < driver
+    < cli_parser < cli < __main__, the package's __init__
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ RANK = {
     "autodiff": 9,
     "training": 10,
     "driver": 10.5,
+    "cli_parser": 10.75,
     "cli": 11,
     "__init__": 12,
     "__main__": 12,
