@@ -28,6 +28,7 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
+from amp_rewrite.checks.reference import CPU_NOTE, use_reference
 from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.io import load
 
@@ -137,7 +138,7 @@ def _evaluate(
     got = val.run_samples(sess, samples, outputs=names + inter, progress=progress, label="fallback: validate")
     outputs = {f"ort:{used}": [g[: len(names)] for g in got]}
     tensors = {f"ort:{used}": {t: [g[len(names) + i] for g in got] for i, t in enumerate(inter)}}
-    if val.use_reference(candidate, used, reference):
+    if use_reference(candidate, used, reference):
         from onnx.reference import ReferenceEvaluator
 
         try:
@@ -201,7 +202,7 @@ def fit(
     )
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
     skipped: list = []  # decided once, on the original: every candidate has its shapes
-    reference = val.use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
+    reference = use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
     base_force = dict(options.force_fp32)
 
@@ -291,7 +292,7 @@ def fit(
         pinned = {**before, **dict(batch[:high])}
     validation = check(result, pinned, final=True)
     if skipped:  # say why onnx.reference did not run, instead of how to run it
-        validation.notes[:] = [n for n in validation.notes if n != val.CPU_NOTE] + skipped
+        validation.notes[:] = [n for n in validation.notes if n != CPU_NOTE] + skipped
     fallback = FallbackResult(result, validation, validation.passed, runs, pinned, history)
     result.report.sections["fallback"] = fallback.to_dict()
     result.report.sections["validation"] = validation.to_dict()

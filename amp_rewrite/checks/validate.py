@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from amp_rewrite.analysis.elemtypes import tensor_types
+from amp_rewrite.checks.reference import CPU_NOTE, run_reference, use_reference
 from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.errors import UsageError, ValidationError
@@ -30,15 +30,6 @@ from amp_rewrite.io.npz import read_npz
 from amp_rewrite.io.samples import feed_inputs, synthesise  # noqa: F401  (the checks' names for them)
 from amp_rewrite.progress import Progress
 from amp_rewrite.runtime import CPU, CUDA
-
-# onnx.reference computes float16 in numpy, which has no float16 kernels: about 1e7 elements or
-# 4e7 multiply-adds a second on this project's CPUs. Automatic only below about 20 s of that.
-REFERENCE_WORK_LIMIT = 2e8
-NODE_WORK = 2000  # its per-node overhead, in the same units (10k-node stack: about 0.5 ms a node)
-CPU_NOTE = (
-    "ORT CPU computes many float16 ops in float32 and can hide overflow; "
-    "pass reference=True (--reference) to also run onnx.reference"
-)
 
 
 def parse_dims(items) -> dict:
@@ -122,18 +113,6 @@ def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> l
     with Progress(len(samples), label, progress) as bar:
         for feeds in samples:
             results.append(sess.run(outputs, feeds))
-            bar.step()
-    return results
-
-
-def run_reference(model: onnx.ModelProto, samples, *, outputs=None, progress=None, label="reference") -> list:
-    from onnx.reference import ReferenceEvaluator
-
-    evaluator = ReferenceEvaluator(model)
-    results = []
-    with Progress(len(samples), label, progress) as bar, np.errstate(all="ignore"):
-        for feeds in samples:
-            results.append(list(evaluator.run(outputs, feeds)))
             bar.step()
     return results
 
@@ -280,68 +259,6 @@ class ValidationResult:
             raise ValidationError(f"over tolerance rtol {self.rtol:g} atol {self.atol:g}: " + "; ".join(bad))
 
 
-def sample_dims(model: onnx.ModelProto, samples) -> dict:
-    """{symbolic dim: size} as the first sample has them."""
-    dims: dict = {}
-    feeds = samples[0] if len(samples) else {}
-    for value in feed_inputs(model):
-        array = feeds.get(value.name)
-        for i, d in enumerate(value.type.tensor_type.shape.dim):
-            if d.dim_param and array is not None and i < np.ndim(array):
-                dims.setdefault(d.dim_param, int(np.shape(array)[i]))
-    return dims
-
-
-def reference_work(model: onnx.ModelProto, samples, repeats: int = 1) -> float:
-    """Estimated work of onnx.reference on `samples`: per node its output elements (its
-    multiply-adds for MatMul/Gemm/Conv) plus NODE_WORK, from shapes inferred at the samples'
-    sizes; an output of unknown shape counts as large as the largest known tensor. Beyond
-    shape inference's node limit the estimate is infinite."""
-    from amp_rewrite.analysis.elemtypes import sizes_dims
-    from amp_rewrite.flops import _dims, estimate_flops
-
-    runs = max(len(samples), 1) * repeats
-    if not sizes_dims(model):
-        return float("inf")
-    floor = len(model.graph.node) * NODE_WORK * runs
-    if floor > REFERENCE_WORK_LIMIT:  # over already: no shape inference needed to say so
-        return floor
-    _, shapes = tensor_types(model, shape_inference=True, dims=sample_dims(model, samples))
-    sizes = {name: int(np.prod(d)) for name in shapes if (d := _dims(shapes, name)) is not None}
-    largest = max(sizes.values(), default=1)
-    work = 0.0
-    for node in model.graph.node:
-        flops = estimate_flops(node, shapes)
-        work += NODE_WORK + (flops / 2 if flops else sum(sizes.get(o, largest) for o in node.output if o))
-    return work * runs
-
-
-def use_reference(
-    model: onnx.ModelProto, provider_used: str, reference, samples=(), notes=None, repeats: int = 1
-) -> bool:
-    """Whether onnx.reference runs: True/False, or "auto": on CPU when `reference_work` (over
-    `repeats` runs of the samples: the fallback's search) is within REFERENCE_WORK_LIMIT (a skip
-    is said in `notes`)."""
-    if reference != "auto":
-        return bool(reference)
-    if provider_used != CPU:
-        return False
-    work = reference_work(model, samples, repeats)
-    if work <= REFERENCE_WORK_LIMIT:
-        return True
-    if notes is not None:
-        size = (
-            "beyond shape inference's node limit"
-            if work == float("inf")
-            else f"about {work:.2g} element operations"
-        )
-        notes.append(
-            f"onnx.reference skipped: {size}, over the automatic limit {REFERENCE_WORK_LIMIT:.0e} "
-            "(--reference runs it anyway)"
-        )
-    return False
-
-
 def reference_outputs(original: onnx.ModelProto, samples, deployment: Deployment = DEFAULT, progress=None):
     """(float32 outputs per sample, provider used): the original run once on ORT."""
     sess, used = open_checked(original, deployment.device, progress=progress, label="validate: original")
@@ -364,7 +281,7 @@ def validate(
     """Compare `rewritten` with `original` (paths or ModelProtos) on `samples` (synthesised if None).
 
     `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU
-    when its estimated work is small, `use_reference`). `expected` reuses `reference_outputs(...)`.
+    when its estimated work is small, reference.py's `use_reference`). `expected` reuses `reference_outputs(...)`.
     """
     original = load(original).model if not isinstance(original, onnx.ModelProto) else original
     rewritten = load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
