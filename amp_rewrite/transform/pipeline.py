@@ -14,9 +14,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
-from onnx import helper
 
 from amp_rewrite import flops, ir
 from amp_rewrite.analysis import evidence, graph, paint, pointwise
@@ -24,14 +22,11 @@ from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dim
 from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.oplists import check_named_ops
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
-from amp_rewrite.io.samples import synthesise
-from amp_rewrite.onnx_facts import opsets, reads
+from amp_rewrite.onnx_facts import opsets
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.report import flops as report_flops
 from amp_rewrite.report import report as report_mod
-from amp_rewrite.runtime import open_session, session_options
-from amp_rewrite.runtime import ort as ort_module
-from amp_rewrite.transform import colour_as, weights
+from amp_rewrite.transform import colour_as, converters, range_run, weights
 from amp_rewrite.transform import materialise as materialise_mod
 from amp_rewrite.transform import scaling as scaling_mod
 
@@ -91,7 +86,7 @@ def take_working_copy(w: Work) -> None:
     """A model read from a file here is nobody else's: rewritten in place. The caller's model is
     copied, its big weights borrowed (read, never changed)."""
     if w.options.opset is not None and opsets(w.loaded.model).get("") != w.options.opset:
-        w.model, w.borrowed = convert_opset(w.loaded.model, w.options.opset), {}  # a new model: ours
+        w.model, w.borrowed = converters.convert_opset(w.loaded.model, w.options.opset), {}  # new: ours
     elif w.loaded.owned:
         w.model, w.borrowed = w.loaded.model, {}
     else:
@@ -109,11 +104,8 @@ def choose_low_io(w: Work) -> None:
 def inline_local_functions(w: Work) -> None:
     """Model-local functions (dynamo exporter) are inlined, then coloured as any graph."""
     if w.model.functions:
-        w.model, w.nested, w.weights_before = (
-            inline_functions(w.model),
-            True,
-            None,
-        )  # bodies may bring subgraphs
+        w.model = converters.inline_functions(w.model)
+        w.nested, w.weights_before = True, None  # bodies may bring subgraphs
 
 
 def read_scopes(w: Work) -> None:
@@ -164,17 +156,11 @@ def scan_constants(w: Work) -> None:
     w.constants = weights.scan_constants(w.cg, w.options.clamp)
 
 
-# Above these, cost placement's extra low ops are not measured on synthesised inputs (evidence.settle)
-RANGE_CHECK_NODES, RANGE_CHECK_BYTES = (
-    20_000,
-    256 << 20,
-)  # a run costs about its bytes: GPT-2 (474 MiB) 20 s loaded
-
-
 def colour(w: Work) -> None:
     """Cost placement's ops that TF's rule keeps float32 need range evidence (analysis.evidence):
-    a data-free bound, or one float32 run on synthesised inputs within the work budget. Not with
-    calibration, whose measured ranges already made the out-of-range ops deny roots."""
+    a data-free bound, or one float32 run on synthesised inputs within the work budget
+    (transform.range_run). Not with calibration, whose measured ranges already made the
+    out-of-range ops deny roots."""
 
     def run(placement):
         return paint.colour(w.cg, low_io=w.low_io, placement=placement)
@@ -182,75 +168,12 @@ def colour(w: Work) -> None:
     if w.options.placement != "cost" or w.options.calibration is not None:
         plan = run(w.options.placement)
     else:
-        plan, w.range_note = evidence.settle(
-            w.cg, run, functools.partial(_largest_values, w), _over_budget(w), w.low_io
-        )
+        # the float32 model: the caller's where the working copy borrowed its weights (neither changed yet)
+        source = w.loaded.model if w.borrowed else w.model
+        largest = functools.partial(range_run.largest_values, source, types=w.types, dims=w.options.dims)
+        budget = range_run.over_budget(w.scopes, w.bytes_before, w.loaded.lazy)
+        plan, w.range_note = evidence.settle(w.cg, run, largest, budget, w.low_io)
     w.plan = colour_as.follow(w.cg, plan, w.options.colour_as)
-
-
-def _over_budget(w: Work) -> str | None:
-    nodes = sum(len(scope.io) for scope in w.scopes)
-    if w.loaded.lazy or nodes > RANGE_CHECK_NODES or w.bytes_before > RANGE_CHECK_BYTES:
-        return (
-            f"over the work budget of {RANGE_CHECK_NODES} nodes and {RANGE_CHECK_BYTES >> 20} MiB "
-            f"({nodes} nodes, {w.bytes_before >> 20} MiB)"
-        )
-    return None
-
-
-def _largest_values(w: Work, names):
-    """The float32 model's largest values on a synthesised sample: the caller's model where the
-    working copy borrowed its weights (neither has changed yet), else the working copy."""
-    return largest_values(w.loaded.model if w.borrowed else w.model, names, w.types, dims=w.options.dims)
-
-
-def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
-    """{name: largest |value|} of main-graph tensors `names` in one float32 run (CPU) on one
-    synthesised sample of the part of `model` that computes them (their cone: the run costs what
-    it needs, often the embeddings only): inf where a value is not finite, a mask sentinel
-    (float32's largest) left out as the constant scan reads it; absent where the tensor is not the
-    main graph's (a body's). None when the run fails."""
-    producers = {out: node for node in model.graph.node for out in node.output if out}
-    inputs = {v.name for v in model.graph.input}
-    given = [x for x in names if x in inputs and x not in producers]  # measured on the samples themselves
-    wanted = [x for x in names if x in producers and types.get(x) == onnx.TensorProto.FLOAT]
-    cone, seen, stack = set(), set(given), list(wanted)
-    while stack:  # every tensor and node the wanted ones depend on: one visit each
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        node = producers.get(x)
-        if node is not None and id(node) not in cone:
-            cone.add(id(node))
-            stack.extend(reads(node))
-    graph = helper.make_graph(
-        [node for node in model.graph.node if id(node) in cone],
-        "range_check",
-        [v for v in model.graph.input if v.name in seen],
-        [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in wanted],
-        [t for t in model.graph.initializer if t.name in seen],
-    )
-    part = helper.make_model(
-        graph, opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions
-    )
-    try:
-        feeds = synthesise(part, dims=dims)[0]
-        quiet = session_options(log_severity_level=4)  # a failed run is said in the report, not by ORT
-        runs = ort_module().RunOptions()
-        runs.log_severity_level = 4
-        arrays = open_session(part, "cpu", options=quiet)[0].run(wanted, feeds, runs) if wanted else []
-    except Exception:  # noqa: BLE001 - any failure: no evidence, said in the report
-        return None
-    found = {}
-    for name, array in zip(wanted + given, [*arrays, *(feeds[x] for x in given)]):
-        a = np.abs(np.asarray(array, dtype=np.float32)).reshape(-1)
-        if not np.isfinite(a).all():
-            found[name] = float("inf")
-            continue
-        a = a[a != evidence.SENTINEL]
-        found[name] = float(a.max()) if a.size else 0.0
-    return found
 
 
 def estimate_flops(w: Work) -> None:
@@ -401,42 +324,6 @@ def bytes_moved(
 
 def _dims_text(dims) -> str:
     return ", ".join(f"{name}={size}" for name, size in dims.items())
-
-
-def convert_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
-    """`model` converted to default-domain `opset` by onnx.version_converter (a new model), its IR
-    version raised only as far as that opset needs; one UsageError line when it cannot."""
-    from onnx import helper, version_converter
-
-    from amp_rewrite.errors import UsageError
-
-    if model.graph.initializer and any(
-        t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer
-    ):
-        raise UsageError(
-            f"--opset {opset}: a model with weights left on disk cannot be converted; "
-            "convert it with onnx.version_converter first"
-        )
-    try:
-        converted = version_converter.convert_version(model, opset)
-    except Exception as exc:  # noqa: BLE001 - the converter's refusal, said in one line
-        lines = [x for x in str(exc).strip().splitlines() if x.strip()]
-        raise UsageError(
-            f"--opset {opset}: onnx.version_converter cannot convert this model "
-            f"({(lines[-1] if lines else type(exc).__name__)[:200]})"
-        ) from None
-    needed = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
-    converted.ir_version = max(model.ir_version, needed)
-    return converted
-
-
-def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with its model-local functions inlined (onnx.inliner), so every op is coloured."""
-    import onnx.inliner
-
-    inlined = onnx.inliner.inline_local_functions(model)
-    del inlined.functions[:]
-    return inlined
 
 
 def _check(model: onnx.ModelProto, data_bytes: int | None = None, *, skeleton: bool = False) -> None:

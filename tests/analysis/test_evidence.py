@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from amp_rewrite import rewrite
-from amp_rewrite.transform import pipeline
+from amp_rewrite.transform import range_run
 from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
 
 
@@ -67,7 +67,7 @@ def test_x1000_is_finite_by_default_and_the_measured_ops_say_why():
 
 
 def test_above_the_work_budget_nothing_is_measured_and_unproven_ops_stay_float32(monkeypatch):
-    monkeypatch.setattr(pipeline, "RANGE_CHECK_NODES", 3)
+    monkeypatch.setattr(range_run, "RANGE_CHECK_NODES", 3)
     result = rewrite(x1000())
     assert all(_precision(result, n) == "float32" for n in ("times_100", "times_10", "div"))
     assert (
