@@ -1,35 +1,59 @@
-"""Read a Trainer checkpoint and verify all of it before any state is touched.
+"""Write a Trainer checkpoint, and read one back verifying all of it before any state is touched.
 
 A checkpoint is an .npz (`Trainer.save`): `meta` (JSON: format, optimizer, loss scale, lr),
-`names` (the state tensors' names) and `state_I` per name. `read_checkpoint` reads it bounded
-(io.npz: zip integrity, CRCs, no pickles), then checks the metadata keys and values and every
-tensor's name, dtype and shape against what the trainer expects, and returns a plain value; the
-Trainer changes its state only from that value, so a bad file leaves it as it was.
+`names` (the state tensors' names) and `state_I` per name, written atomically (`write_checkpoint`).
+`read_checkpoint` reads it bounded (io.npz: zip integrity, CRCs, no pickles), then checks the
+metadata keys and values and every tensor's name, dtype and shape against what the trainer
+expects, and returns a plain value; the Trainer changes its state only from that value, so a bad
+file leaves it as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
 from amp_rewrite.errors import TrainingError
+from amp_rewrite.io import atomic_write
 from amp_rewrite.io.npz import read_npz
 
+CHECKPOINT_FORMAT = "amp-rewrite-trainer/1"
 META_KEYS = ("format", "optimizer", "loss_scale", "lr")
 MATCHING = ("format", "optimizer", "loss_scale")  # must equal the trainer's own
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A verified checkpoint: its metadata and {state name: array}."""
 
     meta: dict
     state: dict
+
+
+def checkpoint_meta(optimizer, loss_scale_policy, lr: float) -> dict:
+    """The metadata a checkpoint carries (and `read_checkpoint` expects) for this optimizer, loss
+    scale and learning rate."""
+    policy = dataclasses.asdict(loss_scale_policy) | {"kind": type(loss_scale_policy).__name__}
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "optimizer": optimizer.config(),
+        "loss_scale": policy,
+        "lr": lr,
+    }
+    return json.loads(json.dumps(meta))  # the form it has after a round trip (tuples -> lists)
+
+
+def write_checkpoint(path, state: Mapping[str, np.ndarray], meta: Mapping) -> None:
+    """`state` and `meta` to the .npz at `path`, atomically (no pickle)."""
+    arrays = {f"state_{i}": value for i, value in enumerate(state.values())}
+    arrays["names"] = np.array(list(state), dtype=np.str_)
+    arrays["meta"] = np.array(json.dumps(meta), dtype=np.str_)
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def read_checkpoint(path, expected_meta: Mapping, expected_state: Mapping[str, np.ndarray]) -> Checkpoint:

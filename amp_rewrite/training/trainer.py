@@ -8,11 +8,8 @@ the state out only when asked (`state`, `save`, `export`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import logging
-import re
 import sys
 
 import numpy as np
@@ -20,23 +17,18 @@ import onnx
 from onnx import numpy_helper
 
 from amp_rewrite.api import rewrite
-from amp_rewrite.errors import AmpRewriteError, TrainingError
-from amp_rewrite.io import atomic_write, load
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.io import atomic_write
 from amp_rewrite.progress import Progress
+from amp_rewrite.training import arguments, parameters, skips
 from amp_rewrite.training import feeds as feed_checks
-from amp_rewrite.training import parameters, skips
 from amp_rewrite.training import precision as precision_line
-from amp_rewrite.training.checkpoint import read_checkpoint
+from amp_rewrite.training.checkpoint import checkpoint_meta, read_checkpoint, write_checkpoint
 from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
-from amp_rewrite.training.runner import SessionRunner, deployment_for
+from amp_rewrite.training.runner import SessionRunner
 from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, apply_precision, build_step_graph
-
-PRECISIONS = ("float16", "bfloat16", "float32")
-NONFINITE_POLICIES = ("skip", "retry")
-CHECKPOINT_FORMAT = "amp-rewrite-trainer/1"
-DISTRIBUTED_OPTIONS = {"loss_reduction", "bucket_mb", "device_id", "comm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,23 +80,28 @@ class Trainer:
         threads: int = 0,
         **distributed_options,
     ):
-        self.precision = _check_choice("precision", precision, PRECISIONS)
-        _check_distributed(distributed, distributed_options)
-        _check_threads(threads)
-        device = _device_for(provider)
+        self.precision = arguments.check_choice("precision", precision, arguments.PRECISIONS)
+        arguments.check_distributed(distributed, distributed_options)
+        arguments.check_threads(threads)
+        device = arguments.device_for(provider)
         say = _say if verbose else (lambda line: None)
-        self._model, found = prepare(_load_model(model, say), say)
-        self.optimizer = _check_optimizer(optimizer)
+        self._model, found = prepare(arguments.load_model(model, say), say)
+        self.optimizer = arguments.check_optimizer(optimizer)
         if loss_scale == "auto":
             loss_scale = 1.0 if precision == "float32" else "dynamic"
         self.loss_scale_policy = resolve_loss_scale(loss_scale)
-        self.on_nonfinite = _check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        self.on_nonfinite = arguments.check_choice("on_nonfinite", on_nonfinite, arguments.NONFINITE_POLICIES)
         if on_nonfinite == "retry" and not isinstance(self.loss_scale_policy, DynamicLossScale):
             raise TrainingError(
                 "on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)"
             )
         floats = [t.name for t in self._model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
-        names = parameters.select(found, floats, _literal(trainable, floats), _literal(frozen, floats))
+        names = parameters.select(
+            found,
+            floats,
+            arguments.literal_patterns(trainable, floats),
+            arguments.literal_patterns(frozen, floats),
+        )
         step = build_step_graph(
             self._model, loss, self.optimizer, self.loss_scale_policy, names, gradient_builder, recompute
         )
@@ -279,11 +276,7 @@ class Trainer:
         self.runner.on_primary(lambda: self._save(path))
 
     def _save(self, path) -> None:
-        state = self.state()
-        arrays = {f"state_{i}": value for i, value in enumerate(state.values())}
-        arrays["names"] = np.array(list(state), dtype=np.str_)
-        arrays["meta"] = np.array(json.dumps(self._checkpoint_meta()), dtype=np.str_)
-        atomic_write(path, lambda f: np.savez(f, **arrays))
+        write_checkpoint(path, self.state(), self._checkpoint_meta())
 
     def load(self, path) -> None:
         """Restore a checkpoint written by `save` for the same model, optimizer and loss scale. The
@@ -305,7 +298,7 @@ class Trainer:
 
     def inference_model(self, precision: str = "float32") -> onnx.ModelProto:
         """The original model with the trained weights; rewritten to `precision` unless float32."""
-        _check_choice("precision", precision, PRECISIONS)
+        arguments.check_choice("precision", precision, arguments.PRECISIONS)
         model = onnx.ModelProto()
         model.CopyFrom(self._model)
         trained = set(self.step_graph.weights)
@@ -341,31 +334,7 @@ class Trainer:
     # --- internals ------------------------------------------------------------------------------
 
     def _checkpoint_meta(self) -> dict:
-        policy = dataclasses.asdict(self.loss_scale_policy) | {"kind": type(self.loss_scale_policy).__name__}
-        meta = {
-            "format": CHECKPOINT_FORMAT,
-            "optimizer": self.optimizer.config(),
-            "loss_scale": policy,
-            "lr": self.lr,
-        }
-        return json.loads(json.dumps(meta))  # the form it has after a round trip (tuples -> lists)
-
-
-def _check_distributed(distributed, options: dict) -> None:
-    if distributed not in (None, "mpi"):
-        raise TrainingError(f"distributed must be None or 'mpi', got {distributed!r}")
-    unknown = sorted(set(options) - DISTRIBUTED_OPTIONS)
-    if unknown:
-        raise TrainingError(f"Trainer got an unexpected option {unknown[0]!r}")
-    if options and distributed is None:
-        raise TrainingError(f"{sorted(options)[0]} is a data-parallel option: pass distributed='mpi' too")
-
-
-def _check_threads(threads) -> None:
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise TrainingError(
-            f"threads must be a whole number >= 0 (0: ONNX Runtime's default), got {threads!r}"
-        )
+        return checkpoint_meta(self.optimizer, self.loss_scale_policy, self.lr)
 
 
 def _drop_weight_data(model: onnx.ModelProto, names: set[str]) -> None:
@@ -382,15 +351,6 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _literal(patterns, names: list[str]):
-    """Exact names stay literal (they may hold regex characters); anything else is a regex."""
-    if patterns is None:
-        return None
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    known = set(names)
-    return [re.escape(p) if p in known else p for p in patterns]
-
-
 def _recompute_plan(model: onnx.ModelProto):
     from amp_rewrite.autodiff.recompute import plan_of
 
@@ -402,47 +362,3 @@ def _length(batches) -> int | None:
         return len(batches)
     except TypeError:
         return None
-
-
-def _load_model(model, say) -> onnx.ModelProto:
-    """Through the one loader (external data containment, input checks), as a TrainingError."""
-    try:
-        loaded = load(model)
-    except AmpRewriteError as error:
-        raise TrainingError(f"cannot load model: {error}") from None
-    for note in loaded.notes:
-        say(f"amp-rewrite: {note}")
-    return loaded.model
-
-
-_LOSS_SCALING_MARKERS = ("loss_scale", "get_scale", "loss_scale_factor", "_loss_scale")
-
-
-def _check_optimizer(optimizer) -> Optimizer:
-    """Only amp_rewrite optimizers; one that already scales the loss would scale it twice."""
-    if optimizer is None or optimizer is DEFAULT_OPTIMIZER:
-        return copy.deepcopy(DEFAULT_OPTIMIZER)
-    if (
-        any(hasattr(optimizer, marker) for marker in _LOSS_SCALING_MARKERS)
-        or "LossScale" in type(optimizer).__name__
-    ):
-        raise TrainingError(
-            f"{type(optimizer).__name__} already does loss scaling: pass the plain optimizer and set Trainer(loss_scale=...)"
-        )
-    if not isinstance(optimizer, Optimizer):
-        raise TrainingError(
-            f"optimizer must be an amp_rewrite.training optimizer (SGD, Adam, AdamW), got {type(optimizer).__name__}"
-        )
-    return optimizer
-
-
-def _device_for(provider: str) -> str:
-    """'cuda' or 'cpu', where the step will run (the Deployment resolves `provider`, CUDA probed once
-    per process): known before the rewrite, which colours for it."""
-    return deployment_for(provider).device
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise TrainingError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
