@@ -24,6 +24,7 @@ from onnx import helper
 
 from amp_rewrite.progress import Progress
 from amp_rewrite.runtime import open_session, session_options
+from amp_rewrite.runtime import ort as ort_module
 
 SEGMENT_NODES = 100  # measured (10k-node float16 stack, CPU): 100 < 200 < 400 nodes a piece, in setup time
 
@@ -181,29 +182,7 @@ def _serialised(piece: onnx.ModelProto):
 
 
 def _basic():
-    import onnxruntime as ort
-
-    return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-
-
-_TENSOR_TYPES = {
-    f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value
-}
-
-
-def _serialised(piece: onnx.ModelProto):
-    """The piece's bytes (no size probe first: a piece is small), or itself when over protobuf's
-    2 GB (the session factory then writes its weights as external data)."""
-    try:
-        return piece.SerializeToString()
-    except ValueError:
-        return piece
-
-
-def _basic():
-    import onnxruntime as ort
-
-    return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort_module().GraphOptimizationLevel.ORT_ENABLE_BASIC
 
 
 _TENSOR_TYPES = {
