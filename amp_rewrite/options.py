@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -194,3 +195,21 @@ def check_names(fields) -> None:
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
         raise UsageError(f"unknown rewrite option {name!r}{hint}")
+
+
+def _accept_deployment_fields(generated_init):
+    """`RewriteOptions(target=..., provider=..., dims=...)` keeps working as before the three moved
+    into `deployment`: given, they replace those fields of the (given or default) Deployment."""
+
+    @functools.wraps(generated_init)
+    def __init__(self, *args, **fields):
+        placed = {name: fields.pop(name) for name in DEPLOYMENT_FIELDS if name in fields}
+        if placed:
+            base = fields.get("deployment") or Deployment()
+            fields["deployment"] = dataclasses.replace(base, **placed)
+        generated_init(self, *args, **fields)
+
+    return __init__
+
+
+RewriteOptions.__init__ = _accept_deployment_fields(RewriteOptions.__init__)

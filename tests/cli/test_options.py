@@ -76,3 +76,14 @@ def test_cli_and_api_build_the_same_options_and_the_same_model(tmp_path):
     # bfloat16 has no CPU MatMul kernel in ORT: check the float16 rewrite of the same options numerically
     got = run_ort(amp_rewrite.rewrite(model, from_cli.replace(target="float16")).model, feeds)
     np.testing.assert_allclose(got[0], expected[0], rtol=2e-2, atol=2e-2)
+
+
+def test_the_constructor_still_takes_the_deployment_fields():
+    """Before the Deployment value, target/provider/dims were RewriteOptions fields of their own."""
+    options = RewriteOptions(target="bfloat16", provider="cpu", dims={"batch": 2}, keep_io_types=False)
+    assert (options.target, options.provider, dict(options.dims)) == ("bfloat16", "cpu", {"batch": 2})
+    assert (
+        options.deployment
+        == RewriteOptions.of(target="bfloat16", provider="cpu", dims={"batch": 2}).deployment
+    )
+    assert not options.keep_io_types and RewriteOptions().target == "float16"
