@@ -133,8 +133,9 @@ def _evaluate(
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
     exposed = val.expose(candidate, measured)
     sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate")
-    available = [o.name for o in sess.get_outputs()]
-    inter = [m for m in measured if m in available and m not in names]
+    available = {o.name for o in sess.get_outputs()}
+    kept = set(names)
+    inter = [m for m in measured if m in available and m not in kept]  # sets: 10k tensors, one pass
     got = val.run_samples(sess, samples, outputs=names + inter, progress=progress, label="fallback: validate")
     outputs = {f"ort:{used}": [g[: len(names)] for g in got]}
     tensors = {f"ort:{used}": {t: [g[len(names) + i] for g in got] for i, t in enumerate(inter)}}
