@@ -17,7 +17,6 @@ probability of 1e-4 that is a loss of 1e-7 to 1e-9, which one warmed-up Adam ste
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto
+
+import torch_exports as exports
 
 CACHE = Path(os.environ.get("AMP_REWRITE_CORPUS", Path.home() / ".cache" / "amp-rewrite" / "corpus"))
 STEPS = 6
@@ -186,51 +187,20 @@ def _need(module: str):
         raise Unavailable(f"{module} is not installed ({error})") from None
 
 
-def _finish(model: onnx.ModelProto) -> onnx.ModelProto:
-    model.ir_version = min(model.ir_version, 10)  # ORT 1.31 loads up to IR 10
-    return model
-
-
 def _torchscript(module, args, names, opset=17, dynamic_axes=None):
-    torch = _need("torch")
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module.eval(),
-            args,
-            buffer,
-            dynamo=False,
-            opset_version=opset,
-            input_names=names,
-            dynamic_axes=dynamic_axes,
-        )
-    return _finish(onnx.load_from_string(buffer.getvalue()))
+    _need("torch")
+    return exports.torchscript(module, args, names, opset, dynamic_axes)
 
 
 def _dynamo(module, args, names, opset=18):
-    torch = _need("torch")
+    _need("torch")
     _need("onnxscript")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            module.eval(), args, dynamo=True, opset_version=opset, verbose=False, input_names=names
-        )
-    return _finish(program.model_proto)
+    return exports.dynamo(module, args, names, opset)
 
 
 def _logits_only(module):
-    torch = _need("torch")
-
-    class LogitsOnly(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = module
-
-        def forward(self, *args):
-            return self.inner(*args, return_dict=False)[0]
-
-    return LogitsOnly()
+    _need("torch")
+    return exports.logits_only(module)
 
 
 def _bert():
@@ -277,7 +247,7 @@ def export_bert_fused():
         )
     with tempfile.TemporaryDirectory() as folder:  # as a user gets it: saved, then loaded
         fused.save_model_to_file(os.path.join(folder, "bert.onnx"))
-        return _finish(onnx.load(os.path.join(folder, "bert.onnx")))
+        return exports.finish(onnx.load(os.path.join(folder, "bert.onnx")))
 
 
 def export_llama_gqa():
@@ -352,7 +322,7 @@ def export_sklearn_mlp():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = skl2onnx.to_onnx(regressor, x[:1].astype(np.float32), target_opset=15)
-    return _finish(model)
+    return exports.finish(model)
 
 
 EXPORTED = [

@@ -9,11 +9,10 @@ fixed fine-tuning batch (ROUNDS) for STEPS steps. `LR` is each model's AdamW lea
 
 from __future__ import annotations
 
-import io
-import warnings
-
 import numpy as np
 import onnx
+
+import torch_exports as exports
 
 TEXT = (
     "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
@@ -75,46 +74,12 @@ def _feeds(model: onnx.ModelProto, batches):
     return [{name: x, "labels": y} for x, y in batches]
 
 
-def _finish(model: onnx.ModelProto) -> onnx.ModelProto:
-    if model.ir_version > 10:
-        model.ir_version = 10  # ORT 1.31 loads up to IR 10
-    return model
-
-
 def _torchscript(module, args, input_names, opset=17, dynamic_axes=None):
-    import torch
-
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module.eval(),
-            args,
-            buffer,
-            dynamo=False,
-            opset_version=opset,
-            input_names=input_names,
-            output_names=["logits"],
-            dynamic_axes=dynamic_axes,
-        )
-    return _finish(onnx.load_from_string(buffer.getvalue()))
+    return exports.torchscript(module, args, input_names, opset, dynamic_axes, output_names=["logits"])
 
 
 def _dynamo(module, args, opset=18):
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            module.eval(),
-            args,
-            dynamo=True,
-            opset_version=opset,
-            verbose=False,
-            input_names=["input_ids"],
-            output_names=["logits"],
-        )
-    return _finish(program.model_proto)
+    return exports.dynamo(module, args, ["input_ids"], opset, output_names=["logits"])
 
 
 def _hand(module):
@@ -189,20 +154,6 @@ def export_cnn():
     return model, _feeds(model, digit_batches("image")), _hand(module)
 
 
-def _logits_only(module):
-    import torch
-
-    class LogitsOnly(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = module
-
-        def forward(self, x):
-            return self.inner(x, return_dict=False)[0]
-
-    return LogitsOnly()
-
-
 def export_vit():
     import torch
     from transformers import ViTConfig, ViTForImageClassification
@@ -221,7 +172,7 @@ def export_vit():
         attention_probs_dropout_prob=0.0,
     )
     module = _perturb(ViTForImageClassification(config))
-    model = _torchscript(_logits_only(module), (torch.zeros(BATCH, 1, 8, 8),), ["pixel_values"])
+    model = _torchscript(exports.logits_only(module), (torch.zeros(BATCH, 1, 8, 8),), ["pixel_values"])
     return model, _feeds(model, digit_batches("image")), _hand(module)
 
 
@@ -243,7 +194,9 @@ def export_bert():
         attention_probs_dropout_prob=0.0,
     )
     module = _perturb(BertForSequenceClassification(config))
-    model = _torchscript(_logits_only(module), (torch.zeros(BATCH, 64, dtype=torch.int64),), ["input_ids"])
+    model = _torchscript(
+        exports.logits_only(module), (torch.zeros(BATCH, 64, dtype=torch.int64),), ["input_ids"]
+    )
     return model, _feeds(model, digit_batches("tokens")), _hand(module)
 
 
@@ -265,7 +218,7 @@ def export_gpt2():
         use_cache=False,
     )
     module = _perturb(GPT2LMHeadModel(config))
-    model = _dynamo(_logits_only(module), (torch.zeros(BATCH, SEQ, dtype=torch.int64),))
+    model = _dynamo(exports.logits_only(module), (torch.zeros(BATCH, SEQ, dtype=torch.int64),))
     return model, _feeds(model, batches), _hand(module)
 
 
@@ -287,7 +240,7 @@ def export_llama():
         use_cache=False,
     )
     module = _perturb(LlamaForCausalLM(config))
-    model = _dynamo(_logits_only(module), (torch.zeros(BATCH, SEQ, dtype=torch.int64),))
+    model = _dynamo(exports.logits_only(module), (torch.zeros(BATCH, SEQ, dtype=torch.int64),))
     return model, _feeds(model, batches), _hand(module)
 
 
