@@ -13,9 +13,11 @@ Identity of the previous chunk's W), not in one Sum of all chunks' [K, C] partia
 The loss is the unchunked one's formula (same ignore_index and label smoothing), exact up to the
 float32 summation order of the per-chunk sums and of the weight gradient's accumulation.
 
-Decision (docs/decisions.md): chunked when the head's weight is a [K, C] initializer with
-C >= CHUNK_CLASSES; CHUNKS chunks of ceil(tokens / CHUNKS) rows (the token count is known only
-at run time: sizes are computed in the graph, a Split with a sizes input, opset >= 13).
+Decision (docs/decisions.md): chunked when the head's weight is a float32 [K, C] initializer with
+C >= CHUNK_CLASSES; always CHUNKS chunks, sized at run time (the token count is known only then:
+a Split with a computed sizes input, opset >= 13) as evenly as the rows allow. One zero row with
+count weight 0 is appended per chunk, so no chunk is empty (ONNX Runtime reduces an empty [0, C]
+tensor to [0, C], not [0, 1]); such rows add exactly 0 to the loss and to every gradient.
 """
 
 from __future__ import annotations
@@ -109,21 +111,31 @@ def chunked_total(e: Emitter, head: Head, labels: str, weight: str, row_log_like
 
     `labels`, `weight`: each row's label and count weight, shaped like the logits without the
     class axis; `row_log_likelihood(e, logits, labels, class axis)` gives a chunk's [rows, 1]."""
-    flat = e.const([-1], np.int64, "flat")
-    rows = e.op("Reshape", [head.hidden, e.const([-1, head.width], np.int64, "rows_shape")], "rows")
+
+    def padded(t: str, shape, dtype, hint: str) -> str:  # one zero-weight row per chunk appended
+        return e.op(
+            "Concat",
+            [
+                e.op("Reshape", [t, e.const(shape, np.int64)]),
+                e.const(np.zeros((CHUNKS, *shape[1:]), dtype), dtype),
+            ],
+            hint,
+            axis=0,
+        )
+
+    rows = padded(head.hidden, [-1, head.width], np.float32, "rows")
     count = e.dim(rows, 0)
-    per_chunk = e.op(
-        "Div", [e.op("Add", [count, e.const([CHUNKS - 1], np.int64)]), e.const([CHUNKS], np.int64)]
-    )
-    left = e.op("Sub", [count, e.op("Mul", [e.const(np.arange(CHUNKS), np.int64, "chunk_index"), per_chunk])])
-    sizes = e.op("Min", [e.op("Max", [left, e.const([0], np.int64, "none")]), per_chunk], "chunk_sizes")
+    least = e.op("Div", [count, e.const([CHUNKS], np.int64, "chunks")])
+    extra = e.op("Sub", [count, e.op("Mul", [least, e.const([CHUNKS], np.int64, "chunks")])])
+    later = e.op("Less", [e.const(np.arange(CHUNKS), np.int64, "chunk_index"), extra])
+    sizes = e.op("Add", [least, e.cast(later, TensorProto.INT64)], "chunk_sizes")
 
     def split(t: str, hint: str) -> list[str]:
         return e.op("Split", [t, sizes], [e.fresh(f"{e.scope}/{hint}_{c}") for c in range(CHUNKS)], axis=0)
 
     hidden = split(rows, "rows")
-    chunk_labels = split(e.op("Reshape", [labels, flat], "flat_labels"), "labels")
-    chunk_weights = split(e.op("Reshape", [weight, flat], "flat_weights"), "weights")
+    chunk_labels = split(padded(labels, [-1], np.int64, "flat_labels"), "labels")
+    chunk_weights = split(padded(weight, [-1], np.float32, "flat_weights"), "weights")
     chunks = [e.scoped(f"{e.scope}/chunk_{c}") for c in range(CHUNKS)]
     weights = _chain(chunks, head.weight, "weight")
     biases = head.bias and _chain(chunks, head.bias, "bias")
