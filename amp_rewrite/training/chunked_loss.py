@@ -123,6 +123,8 @@ def chunked_total(e: Emitter, head: Head, labels: str, weight: str, row_log_like
             axis=0,
         )
 
+    flat_labels = padded(labels, [-1], np.int64, "flat_labels")  # first: recompute plans up to here
+    flat_weights = padded(weight, [-1], np.float32, "flat_weights")
     rows = padded(head.hidden, [-1, head.width], np.float32, "rows")
     count = e.dim(rows, 0)
     least = e.op("Div", [count, e.const([CHUNKS], np.int64, "chunks")])
@@ -134,8 +136,8 @@ def chunked_total(e: Emitter, head: Head, labels: str, weight: str, row_log_like
         return e.op("Split", [t, sizes], [e.fresh(f"{e.scope}/{hint}_{c}") for c in range(CHUNKS)], axis=0)
 
     hidden = split(rows, "rows")
-    chunk_labels = split(padded(labels, [-1], np.int64, "flat_labels"), "labels")
-    chunk_weights = split(padded(weight, [-1], np.float32, "flat_weights"), "weights")
+    chunk_labels = split(flat_labels, "labels")
+    chunk_weights = split(flat_weights, "weights")
     chunks = [e.scoped(f"{e.scope}/chunk_{c}") for c in range(CHUNKS)]
     weights = _chain(chunks, head.weight, "weight")
     biases = head.bias and _chain(chunks, head.bias, "bias")
