@@ -52,8 +52,11 @@ class Head:
     nodes: tuple[int, ...]
 
 
-def find_head(graph: onnx.GraphProto, logits: str) -> Head | None:
-    """The LM head that makes `logits`, if chunking it is exact and worth it, else None."""
+def find_head(graph: onnx.GraphProto, logits: str, opset: int) -> Head | None:
+    """The LM head that makes `logits`, if chunking it is exact and worth it, else None (also
+    before opset 13, whose Split takes its sizes as an attribute, fixed)."""
+    if opset < 13:
+        return None
     producer, readers = {}, {}
     for n, node in enumerate(graph.node):
         producer.update((t, n) for t in node.output)
@@ -93,7 +96,7 @@ def find_head(graph: onnx.GraphProto, logits: str) -> Head | None:
         bias not in weights or list(weights[bias].dims) not in ([dims[1]], [1, dims[1]])
     ):
         return None
-    if weights[matmul.input[1]].data_type != onnx.TensorProto.FLOAT:
+    if any(weights[t].data_type != onnx.TensorProto.FLOAT for t in (matmul.input[1], bias) if t):
         return None
     return Head(matmul.input[0], matmul.input[1], dims[0], bias, dims[1], tuple(chain))
 

@@ -129,7 +129,7 @@ def _cross_entropy(graph: onnx.GraphProto, e: Emitter, loss: CrossEntropy) -> tu
     def log_likelihood(e: Emitter, logits: str, label: str, axis: int) -> str:
         return _log_likelihood(e, logits, label, loss.label_smoothing, axis)
 
-    head = chunked_loss.find_head(graph, logits)
+    head = chunked_loss.find_head(graph, logits, e.opset)
     if head is not None:
         total = chunked_loss.chunked_total(e, head, label, weight, log_likelihood)
         chunked_loss.drop_head(graph, head)
