@@ -5,9 +5,10 @@ logits vs over row chunks (training/chunked_loss.py), beside torch eager.
     python tools/bench_chunked_loss.py --batch 64
 
 The model is x [B, 128, 256] -> Tanh(x W0) -> (h W + b) with W [256, 30522]: the logits are
-B x 15.6 MB. Each variant runs in a fresh process, 1 thread, SGD; the figure is the peak RSS of
-three steps above the resident size once the trainer (or torch's tensors) is built. "chunked,
-unordered" leaves the chunks to ONNX Runtime's own order (`order_chunks` off).
+B x 15.6 MB. Each variant runs in a fresh process, 1 thread, SGD; times are CPU seconds (the
+machine may be shared); memory is the peak RSS of three steps above the resident size once the
+trainer (or torch's tensors) is built. "chunked, unordered" leaves the chunks to ONNX Runtime's
+own order (`order_chunks` off).
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ def child(variant, size) -> None:
     base = status("VmRSS")
     times, losses = [], []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()
         losses.append(step())
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     peak = (status("VmHWM") - base) / 2**20
     print(f"| {variant} | {peak:.0f} | {1e3 * np.median(times):.0f} | {losses[-1]:.6f} |")
 
@@ -115,7 +116,7 @@ def main() -> int:
     logits_mb = args.batch * SEQ * CLASSES * 4 / 2**20
     print(f"batch {args.batch} x {SEQ} tokens, {CLASSES} classes: the logits are {logits_mb:.0f} MB")
     print(
-        "| variant | peak MB of a step above the built state | step ms (median of 3) | loss after 3 steps |"
+        "| variant | peak MB of a step above the built state | step CPU ms (median of 3) | loss after 3 steps |"
     )
     print("|---|---|---|---|")
     for variant in VARIANTS:
