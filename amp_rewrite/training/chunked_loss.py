@@ -4,11 +4,11 @@ Liger-Kernel and Apple's cut-cross-entropy).
 When the logits are `H @ W (+ b)` with many classes (a BERT's 30522), they are the step's largest
 tensors: [tokens, classes] float32 is 250 MB at 16x128 tokens, and the backward keeps one or two
 more of that size. Here the head's MatMul moves into the loss and runs per chunk of the flattened
-tokens: chunk c's logits `H_c @ W (+ b)` give its rows' logsumexp and label logit, and only a
-chunk's logits (and their gradient) are alive at a time, because chunk c's backward needs nothing
-of chunk c+1 and ONNX Runtime's order runs it first (the loss value is summed last, from values
-of [rows, 1]). The weight's chunk gradients accumulate as a chain (each chunk reads W through an
-Identity of the previous chunk's W), not in one Sum of all chunks' [K, C] partials.
+tokens: chunk c's logits `H_c @ W (+ b)` give its rows' logsumexp and label logit. Only one
+chunk's logits (and their gradient) are alive at a time: chunk c's backward needs nothing of
+chunk c+1 (the loss gradient does not depend on the loss value), and `order_chunks` makes chunk
+c+1 start once chunk c is finished. The weight's chunk gradients accumulate as a chain (chunk c
+reads W through an Identity of chunk c+1's), not in one Sum of all chunks' [K, C] partials.
 
 The loss is the unchunked one's formula (same ignore_index and label smoothing), exact up to the
 float32 summation order of the per-chunk sums and of the weight gradient's accumulation.
