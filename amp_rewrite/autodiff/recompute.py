@@ -166,6 +166,8 @@ def apply(builder, spec) -> RecomputePlan:
 
 
 def _groups(spec, fw: Forward, builder, loss_node: int, saved: set[str]) -> list[tuple[str, list[int]]]:
+    if isinstance(spec, (str, int, float)):
+        loss_node = _loss_start(fw, builder, loss_node)
     if isinstance(spec, str):
         if spec != "auto":
             raise GradientError(
@@ -183,6 +185,15 @@ def _groups(spec, fw: Forward, builder, loss_node: int, saved: set[str]) -> list
             f"recompute must be 'auto', a byte budget or a list of node-name patterns, not {spec!r}"
         ) from None
     return select.regex_groups(patterns, [node.name for node in fw.nodes])
+
+
+def _loss_start(fw: Forward, builder, loss_node: int) -> int:
+    """Where "auto" and a budget stop planning: the first forward node that reads a stop-gradient
+    tensor (a built-in loss's labels or targets), if before the loss node. What follows compares
+    the model's outputs with the targets and its backward starts at once: recomputing it saves
+    nothing, and a chunked cross-entropy (training.chunked_loss) would compute its logits twice."""
+    readers = [n for t in builder.stops for n in fw.readers.get(t, ())]
+    return min([loss_node, *readers])
 
 
 class _Work:

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 
 from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.errors import TrainingError
+from amp_rewrite.training import chunked_loss
 
 LOSS_OUTPUT = "loss"
 LABELS_INPUT = "labels"
@@ -113,12 +114,9 @@ def _attach(graph: onnx.GraphProto, loss_name: str, extra_input) -> str:
 
 
 def _cross_entropy(graph: onnx.GraphProto, e: Emitter, loss: CrossEntropy) -> tuple[str, str]:
-    """-mean over the counted samples of log softmax(logits)[label], classes on the last axis, as
-    logits[label] - logsumexp(logits): a gather and a reduction, so no logits-sized tensor but the
-    logits themselves is kept for the backward, and no one-hot is made (the gradient is
-    softmax x dY plus a scatter at the labels: 0.5 GB less at a BERT's 16x128x30522 logits). With
-    `label_smoothing` s the target is one-hot x (1 - s) + s / classes, as torch:
-    -(1 - s) logits[label] - s / classes x sum(logits) + logsumexp(logits)."""
+    """-mean over the counted samples of log softmax(logits)[label], classes on the last axis.
+    A language-model head's logits (MatMul with many classes) are computed in the loss, a chunk of
+    rows at a time (`chunked_loss`)."""
     logits = graph.output[0].name
     counted = e.op(
         "Not",
@@ -126,15 +124,43 @@ def _cross_entropy(graph: onnx.GraphProto, e: Emitter, loss: CrossEntropy) -> tu
         "counted",
     )
     label = e.op("Where", [counted, LABELS_INPUT, e.const(0, np.int64, "zero_label")], "counted_label")
+    weight = e.op("Cast", [counted], "counted_weight", to=TensorProto.FLOAT)
+
+    def log_likelihood(e: Emitter, logits: str, label: str, axis: int) -> str:
+        return _log_likelihood(e, logits, label, loss.label_smoothing, axis)
+
+    head = chunked_loss.find_head(graph, logits, e.opset)
+    if head is not None:
+        total = chunked_loss.chunked_total(e, head, label, weight, log_likelihood)
+        chunked_loss.drop_head(graph, head)
+    else:
+        axis = (
+            len(graph.output[0].type.tensor_type.shape.dim) - 1
+        )  # the class axis (onnx.reference wants it >= 0)
+        per_sample = e.axes_op("Squeeze", log_likelihood(e, logits, label, axis), [-1], "log_likelihood")
+        total = e.reduce(
+            "ReduceSum",
+            e.op("Mul", [per_sample, weight], "counted_log_likelihood"),
+            None,
+            keepdims=0,
+            hint="total_log_likelihood",
+        )
+    count = e.reduce("ReduceSum", weight, None, keepdims=0, hint="count")
+    mean = e.op("Div", [total, count], "mean_log_likelihood")
+    return e.op("Neg", [mean], LOSS_OUTPUT), label
+
+
+def _log_likelihood(e: Emitter, logits: str, label: str, smooth: float, axis: int) -> str:
+    """log softmax(logits)[label] per row, [.., 1], as logits[label] - logsumexp(logits): a gather
+    and a reduction, so no logits-sized tensor but the logits themselves is kept for the backward,
+    and no one-hot is made (the gradient is softmax x dY plus a scatter at the labels: 0.5 GB less
+    at a BERT's 16x128x30522 logits). With label smoothing s the target is one-hot x (1 - s) +
+    s / classes, as torch: (1 - s) logits[label] + s / classes x sum(logits) - logsumexp(logits)."""
     last = e.const([-1], np.int64, "last_axis")
-    axis = (
-        len(graph.output[0].type.tensor_type.shape.dim) - 1
-    )  # the class axis (onnx.reference wants it >= 0)
     picked = e.op(
         "GatherElements", [logits, e.op("Unsqueeze", [label, last], "label_index")], "picked", axis=axis
     )
     log_sum_exp = e.reduce("ReduceLogSumExp", logits, [-1], keepdims=1, hint="log_sum_exp")
-    smooth = loss.label_smoothing
     if smooth:
         classes = e.op(
             "Cast",
@@ -159,20 +185,7 @@ def _cross_entropy(graph: onnx.GraphProto, e: Emitter, loss: CrossEntropy) -> tu
         picked = e.op(
             "Add", [e.op("Mul", [picked, e.const(1.0 - smooth)], "picked_share"), spread], "smoothed_picked"
         )
-    per_sample = e.op(
-        "Squeeze", [e.op("Sub", [picked, log_sum_exp], "log_likelihood_kept"), last], "log_likelihood"
-    )
-    weight = e.op("Cast", [counted], "counted_weight", to=TensorProto.FLOAT)
-    total = e.reduce(
-        "ReduceSum",
-        e.op("Mul", [per_sample, weight], "counted_log_likelihood"),
-        None,
-        keepdims=0,
-        hint="total_log_likelihood",
-    )
-    count = e.reduce("ReduceSum", weight, None, keepdims=0, hint="count")
-    mean = e.op("Div", [total, count], "mean_log_likelihood")
-    return e.op("Neg", [mean], LOSS_OUTPUT), label
+    return e.op("Sub", [picked, log_sum_exp], "log_likelihood_kept")
 
 
 def _mean_squared_error(graph: onnx.GraphProto, e: Emitter) -> str:

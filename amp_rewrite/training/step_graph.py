@@ -20,6 +20,7 @@ from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.report.regions import declare as declare_regions
+from amp_rewrite.training.chunked_loss import order_chunks
 from amp_rewrite.training.loss_scale import (
     GOOD_STEPS_STATE,
     SCALE_STATE,
@@ -93,6 +94,7 @@ def build_step_graph(
         stop_gradients=loss_constants,
         **extra,
     )
+    order_chunks(with_grads)  # a chunked loss's chunks one after another (no-op otherwise)
     grads = _gradient_outputs(with_grads, loss_name)
     if not grads:
         raise TrainingError(_unreachable(forward, loss, loss_name, trainable, loss_constants))
