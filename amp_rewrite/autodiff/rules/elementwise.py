@@ -241,9 +241,21 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 def gelu_grad(ctx):
     """Exact: Phi(x) + x*phi(x). Tanh form: 0.5(1+t) + 0.5x(1-t^2)*sqrt(2/pi)(1+3*0.044715x^2)."""
+    return [_gelu_derivative(ctx, ctx.attr("approximate", "none") == "tanh")]
+
+
+def fast_gelu_grad(ctx):
+    """Gelu's tanh form (com.microsoft FastGelu without bias, as `gelu_fusion` writes it)."""
+    if len(ctx.node.input) > 1 and ctx.node.input[1]:
+        raise ctx.error("a bias input is not supported (decompose_contrib_ops writes it out)")
+    return [_gelu_derivative(ctx, True)]
+
+
+def _gelu_derivative(ctx, tanh: bool) -> str:
+    """dY * d gelu(x)/dx, from x alone (no forward intermediate is kept for it)."""
     x, e = ctx.x(0), ctx.emit
     c = lambda v: ctx.const(v, x)  # noqa: E731 - a constant of x's type
-    if ctx.attr("approximate", "none") == "tanh":
+    if tanh:
         x2 = e.op("Mul", [x, x])
         u = e.op(
             "Mul", [c(_SQRT_2_OVER_PI), e.op("Add", [x, e.op("Mul", [c(0.044715), e.op("Mul", [x2, x])])])]
@@ -260,7 +272,7 @@ def gelu_grad(ctx):
             "Mul", [c(1 / math.sqrt(2 * math.pi)), e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), c(-0.5)])])]
         )
         left, right = cdf, e.op("Mul", [x, pdf])
-    return [e.op("Mul", [ctx.dy(), e.op("Add", [left, right])])]
+    return e.op("Mul", [ctx.dy(), e.op("Add", [left, right])])
 
 
 def neg_grad(ctx):
