@@ -160,8 +160,12 @@ def _where_positive(ctx, x, if_pos: str, if_not: str) -> str:
 
 
 def relu_grad(ctx):
-    """dY where x > 0, else 0."""
-    return [_where_positive(ctx, ctx.x(0), ctx.dy(), ctx.const(0, ctx.x(0)))]
+    """dY times (y > 0) as 1 or 0. y > 0 exactly where x > 0; reading y leaves x to the forward
+    alone, so ONNX Runtime fuses the Gemm or Conv before it with the Relu, and x is not kept.
+    Cast and Mul rather than Where: ONNX Runtime's CPU Where is slower (3.5 vs 2.4 ms on 1.6M
+    floats at one thread); the same values, 0 as -0 where dY < 0."""
+    y, e = ctx.y(), ctx.emit
+    return [e.op("Mul", [ctx.dy(), e.cast(e.op("Greater", [y, ctx.const(0, y)]), ctx.dtype(y))])]
 
 
 def leaky_relu_grad(ctx):
