@@ -5,7 +5,8 @@
 3. Visit ops in reverse order once every output gradient is complete, calling the op's rule.
 4. Aggregate several contributions with one Sum (or pairwise Adds as they arrive).
 
-The forward graph is kept as it is (a rule may only give a node one of its optional outputs), and
+The forward graph is kept as it is (a rule may only give a node one of its optional outputs; a GELU
+written out in ops becomes one node first, `gelu_fusion`, so its backward keeps x alone), and
 the backward nodes, named `grad/...`, are appended after it, so the node list stays topological.
 """
 
@@ -22,6 +23,7 @@ from amp_rewrite.autodiff.branches import lift_branch_weights
 from amp_rewrite.autodiff.context import GradContext
 from amp_rewrite.autodiff.contrib import decompose_contrib_ops
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.autodiff.gelu_fusion import fuse_gelu
 from amp_rewrite.autodiff.graphinfo import GraphIndex, TypeInfo, model_opset
 from amp_rewrite.autodiff.registry import lookup
 from amp_rewrite.autodiff.scatter_sums import fold as fold_scatter_sums
@@ -105,9 +107,10 @@ class _Builder:
             raise GradientError(
                 f"autodiff needs opset {MIN_OPSET} or newer; the model has opset {self.opset}"
             )
+        self.info = TypeInfo.of(model)  # before fusing: ONNX's shape inference knows no com.microsoft op
+        fuse_gelu(model, self.info.elem)  # a GELU written out in ops: one node, its gradient reads x only
         self.index = GraphIndex.of(self.graph)
         self.graph_inputs = {v.name for v in self.graph.input}
-        self.info = TypeInfo.of(model)
         self.nodes = self.graph.node
         self.forward_count = len(self.nodes)
         self.emitted_by: dict[int, tuple[int, int]] = {}  # forward node -> its backward nodes (range)

@@ -135,8 +135,15 @@ TABLE = {
     "If": (control.if_grad, ALL),
 }
 
+# com.microsoft ops a pre-pass writes (`gelu_fusion`); the rest of ORT's fused ops are decomposed
+CONTRIB_TABLE = {
+    "Gelu": (elementwise.gelu_grad, ALL),
+    "FastGelu": (elementwise.fast_gelu_grad, (0,)),
+}
+
 REGISTRY: dict[tuple[str, str], GradientRule] = {
-    ("", op): GradientRule(fn, slots) for op, (fn, slots) in TABLE.items()
+    **{("", op): GradientRule(fn, slots) for op, (fn, slots) in TABLE.items()},
+    **{("com.microsoft", op): GradientRule(fn, slots) for op, (fn, slots) in CONTRIB_TABLE.items()},
 }
 
 

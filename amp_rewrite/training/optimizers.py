@@ -167,13 +167,12 @@ def _adam_update(e: Emitter, weight, grad, slots, lr, step, betas, eps):
     )
     correction1 = e.op("Sub", [e.const(1.0), e.op("Pow", [e.const(b1), step], "b1_pow")], "bias_correction1")
     correction2 = e.op("Sub", [e.const(1.0), e.op("Pow", [e.const(b2), step], "b2_pow")], "bias_correction2")
-    step_size = e.op("Div", [lr, correction1], "step_size")
-    denom = e.op(
-        "Div",
-        [e.op("Sqrt", [exp_avg_sq], "v_sqrt"), e.op("Sqrt", [correction2], "correction2_sqrt")],
-        "v_hat_sqrt",
-    )
-    denom = e.op("Add", [denom, e.const(eps)], "denom")
+    # m / (sqrt(v) / c + eps) = c * m / (sqrt(v) + eps * c), c = sqrt(1 - b2^t): the scalar c moves
+    # to the scalars, one pass over the weight fewer than torch's order (float32 rounding apart)
+    correction2_sqrt = e.op("Sqrt", [correction2], "correction2_sqrt")
+    step_size = e.op("Mul", [e.op("Div", [lr, correction1], "step_size"), correction2_sqrt], "scaled_step")
+    eps_scaled = e.op("Mul", [e.const(eps), correction2_sqrt], "eps_scaled")
+    denom = e.op("Add", [e.op("Sqrt", [exp_avg_sq], "v_sqrt"), eps_scaled], "denom")
     delta = e.op("Mul", [e.op("Div", [exp_avg, denom], "direction"), step_size], "delta")
     return e.op("Sub", [weight, delta], "weight"), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 

@@ -24,6 +24,7 @@ from amp_rewrite.training.chunked_loss import order_chunks
 from amp_rewrite.training.loss_scale import (
     GOOD_STEPS_STATE,
     SCALE_STATE,
+    FixedLossScale,
     emit_scale_update,
     initial_scale_state,
 )
@@ -162,7 +163,10 @@ def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, g
     e.reserve([SCALE_STATE, GOOD_STEPS_STATE, STEP_STATE, LR_INPUT])
     e.reserve(slot_name(w, s) for w in grads for s in optimizer.slots)
     inverse_scale = e.op("Reciprocal", [SCALE_STATE], out=INVERSE_SCALE)
-    unscaled = [e.op("Mul", [g, inverse_scale], out=UNSCALED_PREFIX + w) for w, g in grads.items()]
+    if loss_scale == FixedLossScale(1.0):  # g * 1 is g, bit for bit: no pass over the gradients
+        unscaled = [e.op("Identity", [g], out=UNSCALED_PREFIX + w) for w, g in grads.items()]
+    else:
+        unscaled = [e.op("Mul", [g, inverse_scale], out=UNSCALED_PREFIX + w) for w, g in grads.items()]
     all_finite = _emit_all_finite(e, [loss_name, *unscaled])
 
     body = Emitter([], e.initializers, e.opset, e.names, "opt")  # constants stay in the outer graph

@@ -190,7 +190,7 @@ def assert_forward_tensors_freed(model):
 
 @pytest.fixture(scope="module")
 def small_mlp():
-    return mlp()
+    return mlp(act="LeakyRelu")  # its gradient reads the pre-activation (Relu's reads only its output)
 
 
 @pytest.mark.parametrize(

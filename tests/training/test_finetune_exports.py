@@ -98,3 +98,16 @@ def test_constant_node_weights_train_and_export_as_initializers(tmp_path):
         return (session.run(None, {"x": batches[0]["x"]})[0].argmax(-1) == batches[0]["labels"]).mean()
 
     assert accuracy(model) <= 0.3 and accuracy(tuned) >= 0.7  # the fine-tuning batch is learnt
+
+
+def test_bert_step_graph_has_one_gelu_node_per_layer():
+    """The TorchScript export writes GELU as Div/Erf/Add/Mul/Mul; the step graph has one com.microsoft
+    Gelu per layer instead (autodiff.gelu_fusion), so the backward keeps only its input."""
+    _skip_without_exporter("bert")
+    trainer, _ = _train("bert", "float32")
+    model, _, _ = _export("bert")
+    layers = sum(n.op_type == "Erf" for n in model.graph.node)
+    assert layers == 2  # the export's two layers
+    step = trainer.step_graph.model
+    assert [n.op_type for n in step.graph.node if n.domain == "com.microsoft"] == ["Gelu"] * layers
+    assert not [n for n in step.graph.node if n.op_type == "Erf" and not n.name.startswith("grad/")]

@@ -160,8 +160,12 @@ def _where_positive(ctx, x, if_pos: str, if_not: str) -> str:
 
 
 def relu_grad(ctx):
-    """dY where x > 0, else 0."""
-    return [_where_positive(ctx, ctx.x(0), ctx.dy(), ctx.const(0, ctx.x(0)))]
+    """dY times (y > 0) as 1 or 0. y > 0 exactly where x > 0; reading y leaves x to the forward
+    alone, so ONNX Runtime fuses the Gemm or Conv before it with the Relu, and x is not kept.
+    Cast and Mul rather than Where: ONNX Runtime's CPU Where is slower (3.5 vs 2.4 ms on 1.6M
+    floats at one thread); the same values, 0 as -0 where dY < 0."""
+    y, e = ctx.y(), ctx.emit
+    return [e.op("Mul", [ctx.dy(), e.cast(e.op("Greater", [y, ctx.const(0, y)]), ctx.dtype(y))])]
 
 
 def leaky_relu_grad(ctx):
@@ -241,9 +245,21 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 def gelu_grad(ctx):
     """Exact: Phi(x) + x*phi(x). Tanh form: 0.5(1+t) + 0.5x(1-t^2)*sqrt(2/pi)(1+3*0.044715x^2)."""
+    return [_gelu_derivative(ctx, ctx.attr("approximate", "none") == "tanh")]
+
+
+def fast_gelu_grad(ctx):
+    """Gelu's tanh form (com.microsoft FastGelu without bias, as `gelu_fusion` writes it)."""
+    if len(ctx.node.input) > 1 and ctx.node.input[1]:
+        raise ctx.error("a bias input is not supported (decompose_contrib_ops writes it out)")
+    return [_gelu_derivative(ctx, True)]
+
+
+def _gelu_derivative(ctx, tanh: bool) -> str:
+    """dY * d gelu(x)/dx, from x alone (no forward intermediate is kept for it)."""
     x, e = ctx.x(0), ctx.emit
     c = lambda v: ctx.const(v, x)  # noqa: E731 - a constant of x's type
-    if ctx.attr("approximate", "none") == "tanh":
+    if tanh:
         x2 = e.op("Mul", [x, x])
         u = e.op(
             "Mul", [c(_SQRT_2_OVER_PI), e.op("Add", [x, e.op("Mul", [c(0.044715), e.op("Mul", [x2, x])])])]
@@ -260,7 +276,7 @@ def gelu_grad(ctx):
             "Mul", [c(1 / math.sqrt(2 * math.pi)), e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), c(-0.5)])])]
         )
         left, right = cdf, e.op("Mul", [x, pdf])
-    return [e.op("Mul", [ctx.dy(), e.op("Add", [left, right])])]
+    return e.op("Mul", [ctx.dy(), e.op("Add", [left, right])])
 
 
 def neg_grad(ctx):
