@@ -248,16 +248,20 @@ def calibrate(
     model = load(model).model if not isinstance(model, onnx.ModelProto) else model
     if samples is None:
         samples = val.synthesise(model, dims=deployment.dims)
-    types, _ = tensor_types(model)
-    producers = _measured_tensors(model, types)
-    nodes = model.graph.node
-    consumers = {
-        name: [(_node_key(nodes[i]), nodes[i].op_type) for i in rows]
-        for name, rows in ir.readers(node.input for node in nodes).items()
-        if name in producers
-    }
-    exposed = val.expose(model, list(producers))
-    sess, used = open_checked(exposed, deployment.device, progress=progress, label="calibrate")
+    with val.Progress(2, "calibrate: element types and readers", progress) as bar:
+        types, _ = tensor_types(model)
+        producers = _measured_tensors(model, types)
+        bar.step()
+        nodes = model.graph.node
+        consumers = {
+            name: [(_node_key(nodes[i]), nodes[i].op_type) for i in rows]
+            for name, rows in ir.readers(node.input for node in nodes).items()
+            if name in producers
+        }
+        bar.step()
+    sess, used = open_checked(
+        model, deployment.device, expose=list(producers), progress=progress, label="calibrate"
+    )
     names = [o.name for o in sess.get_outputs() if o.name in producers]
     ranges = {n: TensorRange(n, *producers[n]) for n in names}
     target = deployment.target

@@ -58,6 +58,14 @@ def test_segmented_session_matches_one_session():
     for a, b in zip(pieces.run(None, feeds), whole.run(None, feeds)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert pieces.run(["r3"], feeds)[0].shape == (2, 4)
+    # tensors exposed to the caller (calibration's, without a copy of the model): as one session has them
+    exposed, _ = segments.open_checked(model, "cpu", size=4, expose=["m3", "t7", "x", "w0", "nosuch"])
+    names = [o.name for o in exposed.get_outputs()]
+    assert names[1:] == ["r3", "x", "m3", "t7"] and len(exposed.pieces) > 5
+    assert {o.type for o in exposed.get_outputs()} == {"tensor(float)"}
+    whole_exposed, _ = open_session(segments.with_outputs(model, ["m3", "t7"]), "cpu")
+    for a, b in zip(exposed.run(names, feeds), whole_exposed.run(names, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_small_or_unordered_model_runs_whole():
