@@ -7,8 +7,10 @@ SEGMENT_NODES nodes in the graph's (topological) order, each piece its own sessi
 linear: each piece, with one intra-op thread (a thread pool per session costs more to start than
 the checks' few runs gain from it) and no graph optimisations (ORT's per-node setup is the cost
 left: float32 pieces about 7 ms a hundred nodes with them off, 8.5 with the basic ones; float16
-pieces about 17 ms either way, measured on the 100k stack), reads the tensors earlier pieces made
-(kept only until their last reader) and its own weights. Every node computes as ORT's kernel for
+pieces about 17 ms either way, measured on the 100k stack; float16 costs more because ORT's CPU
+provider has few float16 kernels: it looks each node up, inlines a function body (Softmax) and
+inserts Casts to compute in float32), reads the tensors earlier pieces made (kept only until their
+last reader) and its own weights. Every node computes as ORT's kernel for
 it does; what ORT would fuse runs unfused, and a float16 tensor crossing a cut is stored as the
 model says (one session keeps it float32 between ops it computes in float32).
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 from onnx import helper
 
@@ -44,7 +45,6 @@ class _Piece:
     session: object
     inputs: list  # names fed from earlier pieces or the graph inputs
     outputs: list  # names this piece makes that later pieces, or the caller, read
-    weights: list  # the arrays and OrtValues its session reads its large weights from
 
 
 _GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
@@ -169,16 +169,15 @@ def _open_pieces(model: onnx.ModelProto, pieces: list, device: str, bar, expose,
     by_name = {i.name: i for i in model.graph.initializer}
     typed = {v.name: v for v in model.graph.input}
     asked = session_kwargs.pop("options", None)
+    options = asked or session_options(intra_op_num_threads=1, graph_optimization_level=_unoptimised())
     sessions, used, types = [], None, {}
     for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
-        options = asked or session_options(intra_op_num_threads=1, graph_optimization_level=_unoptimised())
-        tensors, arrays = _weights([by_name[n] for n in weights], None if asked else options)
         graph = helper.make_graph(
             nodes,
             f"{model.graph.name or 'graph'}_{index}",
             [typed[n] for n in inputs],
             [helper.make_value_info(n, onnx.TypeProto()) for n in outputs],
-            tensors,
+            [by_name[n] for n in weights],
         )
         piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
         piece.functions.extend(model.functions)
@@ -190,60 +189,13 @@ def _open_pieces(model: onnx.ModelProto, pieces: list, device: str, bar, expose,
                 return open_session(whole, device, options=asked, **session_kwargs)
             typed[out.name] = helper.make_tensor_value_info(out.name, elem, None)
             types[out.name] = out.type
-        sessions.append(_Piece(session, inputs, outputs, arrays))
+        sessions.append(_Piece(session, inputs, outputs))
         bar.step()
     for value in model.graph.input:
         elem = value.type.tensor_type.elem_type if value.type.HasField("tensor_type") else 0
         types.setdefault(value.name, _TYPE_NAMES.get(elem, ""))
     outputs = list(dict.fromkeys([o.name for o in model.graph.output] + [x for x in expose if x in types]))
     return SegmentedSession(sessions, outputs, used, types), used
-
-
-IN_MEMORY_BYTES = 1024  # weights above this reach ORT as arrays (`_weights`)
-_NUMPY_TYPES = {  # element types numpy holds as they are: their raw bytes are the array
-    value: np.dtype(name)
-    for value, name in [
-        (1, "float32"),
-        (10, "float16"),
-        (11, "float64"),
-        (3, "int8"),
-        (5, "int16"),
-        (6, "int32"),
-    ]
-    + [(7, "int64"), (2, "uint8"), (4, "uint16"), (12, "uint32"), (13, "uint64"), (9, "bool")]
-}
-
-
-def _weights(tensors: list, options) -> tuple[list, list]:
-    """(the piece's initializers, what must outlive its session). With `options` (the piece's own),
-    a weight of over IN_MEMORY_BYTES raw bytes reaches ORT as an OrtValue over an array of those
-    bytes (`add_external_initializers`), the piece holding only a stub marked external: its bytes
-    are not copied into the piece, serialised and parsed again (float32 pieces of the 100k stack:
-    8.3 -> 7.0 ms each, measured; the numbers are the same)."""
-    if options is None:
-        return tensors, []
-    kept, names, values, arrays = [], [], [], []
-    for tensor in tensors:
-        dtype = _NUMPY_TYPES.get(tensor.data_type)
-        raw = tensor.raw_data if dtype is not None else b""
-        if len(raw) <= IN_MEMORY_BYTES:
-            kept.append(tensor)
-            continue
-        array = np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.dims))
-        stub = onnx.TensorProto(
-            name=tensor.name,
-            data_type=tensor.data_type,
-            dims=tensor.dims,
-            data_location=onnx.TensorProto.EXTERNAL,
-        )
-        stub.external_data.add(key="location", value="in_memory")
-        kept.append(stub)
-        names.append(tensor.name)
-        values.append(ort_module().OrtValue.ortvalue_from_numpy(array))
-        arrays.append(array)
-    if names:
-        options.add_external_initializers(names, values)
-    return kept, arrays + values
 
 
 def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:

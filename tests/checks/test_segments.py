@@ -97,10 +97,8 @@ def test_synthetic_stack_validates_in_pieces():
     np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), rtol=1e-2, atol=1e-2)
     assert result.runs["ort:CPUExecutionProvider"][0]["cosine"] > 0.999
     assert TensorProto.FLOAT16 in {i.data_type for i in rewritten.graph.initializer}
-    assert any(p.weights for p in pieces.pieces)  # large weights reached ORT as arrays, not bytes
     # the float32 original: the chain computes what one session does (ORT fuses a little there)
     feeds = samples[0]
     original, _ = segments.open_checked(model, "cpu")
-    assert sum(len(p.weights) for p in original.pieces) > 10
     [want] = open_session(model, "cpu")[0].run(None, feeds)
     np.testing.assert_allclose(original.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
