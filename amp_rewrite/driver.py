@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 from amp_rewrite.analysis.elemtypes import check_dims
 from amp_rewrite.analysis.oplists import check_named_ops
-from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
+from amp_rewrite.api import RewriteOptions, RewriteResult
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.fallback import FallbackResult, fit
-from amp_rewrite.errors import UsageError
+from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import LoadedModel, load
 from amp_rewrite.onnx_facts import all_graphs
+from amp_rewrite.progress import Progress
+from amp_rewrite.transform.pipeline import run as rewrite_run
 
 
 @dataclass
@@ -126,10 +128,12 @@ def check(
     )
     if samples is not None and not len(samples) and checks:
         raise UsageError("no samples: a check on nothing would pass anything")
-    # onnx.checker up front when the original runs in ONNX Runtime, else once, on the rewrite
-    loaded = load(
-        model, lazy_weights=lazy_weights and not checks, checker=checks or not options.check, outputs=outputs
-    )
+    # onnx.checker once, on the rewrite (the input gets it when a stage or ONNX Runtime refuses it)
+    with Progress(1, "load", progress) as bar:
+        loaded = load(
+            model, lazy_weights=lazy_weights and not checks, checker=not options.check, outputs=outputs
+        )
+        bar.step()
     if keep_original or checks:
         loaded = _shared(loaded)
     model = loaded.model
@@ -143,10 +147,37 @@ def check(
             if inputs is not None
             else val.synthesise(model, dims=deployment.dims, count=samples_count)
         )
+    try:
+        out = _checked_run(
+            loaded,
+            samples,
+            options,
+            steps=(calibrate or tolerance, validate, tolerance),
+            numbers={"rtol": rtol, "atol": atol, "safety": safety, "max_runs": max_runs},
+            reference=reference,
+            progress=progress,
+        )
+    except ValidationError:  # ONNX Runtime refused a model: a bad input says so in one ModelError line
+        loaded.validate_in_full()
+        raise
+    if out.calibration is not None:
+        exempt = frozenset(out.result.report.sections.get("scaling", {}).get("exempt", ()))
+        out.result.report.sections["calibration"] = out.calibration.to_dict(
+            deployment.target, exempt=exempt, relax_margin=options.relax_margin
+        )
+    return out
+
+
+def _checked_run(loaded, samples, options, *, steps, numbers, reference, progress) -> CheckedResult:
+    """calibrate -> rewrite -> validate, or calibrate -> fit, on `loaded` as `check` set it up;
+    `steps`: (calibrate, validate, tolerance)."""
+    model, deployment = loaded.model, options.deployment
+    calibrate, validate, tolerance = steps
+    rtol, atol = numbers["rtol"], numbers["atol"]
     calibration = None
-    if calibrate or tolerance:
+    if calibrate:
         calibration = cal_mod.calibrate(
-            model, samples, deployment=deployment, safety=safety, progress=progress
+            model, samples, deployment=deployment, safety=numbers["safety"], progress=progress
         )
     if tolerance:
         fb = fit(
@@ -155,14 +186,14 @@ def check(
             rtol=rtol,
             atol=atol,
             calibration=calibration,
-            max_runs=max_runs,
+            max_runs=numbers["max_runs"],
             reference=reference,
             progress=progress,
             options=options,
         )
         out = CheckedResult(fb.result, calibration, fb.validation, fb, loaded)
     else:
-        result = rewrite(loaded, options.replace(calibration=calibration))
+        result = rewrite_run(loaded, options.replace(calibration=calibration), progress=progress)
         validation = None
         if validate:
             validation = val.validate(
@@ -177,11 +208,6 @@ def check(
             )
             result.report.sections["validation"] = validation.to_dict()
         out = CheckedResult(result, calibration, validation, None, loaded)
-    if calibration is not None:
-        exempt = frozenset(out.result.report.sections.get("scaling", {}).get("exempt", ()))
-        out.result.report.sections["calibration"] = calibration.to_dict(
-            deployment.target, exempt=exempt, relax_margin=options.relax_margin
-        )
     return out
 
 

@@ -5,9 +5,14 @@ CPU, float16 rewrite: 1k nodes 0.3 s, 10k nodes 10-37 s; its cast insertion and 
 revisit the whole graph), while the checks' runs are cheap. Cut into pieces of at most
 SEGMENT_NODES nodes in the graph's (topological) order, each piece its own session, setup is
 linear: each piece, with one intra-op thread (a thread pool per session costs more to start than
-the checks' few runs gain from it) and ORT's basic optimisations (its extended fusions cost a
-fifth more setup, measured), reads the tensors earlier pieces made (kept only until their last reader) and
-its own weights. Fusions across a cut are lost; the numbers of every node are otherwise ORT's own.
+the checks' few runs gain from it) and no graph optimisations (ORT's per-node setup is the cost
+left: float32 pieces about 7 ms a hundred nodes with them off, 8.5 with the basic ones; float16
+pieces about 17 ms either way, measured on the 100k stack; float16 costs more because ORT's CPU
+provider has few float16 kernels: it looks each node up, inlines a function body (Softmax) and
+inserts Casts to compute in float32), reads the tensors earlier pieces made (kept only until their
+last reader) and its own weights. Every node computes as ORT's kernel for
+it does; what ORT would fuse runs unfused, and a float16 tensor crossing a cut is stored as the
+model says (one session keeps it float32 between ops it computes in float32).
 
 `open_checked(model, device)` returns ORT's session for small models and a `SegmentedSession`
 with the same `run` / `get_outputs` / `get_providers` for large ones, with a progress line for
@@ -32,6 +37,7 @@ SEGMENT_NODES = 100  # measured (10k-node float16 stack, CPU): 100 < 200 < 400 n
 @dataclass(frozen=True)
 class _Output:
     name: str
+    type: str  # as ORT names it: "tensor(float)"
 
 
 @dataclass
@@ -42,11 +48,16 @@ class _Piece:
 
 
 _GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
+_WITH_GRAPHS = frozenset({"If", "Loop", "Scan", "SequenceMap"})  # ONNX's ops with graph attributes
 
 
 def _reads(node: onnx.NodeProto) -> list:
-    """Inputs of `node`, and every name its subgraphs read (outer-scope values included)."""
+    """Inputs of `node`, and every name its subgraphs read (outer-scope values included). Only
+    ONNX's control-flow ops and other domains' ops (a contrib beam search) can hold a subgraph:
+    the others' attributes are not walked (protobuf access is the cost of planning)."""
     names = list(node.input)
+    if node.op_type not in _WITH_GRAPHS and node.domain in ("", "ai.onnx"):
+        return names
     for attr in node.attribute:
         if attr.type == _GRAPH or attr.type == _GRAPHS:
             for graph in [attr.g] if attr.type == _GRAPH else attr.graphs:
@@ -55,8 +66,9 @@ def _reads(node: onnx.NodeProto) -> list:
     return names
 
 
-def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
-    """[(nodes, inputs, weights, outputs)] per piece, or None when the model should run whole."""
+def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES, expose=()):
+    """[(nodes, inputs, weights, outputs)] per piece, or None when the model should run whole;
+    `expose`: main-graph tensors the caller also reads, as if they were graph outputs."""
     graph = model.graph
     nodes = list(graph.node)
     if len(nodes) <= size:
@@ -81,8 +93,8 @@ def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
         for x in outer:
             last_read[x] = index
         used_by.append((used, outer))
-    wanted = {o.name for o in graph.output}
     fed = graph_inputs - initializers  # an output that is a fed input comes from the feeds
+    wanted = {o.name for o in graph.output} | {x for x in expose if x in made_in or x in fed}
     if any(x not in made_in and x not in fed for x in wanted):
         return None  # an output that is a weight: rare, run whole
     out = []
@@ -100,9 +112,10 @@ def plan(model: onnx.ModelProto, size: int = SEGMENT_NODES):
 class SegmentedSession:
     """ORT sessions over consecutive pieces of one graph, run as one model."""
 
-    def __init__(self, pieces: list, outputs: list, provider_used: str):
+    def __init__(self, pieces: list, outputs: list, provider_used: str, types: dict):
         self.pieces = pieces
         self._outputs = outputs
+        self._types = types
         self._provider = provider_used
         last: dict = {}
         for index, piece in enumerate(pieces):
@@ -111,7 +124,7 @@ class SegmentedSession:
         self._last_read = last
 
     def get_outputs(self) -> list:
-        return [_Output(n) for n in self._outputs]
+        return [_Output(n, self._types[n]) for n in self._outputs]
 
     def get_providers(self) -> list:
         return [self._provider]
@@ -136,40 +149,67 @@ def open_checked(
     progress=None,
     label: str = "session",
     size: int = SEGMENT_NODES,
+    expose=(),
     **session_kwargs,
 ):
     """(session, ORT provider used) on `device` ("cuda" or "cpu", as `Deployment.device` resolved
-    it): ORT's session, or a SegmentedSession for a model over `size` nodes.
+    it): ORT's session, or a SegmentedSession for a model over `size` nodes. `expose`: main-graph
+    tensors to output after the graph's outputs (no copy of the model for them when in pieces).
     A piece's outputs are declared untyped (ORT infers them); the types it reports type the next
     pieces' inputs, so no type inference over the whole model runs here."""
-    pieces = plan(model, size)
-    if pieces is None:
-        return open_session(model, device, **session_kwargs)
+    count = len(model.graph.node)
+    with Progress(-(-count // size), f"{label}: session setup", progress if count > size else False) as bar:
+        pieces = plan(model, size, expose)  # drawn under the bar: a second at 100k nodes
+        if pieces is None:
+            return open_session(with_outputs(model, expose) if expose else model, device, **session_kwargs)
+        return _open_pieces(model, pieces, device, bar, expose, session_kwargs)
+
+
+def _open_pieces(model: onnx.ModelProto, pieces: list, device: str, bar, expose, session_kwargs):
     by_name = {i.name: i for i in model.graph.initializer}
     typed = {v.name: v for v in model.graph.input}
     asked = session_kwargs.pop("options", None)
-    options = asked or session_options(intra_op_num_threads=1, graph_optimization_level=_basic())
-    sessions, used = [], None
-    with Progress(len(pieces), f"{label}: session setup", progress) as bar:
-        for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
-            graph = helper.make_graph(
-                nodes,
-                f"{model.graph.name or 'graph'}_{index}",
-                [typed[n] for n in inputs],
-                [helper.make_value_info(n, onnx.TypeProto()) for n in outputs],
-                [by_name[n] for n in weights],
-            )
-            piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
-            piece.functions.extend(model.functions)
-            session, used = open_session(_serialised(piece), device, options=options, **session_kwargs)
-            for out in session.get_outputs():
-                elem = _TENSOR_TYPES.get(out.type)
-                if elem is None:  # a sequence or map crossing a cut: run the model whole
-                    return open_session(model, device, options=asked, **session_kwargs)
-                typed[out.name] = helper.make_tensor_value_info(out.name, elem, None)
-            sessions.append(_Piece(session, inputs, outputs))
-            bar.step()
-    return SegmentedSession(sessions, [o.name for o in model.graph.output], used), used
+    options = asked or session_options(intra_op_num_threads=1, graph_optimization_level=_unoptimised())
+    sessions, used, types = [], None, {}
+    for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
+        graph = helper.make_graph(
+            nodes,
+            f"{model.graph.name or 'graph'}_{index}",
+            [typed[n] for n in inputs],
+            [helper.make_value_info(n, onnx.TypeProto()) for n in outputs],
+            [by_name[n] for n in weights],
+        )
+        piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+        piece.functions.extend(model.functions)
+        session, used = open_session(_serialised(piece), device, options=options, **session_kwargs)
+        for out in session.get_outputs():
+            elem = _TENSOR_TYPES.get(out.type)
+            if elem is None:  # a sequence or map crossing a cut: run the model whole
+                whole = with_outputs(model, expose) if expose else model
+                return open_session(whole, device, options=asked, **session_kwargs)
+            typed[out.name] = helper.make_tensor_value_info(out.name, elem, None)
+            types[out.name] = out.type
+        sessions.append(_Piece(session, inputs, outputs))
+        bar.step()
+    for value in model.graph.input:
+        elem = value.type.tensor_type.elem_type if value.type.HasField("tensor_type") else 0
+        types.setdefault(value.name, _TYPE_NAMES.get(elem, ""))
+    outputs = list(dict.fromkeys([o.name for o in model.graph.output] + [x for x in expose if x in types]))
+    return SegmentedSession(sessions, outputs, used, types), used
+
+
+def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of `model` whose graph also outputs the main-graph tensors `names`, declared untyped:
+    ONNX Runtime infers their types (no type inference over the whole model here)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    present = {o.name for o in copy.graph.output}
+    made = {o for n in copy.graph.node for o in n.output} | {v.name for v in copy.graph.input}
+    for name in names:
+        if name not in present and name in made:
+            copy.graph.output.append(helper.make_value_info(name, onnx.TypeProto()))
+            present.add(name)
+    return copy
 
 
 def _serialised(piece: onnx.ModelProto):
@@ -181,13 +221,14 @@ def _serialised(piece: onnx.ModelProto):
         return piece
 
 
-def _basic():
-    return ort_module().GraphOptimizationLevel.ORT_ENABLE_BASIC
+def _unoptimised():
+    return ort_module().GraphOptimizationLevel.ORT_DISABLE_ALL
 
 
 _TENSOR_TYPES = {
     f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value
 }
+_TYPE_NAMES = {value: name for name, value in _TENSOR_TYPES.items()}
 
 
 def _same(used: str) -> str:

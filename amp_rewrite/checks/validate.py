@@ -22,7 +22,7 @@ import onnx
 from onnx import helper
 
 from amp_rewrite.checks.reference import CPU_NOTE, run_reference, use_reference
-from amp_rewrite.checks.segments import open_checked
+from amp_rewrite.checks.segments import open_checked, with_outputs
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import load
@@ -324,14 +324,6 @@ def _compare_all(names, ref, got, rtol, atol) -> list:
 
 
 def expose(model: onnx.ModelProto, names) -> onnx.ModelProto:
-    """A copy of `model` whose graph also outputs the main-graph tensors `names`, declared untyped:
-    ONNX Runtime infers their types (no type inference over the whole model here)."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    present = {o.name for o in copy.graph.output}
-    made = {o for n in copy.graph.node for o in n.output} | {v.name for v in copy.graph.input}
-    for name in names:
-        if name not in present and name in made:
-            copy.graph.output.append(helper.make_value_info(name, onnx.TypeProto()))
-            present.add(name)
-    return copy
+    """A copy of `model` whose graph also outputs the main-graph tensors `names`, declared untyped
+    (`open_checked(..., expose=names)` does the same without the copy for a model run in pieces)."""
+    return with_outputs(model, names)

@@ -24,6 +24,7 @@ from amp_rewrite.analysis.oplists import check_named_ops
 from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
 from amp_rewrite.onnx_facts import opsets
 from amp_rewrite.options import RewriteOptions
+from amp_rewrite.progress import Progress
 from amp_rewrite.report import flops as report_flops
 from amp_rewrite.report import report as report_mod
 from amp_rewrite.transform import colour_as, converters, range_run, weights
@@ -288,8 +289,9 @@ def _gc_paused(function):
 
 
 @_gc_paused
-def run(model, options: RewriteOptions) -> RewriteResult:
-    """Rewrite `model` (a path, ModelProto or LoadedModel) as `options` say; see `api.rewrite`."""
+def run(model, options: RewriteOptions, progress=None) -> RewriteResult:
+    """Rewrite `model` (a path, ModelProto or LoadedModel) as `options` say; see `api.rewrite`.
+    `progress` (the checked run's): a bar over the stages, as progress.Progress draws it."""
     started = time.perf_counter()
     lists = options.lists()
     # onnx.checker runs once, on the result (`check`); the input gets it only when anything fails,
@@ -298,8 +300,10 @@ def run(model, options: RewriteOptions) -> RewriteResult:
     check_named_ops(lists, loaded.model)
     w = Work(loaded, options, lists, started)
     try:
-        for stage in STAGES:
-            stage(w)
+        with Progress(len(STAGES), "rewrite", progress) as bar:
+            for stage in STAGES:
+                stage(w)
+                bar.step()
     except Exception:
         loaded.validate_in_full()
         raise

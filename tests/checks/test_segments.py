@@ -58,6 +58,14 @@ def test_segmented_session_matches_one_session():
     for a, b in zip(pieces.run(None, feeds), whole.run(None, feeds)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert pieces.run(["r3"], feeds)[0].shape == (2, 4)
+    # tensors exposed to the caller (calibration's, without a copy of the model): as one session has them
+    exposed, _ = segments.open_checked(model, "cpu", size=4, expose=["m3", "t7", "x", "w0", "nosuch"])
+    names = [o.name for o in exposed.get_outputs()]
+    assert names[1:] == ["r3", "x", "m3", "t7"] and len(exposed.pieces) > 5
+    assert {o.type for o in exposed.get_outputs()} == {"tensor(float)"}
+    whole_exposed, _ = open_session(segments.with_outputs(model, ["m3", "t7"]), "cpu")
+    for a, b in zip(exposed.run(names, feeds), whole_exposed.run(names, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_small_or_unordered_model_runs_whole():
@@ -89,3 +97,8 @@ def test_synthetic_stack_validates_in_pieces():
     np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), rtol=1e-2, atol=1e-2)
     assert result.runs["ort:CPUExecutionProvider"][0]["cosine"] > 0.999
     assert TensorProto.FLOAT16 in {i.data_type for i in rewritten.graph.initializer}
+    # the float32 original: the chain computes what one session does (ORT fuses a little there)
+    feeds = samples[0]
+    original, _ = segments.open_checked(model, "cpu")
+    [want] = open_session(model, "cpu")[0].run(None, feeds)
+    np.testing.assert_allclose(original.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)

@@ -230,3 +230,16 @@ def test_accumulate_matches_numpy(seed):
     got = {k: getattr(r, k) for k in want}
     assert got == pytest.approx(want)
     assert r.max_abs < float(np.finfo(F32).max)
+    # measured together (calibration's pass over a sample): each tensor's figures as on its own
+    clean = [np.where(np.abs(a) == float(np.finfo(F32).max), F32(3.0), a) for a in arrays]
+    for chunk in (1 << 22, 7):
+        calibrate.CHUNK, saved = chunk, calibrate.CHUNK
+        try:
+            together = [calibrate.TensorRange(str(i), None, None) for i in range(2 * len(arrays))]
+            calibrate._accumulate_all(together, [*arrays, *clean], flush)
+        finally:
+            calibrate.CHUNK = saved
+        for r_all, a in zip(together, [*arrays, *clean]):
+            alone = calibrate.TensorRange("t", None, None)
+            calibrate._accumulate(alone, a, flush)
+            assert {k: getattr(r_all, k) for k in want} == {k: getattr(alone, k) for k in want}
