@@ -55,16 +55,24 @@ class FallbackResult:
         }
 
 
-def _rel_error(ref: list, got: list) -> float:
+def _rel_error(ref: list, got: list, prepared: list | None = None) -> float:
     """Relative L2 error of `got` against `ref` over the finite reference values. A float32
     sentinel (+-finfo(float32).max, see checks.calibrate) that the candidate holds as inf or its
-    own largest value of the same sign is no error, as calibration decided: it is left out."""
+    own largest value of the same sign is no error, as calibration decided: it is left out.
+    `prepared` (`_prepare(ref)`, kept across runs) saves the reference's own passes."""
     num = den = 0.0
-    for r, g in zip(ref, got):
-        r = np.asarray(r, np.float64)
-        g = np.asarray(g, np.float64)
+    for r, g, (plain, r_den) in zip(ref, got, prepared or _prepare(ref)):
+        r, g = np.asarray(r), np.asarray(g)
         if r.shape != g.shape:
             return HUGE
+        if plain:  # every reference value finite, no sentinel: the mask below would keep them all
+            if not np.isfinite(g).all():
+                return HUGE
+            num += float(np.sum(np.subtract(g.ravel(), r.ravel(), dtype=np.float64) ** 2))
+            den += r_den
+            continue
+        r = np.asarray(r, np.float64)
+        g = np.asarray(g, np.float64)
         finite = np.isfinite(r)
         sentinel = np.abs(r) == cal_mod.SENTINEL
         if sentinel.any():
@@ -76,6 +84,16 @@ def _rel_error(ref: list, got: list) -> float:
         num += float(np.sum((g[finite] - r[finite]) ** 2))
         den += float(np.sum(r[finite] ** 2))
     return float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else HUGE)
+
+
+def _prepare(ref: list) -> list:
+    """Per reference array: (all finite and no sentinel, its sum of squares in float64)."""
+    out = []
+    for r in ref:
+        r = np.asarray(r)
+        plain = bool(np.isfinite(r).all()) and not bool((np.abs(r) == cal_mod.SENTINEL).any())
+        out.append((plain, float(np.sum(np.asarray(r, np.float64).ravel() ** 2)) if plain else 0.0))
+    return out
 
 
 @dataclass
@@ -101,15 +119,16 @@ def _structure(model: onnx.ModelProto, measured: dict) -> _Structure:
 def _precision_by_key(result: RewriteResult, st: _Structure) -> dict:
     """Node key -> precision; the scale Muls power-of-two scaling inserted shift the indices."""
     inserted = set(result.report.sections.get("scaling", {}).get("inserted", ()))
-    main = [n for n in result.report.nodes if n["scope"] == 0 and n.get("index") is not None]
-    shift = sorted(n["index"] for n in main if n["name"] in inserted) if inserted else []
+    main = [(i, name, p) for (scope, i), (name, p) in result.report.precisions.items() if scope == 0]
+    main = [row for row in main if row[0] is not None]
+    shift = sorted(index for index, name, _ in main if name in inserted) if inserted else []
     out = {}
-    for n in main:
-        if n["name"] in inserted:
+    for index, name, precision in main:
+        if name in inserted:
             continue
-        index = n["index"] - bisect.bisect_left(shift, n["index"])
+        index -= bisect.bisect_left(shift, index)
         if index < len(st.keys):
-            out[st.keys[index]] = n["precision"]
+            out[st.keys[index]] = precision
     return out
 
 
@@ -263,6 +282,7 @@ def fit(
         return validation
 
     pinned: dict = {}
+    prepared: dict = {}  # reference tensor -> _prepare(...), the same every run
     k, growth, batch = 1, 2.0, []
     result = None
     while runs < max_runs - 1:  # the last run is the final check
@@ -271,7 +291,7 @@ def fit(
             break
         if runs == 1:
             growth = _growth(result, st, max_runs)
-        new = _rank(result, st, _unscaled(result, tensors), ref_tensors, pinned, runs)
+        new = _rank(result, st, _unscaled(result, tensors), ref_tensors, pinned, runs, prepared)
         if not new:
             break
         batch = new[:k]
@@ -310,14 +330,24 @@ def _growth(result: RewriteResult, st: _Structure, max_runs: int) -> float:
 
 
 def _rank(
-    result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int
+    result: RewriteResult,
+    st: _Structure,
+    tensors: dict,
+    ref_tensors: dict,
+    pinned: dict,
+    run: int,
+    prepared: dict | None = None,
 ) -> list:
-    """[(node key, reason)] best first: nodes where the relative error jumps most."""
+    """[(node key, reason)] best first: nodes where the relative error jumps most. `prepared`
+    keeps each reference tensor's own figures (`_prepare`) across runs."""
+    prepared = {} if prepared is None else prepared
     error: dict = {}
     for per_run in tensors.values():
         for t, arrays in per_run.items():
             if t in ref_tensors:
-                error[t] = max(error.get(t, 0.0), _rel_error(ref_tensors[t], arrays))
+                if t not in prepared:
+                    prepared[t] = _prepare(ref_tensors[t])
+                error[t] = max(error.get(t, 0.0), _rel_error(ref_tensors[t], arrays, prepared[t]))
     precision = _precision_by_key(result, st)
     scores: dict = {}
     for key in st.keys:
