@@ -147,11 +147,19 @@ def _unscaled(result: RewriteResult, tensors: dict) -> dict:
 
 
 def _evaluate(
-    candidate: onnx.ModelProto, samples, names: list, measured: list, device: str, reference, progress
+    candidate: onnx.ModelProto,
+    samples,
+    names: list,
+    measured: list,
+    device: str,
+    reference,
+    progress,
+    sessions: dict | None = None,
 ) -> tuple[dict, dict]:
-    """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
+    """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}. `sessions`
+    keeps the last candidate's piece sessions: those whose bytes no pin changed are reused."""
     exposed = val.expose(candidate, measured)
-    sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate")
+    sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate", cache=sessions)
     available = {o.name for o in sess.get_outputs()}
     kept = set(names)
     inter = [m for m in measured if m in available and m not in kept]  # sets: 10k tensors, one pass
@@ -228,6 +236,7 @@ def fit(
 
     history: list = []
     runs = 0
+    sessions: dict = {}  # the last candidate's pieces: the next shares those before its first change
 
     def rewritten(pins: dict) -> RewriteResult:
         return rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
@@ -249,7 +258,7 @@ def fit(
         nonlocal runs
         candidate = rewritten(pins)
         outputs, tensors = _evaluate(
-            candidate.model, samples, names, measured_names, device, reference, progress
+            candidate.model, samples, names, measured_names, device, reference, progress, sessions
         )
         runs += 1
         stats = [s for run, got in outputs.items() for s in val._compare_all(names, ref_out, got, rtol, atol)]

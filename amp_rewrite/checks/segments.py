@@ -17,6 +17,7 @@ runs whole.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import onnx
@@ -136,12 +137,15 @@ def open_checked(
     progress=None,
     label: str = "session",
     size: int = SEGMENT_NODES,
+    cache: dict | None = None,
     **session_kwargs,
 ):
     """(session, ORT provider used) on `device` ("cuda" or "cpu", as `Deployment.device` resolved
     it): ORT's session, or a SegmentedSession for a model over `size` nodes.
     A piece's outputs are declared untyped (ORT infers them); the types it reports type the next
-    pieces' inputs, so no type inference over the whole model runs here."""
+    pieces' inputs, so no type inference over the whole model runs here. `cache` (a dict the
+    caller keeps) reuses the session of a piece whose bytes the last call opened and keeps this
+    call's: the accuracy fallback's candidates share their pieces before the first node a pin changed."""
     pieces = plan(model, size)
     if pieces is None:
         return open_session(model, device, **session_kwargs)
@@ -149,7 +153,7 @@ def open_checked(
     typed = {v.name: v for v in model.graph.input}
     asked = session_kwargs.pop("options", None)
     options = asked or session_options(intra_op_num_threads=1, graph_optimization_level=_basic())
-    sessions, used = [], None
+    sessions, used, opened = [], None, {}
     with Progress(len(pieces), f"{label}: session setup", progress) as bar:
         for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
             graph = helper.make_graph(
@@ -161,7 +165,13 @@ def open_checked(
             )
             piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
             piece.functions.extend(model.functions)
-            session, used = open_session(_serialised(piece), device, options=options, **session_kwargs)
+            data = _serialised(piece)
+            key = hashlib.sha256(data).digest() if cache is not None and isinstance(data, bytes) else None
+            session, used = (cache or {}).get(key) or open_session(
+                data, device, options=options, **session_kwargs
+            )
+            if key is not None:
+                opened[key] = (session, used)
             for out in session.get_outputs():
                 elem = _TENSOR_TYPES.get(out.type)
                 if elem is None:  # a sequence or map crossing a cut: run the model whole
@@ -169,6 +179,9 @@ def open_checked(
                 typed[out.name] = helper.make_tensor_value_info(out.name, elem, None)
             sessions.append(_Piece(session, inputs, outputs))
             bar.step()
+    if cache is not None:  # this call's sessions only: memory stays one model's
+        cache.clear()
+        cache.update(opened)
     return SegmentedSession(sessions, [o.name for o in model.graph.output], used), used
 
 
