@@ -31,6 +31,7 @@ from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.reference import CPU_NOTE, use_reference
 from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.io import load
+from amp_rewrite.transform.pipeline import check_valid
 
 HUGE = 1e30
 LOW_MAX = cal_mod.LIMITS["float16"]  # bfloat16's is larger: a low type's sentinel is at least this
@@ -238,8 +239,10 @@ def fit(
     runs = 0
     sessions: dict = {}  # the last candidate's pieces: the next shares those before its first change
 
+    unchecked = options.replace(check=False)  # onnx.checker runs once, on the candidate kept
+
     def rewritten(pins: dict) -> RewriteResult:
-        return rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
+        return rewrite(loaded, unchecked.replace(calibration=calibration, force_fp32={**base_force, **pins}))
 
     def record(pins: dict, passed: bool, worst_rel: float, worst_abs: float, **extra) -> None:
         history.append(
@@ -320,6 +323,8 @@ def fit(
             else:
                 low = middle
         pinned = {**before, **dict(batch[:high])}
+    if options.check:
+        check_valid(result.model, skeleton=loaded.lazy)
     validation = check(result, pinned, final=True)
     if skipped:  # say why onnx.reference did not run, instead of how to run it
         validation.notes[:] = [n for n in validation.notes if n != CPU_NOTE] + skipped
