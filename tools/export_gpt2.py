@@ -14,7 +14,9 @@ import argparse
 import sys
 import warnings
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 
 OPSET = 17
 MAX_IR_VERSION = 10
@@ -47,8 +49,30 @@ def export(path: str, seq: int = 128) -> onnx.ModelProto:
             output_names=["out"],
         ).model_proto
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    _split_sizes_as_input(model)
+    onnx.checker.check_model(model)
     onnx.save(model, path)
     return model
+
+
+def _split_sizes_as_input(model: onnx.ModelProto) -> None:
+    """The exporter converts its opset 18 graph down to 17 but leaves Split's `num_outputs` (new in
+    18): opset 17 takes the sizes as an input, here from the shapes the exporter declares."""
+    declared = {v.name: v.type.tensor_type.shape for v in model.graph.value_info}
+    for node in model.graph.node:
+        count = next((a.i for a in node.attribute if a.name == "num_outputs"), None)
+        if node.op_type != "Split" or count is None:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        length = declared[node.input[0]].dim[axis].dim_value
+        sizes = f"{node.name or node.output[0]}_sizes"
+        model.graph.initializer.append(
+            onnx.numpy_helper.from_array(np.full(count, length // count, np.int64), sizes)
+        )
+        kept = [a for a in node.attribute if a.name != "num_outputs"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.input.append(sizes)
 
 
 def main(argv=None) -> int:
