@@ -144,8 +144,10 @@ def open_checked(
     it): ORT's session, or a SegmentedSession for a model over `size` nodes.
     A piece's outputs are declared untyped (ORT infers them); the types it reports type the next
     pieces' inputs, so no type inference over the whole model runs here. `cache` (a dict the
-    caller keeps) reuses the session of a piece whose bytes the last call opened and keeps this
-    call's: the accuracy fallback's candidates share their pieces before the first node a pin changed."""
+    caller keeps: piece index -> (digest of its bytes, session, provider)) reuses the session of a
+    piece whose bytes are those the last call opened at its place, else frees it first (one model's
+    sessions held): the accuracy fallback's candidates share their pieces before the first node a
+    pin changed."""
     pieces = plan(model, size)
     if pieces is None:
         return open_session(model, device, **session_kwargs)
@@ -153,7 +155,7 @@ def open_checked(
     typed = {v.name: v for v in model.graph.input}
     asked = session_kwargs.pop("options", None)
     options = asked or session_options(intra_op_num_threads=1, graph_optimization_level=_basic())
-    sessions, used, opened = [], None, {}
+    sessions, used = [], None
     with Progress(len(pieces), f"{label}: session setup", progress) as bar:
         for index, (nodes, inputs, weights, outputs) in enumerate(pieces):
             graph = helper.make_graph(
@@ -167,11 +169,14 @@ def open_checked(
             piece.functions.extend(model.functions)
             data = _serialised(piece)
             key = hashlib.sha256(data).digest() if cache is not None and isinstance(data, bytes) else None
-            session, used = (cache or {}).get(key) or open_session(
-                data, device, options=options, **session_kwargs
-            )
+            last = cache.pop(index, None) if cache is not None else None  # freed unless reused
+            if last is not None and key is not None and last[0] == key:
+                session, used = last[1], last[2]
+            else:
+                last = None
+                session, used = open_session(data, device, options=options, **session_kwargs)
             if key is not None:
-                opened[key] = (session, used)
+                cache[index] = (key, session, used)
             for out in session.get_outputs():
                 elem = _TENSOR_TYPES.get(out.type)
                 if elem is None:  # a sequence or map crossing a cut: run the model whole
@@ -179,9 +184,8 @@ def open_checked(
                 typed[out.name] = helper.make_tensor_value_info(out.name, elem, None)
             sessions.append(_Piece(session, inputs, outputs))
             bar.step()
-    if cache is not None:  # this call's sessions only: memory stays one model's
-        cache.clear()
-        cache.update(opened)
+    for stale in [i for i in cache or () if i >= len(pieces)]:  # the last call had more pieces
+        del cache[stale]
     return SegmentedSession(sessions, [o.name for o in model.graph.output], used), used
 
 
