@@ -230,9 +230,11 @@ def fit(
         ref_sess, samples, outputs=ref_available, progress=progress, label="fallback: original"
     )
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
+    ref_sess = None  # its weights and buffers: the original's values are all it was for
     skipped: list = []  # decided once, on the original: every candidate has its shapes
     reference = use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
+    ref_rows = None  # ref_tensors and ref_out hold what the search and the checks read
     base_force = dict(options.force_fp32)
 
     history: list = []
@@ -311,6 +313,8 @@ def fit(
         k = math.ceil(k * growth)
     else:
         result, passed = rewritten(pinned), False
+    sessions.clear()  # the checks below need neither the last candidate's sessions nor its tensors
+    tensors = ref_tensors = None
     if passed and len(batch) > 1:  # runs left: pin only as much of the last batch as it takes
         before = dict(list(pinned.items())[: len(pinned) - len(batch)])
         low, high = 0, len(batch)
