@@ -148,14 +148,7 @@ def _unscaled(result: RewriteResult, tensors: dict) -> dict:
 
 
 def _evaluate(
-    candidate: onnx.ModelProto,
-    samples,
-    names: list,
-    measured: list,
-    device: str,
-    reference,
-    progress,
-    sessions: dict | None = None,
+    candidate: onnx.ModelProto, samples, names, measured: list, device: str, reference, progress, sessions
 ) -> tuple[dict, dict]:
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}. `sessions`
     keeps the last candidate's piece sessions: those whose bytes no pin changed are reused."""
@@ -348,17 +341,10 @@ def _growth(result: RewriteResult, st: _Structure, max_runs: int) -> float:
 
 
 def _rank(
-    result: RewriteResult,
-    st: _Structure,
-    tensors: dict,
-    ref_tensors: dict,
-    pinned: dict,
-    run: int,
-    prepared: dict | None = None,
+    result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int, prepared
 ) -> list:
-    """[(node key, reason)] best first: nodes where the relative error jumps most. `prepared`
-    keeps each reference tensor's own figures (`_prepare`) across runs."""
-    prepared = {} if prepared is None else prepared
+    """[(node key, reason)] best first: nodes where the relative error jumps most. `prepared` (a
+    dict) keeps each reference tensor's own figures (`_prepare`) across runs."""
     error: dict = {}
     for per_run in tensors.values():
         for t, arrays in per_run.items():
