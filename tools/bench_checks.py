@@ -2,6 +2,7 @@
 
     python tools/bench_checks.py                       # 1k, 10k, 100k nodes
     python tools/bench_checks.py --sizes 1000 --repeat 3
+    python tools/bench_checks.py --sizes --model gpt2.onnx --checks tolerance   # tools/export_gpt2.py
 
 Per size: the plain rewrite, then `--validate`, `--calibrate` and `--tolerance` (each its own
 process, so every figure includes loading and saving, as a user sees it), with wall seconds, CPU
@@ -50,34 +51,41 @@ def timed(args: list) -> tuple[float, float, float, int]:
     return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, proc.returncode
 
 
-def bench(sizes, repeat: int, tolerance_up_to: int, checks) -> list[dict]:
+def bench(sizes, repeat: int, tolerance_up_to: int, checks, models=(), model_dims=()) -> list[dict]:
+    """One row per synthetic stack size, then one per `models` path (run with `model_dims`)."""
     rows = []
     with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "out.onnx"
         for size in sizes:
             model = Path(folder) / f"stack{size}.onnx"
             onnx.save(synthetic.transformer_stack(size), str(model))
-            out = Path(folder) / "out.onnx"
-            base = [str(model), *DIMS, "-o", str(out), "--force", "--quiet"]
-            row = {"nodes": size}
-            for name, flags in [("plain", [])] + [(c, CHECKS[c]) for c in checks]:
-                if name == "tolerance" and size > tolerance_up_to:
-                    continue
-                runs = [timed(base + flags) for _ in range(repeat)]
-                row[name] = (
-                    statistics.median(r[0] for r in runs),
-                    statistics.median(r[1] for r in runs),
-                    max(r[2] for r in runs),
-                    runs[-1][3],
-                )
-                print(
-                    f"  {size} {name}: {row[name][0]:.1f} s wall, {row[name][1]:.1f} s CPU, {row[name][2]:.0f} MB, "
-                    f"exit {row[name][3]}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            rows.append(row)
+            wanted = [c for c in checks if c != "tolerance" or size <= tolerance_up_to]
+            rows.append(_row(size, [str(model), *DIMS], out, repeat, wanted))
             model.unlink()
+        for path in models:
+            rows.append(_row(Path(path).stem, [str(path), *model_dims], out, repeat, checks))
     return rows
+
+
+def _row(label, model_args: list, out: Path, repeat: int, checks) -> dict:
+    """The plain rewrite and each check of one model, medians over `repeat` runs."""
+    base = [*model_args, "-o", str(out), "--force", "--quiet"]
+    row = {"nodes": label}
+    for name, flags in [("plain", [])] + [(c, CHECKS[c]) for c in checks]:
+        runs = [timed(base + flags) for _ in range(repeat)]
+        row[name] = (
+            statistics.median(r[0] for r in runs),
+            statistics.median(r[1] for r in runs),
+            max(r[2] for r in runs),
+            runs[-1][3],
+        )
+        print(
+            f"  {label} {name}: {row[name][0]:.1f} s wall, {row[name][1]:.1f} s CPU, {row[name][2]:.0f} MB, "
+            f"exit {row[name][3]}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return row
 
 
 def table(rows: list[dict], checks) -> str:
@@ -100,17 +108,25 @@ def table(rows: list[dict], checks) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
+    p.add_argument("--sizes", type=int, nargs="*", default=[1000, 10000, 100000])
     p.add_argument("--repeat", type=int, default=1, help="runs per figure (median)")
     p.add_argument(
         "--tolerance-up-to", type=int, default=10000, help="largest size the tolerance search runs on"
     )
     p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=[],
+        help="also time these .onnx files (a row each, named by file; e.g. tools/export_gpt2.py's)",
+    )
+    p.add_argument("--model-dim", action="append", default=[], help="NAME=SIZE for --model's symbolic dims")
     args = p.parse_args(argv)
-    rows = bench(args.sizes, args.repeat, args.tolerance_up_to, args.checks)
+    model_dims = [flag for dim in args.model_dim for flag in ("--dim", dim)]
+    rows = bench(args.sizes, args.repeat, args.tolerance_up_to, args.checks, args.model, model_dims)
     print(
-        f"amp-rewrite on synthetic stacks ({' '.join(DIMS)}), wall and CPU seconds (median of {args.repeat}), "
-        "CPU ratio to the plain rewrite, peak RSS"
+        f"amp-rewrite on synthetic stacks ({' '.join(DIMS)}){' and ' + ', '.join(args.model) if args.model else ''}, "
+        f"wall and CPU seconds (median of {args.repeat}), CPU ratio to the plain rewrite, peak RSS"
     )
     print(table(rows, args.checks))
     return 0

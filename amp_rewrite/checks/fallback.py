@@ -31,6 +31,7 @@ from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.reference import CPU_NOTE, use_reference
 from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.io import load
+from amp_rewrite.transform.pipeline import check_valid
 
 HUGE = 1e30
 LOW_MAX = cal_mod.LIMITS["float16"]  # bfloat16's is larger: a low type's sentinel is at least this
@@ -55,16 +56,24 @@ class FallbackResult:
         }
 
 
-def _rel_error(ref: list, got: list) -> float:
+def _rel_error(ref: list, got: list, prepared: list | None = None) -> float:
     """Relative L2 error of `got` against `ref` over the finite reference values. A float32
     sentinel (+-finfo(float32).max, see checks.calibrate) that the candidate holds as inf or its
-    own largest value of the same sign is no error, as calibration decided: it is left out."""
+    own largest value of the same sign is no error, as calibration decided: it is left out.
+    `prepared` (`_prepare(ref)`, kept across runs) saves the reference's own passes."""
     num = den = 0.0
-    for r, g in zip(ref, got):
-        r = np.asarray(r, np.float64)
-        g = np.asarray(g, np.float64)
+    for r, g, (plain, r_den) in zip(ref, got, prepared or _prepare(ref)):
+        r, g = np.asarray(r), np.asarray(g)
         if r.shape != g.shape:
             return HUGE
+        if plain:  # every reference value finite, no sentinel: the mask below would keep them all
+            if not np.isfinite(g).all():
+                return HUGE
+            num += float(np.sum(np.subtract(g.ravel(), r.ravel(), dtype=np.float64) ** 2))
+            den += r_den
+            continue
+        r = np.asarray(r, np.float64)
+        g = np.asarray(g, np.float64)
         finite = np.isfinite(r)
         sentinel = np.abs(r) == cal_mod.SENTINEL
         if sentinel.any():
@@ -76,6 +85,16 @@ def _rel_error(ref: list, got: list) -> float:
         num += float(np.sum((g[finite] - r[finite]) ** 2))
         den += float(np.sum(r[finite] ** 2))
     return float(np.sqrt(num / den)) if den > 0 else (0.0 if num == 0 else HUGE)
+
+
+def _prepare(ref: list) -> list:
+    """Per reference array: (all finite and no sentinel, its sum of squares in float64)."""
+    out = []
+    for r in ref:
+        r = np.asarray(r)
+        plain = bool(np.isfinite(r).all()) and not bool((np.abs(r) == cal_mod.SENTINEL).any())
+        out.append((plain, float(np.sum(np.asarray(r, np.float64).ravel() ** 2)) if plain else 0.0))
+    return out
 
 
 @dataclass
@@ -101,15 +120,16 @@ def _structure(model: onnx.ModelProto, measured: dict) -> _Structure:
 def _precision_by_key(result: RewriteResult, st: _Structure) -> dict:
     """Node key -> precision; the scale Muls power-of-two scaling inserted shift the indices."""
     inserted = set(result.report.sections.get("scaling", {}).get("inserted", ()))
-    main = [n for n in result.report.nodes if n["scope"] == 0 and n.get("index") is not None]
-    shift = sorted(n["index"] for n in main if n["name"] in inserted) if inserted else []
+    main = [(i, name, p) for (scope, i), (name, p) in result.report.precisions.items() if scope == 0]
+    main = [row for row in main if row[0] is not None]
+    shift = sorted(index for index, name, _ in main if name in inserted) if inserted else []
     out = {}
-    for n in main:
-        if n["name"] in inserted:
+    for index, name, precision in main:
+        if name in inserted:
             continue
-        index = n["index"] - bisect.bisect_left(shift, n["index"])
+        index -= bisect.bisect_left(shift, index)
         if index < len(st.keys):
-            out[st.keys[index]] = n["precision"]
+            out[st.keys[index]] = precision
     return out
 
 
@@ -128,11 +148,12 @@ def _unscaled(result: RewriteResult, tensors: dict) -> dict:
 
 
 def _evaluate(
-    candidate: onnx.ModelProto, samples, names: list, measured: list, device: str, reference, progress
+    candidate: onnx.ModelProto, samples, names, measured: list, device: str, reference, progress, sessions
 ) -> tuple[dict, dict]:
-    """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}."""
+    """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}. `sessions`
+    keeps the last candidate's piece sessions: those whose bytes no pin changed are reused."""
     exposed = val.expose(candidate, measured)
-    sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate")
+    sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate", cache=sessions)
     available = {o.name for o in sess.get_outputs()}
     kept = set(names)
     inter = [m for m in measured if m in available and m not in kept]  # sets: 10k tensors, one pass
@@ -202,16 +223,21 @@ def fit(
         ref_sess, samples, outputs=ref_available, progress=progress, label="fallback: original"
     )
     ref_tensors = {t: [row[i] for row in ref_rows] for i, t in enumerate(ref_available)}
+    ref_sess = None  # its weights and buffers: the original's values are all it was for
     skipped: list = []  # decided once, on the original: every candidate has its shapes
     reference = use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
+    ref_rows = None  # ref_tensors and ref_out hold what the search and the checks read
     base_force = dict(options.force_fp32)
 
     history: list = []
     runs = 0
+    sessions: dict = {}  # the last candidate's pieces: the next shares those before its first change
+
+    unchecked = options.replace(check=False)  # onnx.checker runs once, on the candidate kept
 
     def rewritten(pins: dict) -> RewriteResult:
-        return rewrite(loaded, options.replace(calibration=calibration, force_fp32={**base_force, **pins}))
+        return rewrite(loaded, unchecked.replace(calibration=calibration, force_fp32={**base_force, **pins}))
 
     def record(pins: dict, passed: bool, worst_rel: float, worst_abs: float, **extra) -> None:
         history.append(
@@ -230,7 +256,7 @@ def fit(
         nonlocal runs
         candidate = rewritten(pins)
         outputs, tensors = _evaluate(
-            candidate.model, samples, names, measured_names, device, reference, progress
+            candidate.model, samples, names, measured_names, device, reference, progress, sessions
         )
         runs += 1
         stats = [s for run, got in outputs.items() for s in val._compare_all(names, ref_out, got, rtol, atol)]
@@ -263,6 +289,7 @@ def fit(
         return validation
 
     pinned: dict = {}
+    prepared: dict = {}  # reference tensor -> _prepare(...), the same every run
     k, growth, batch = 1, 2.0, []
     result = None
     while runs < max_runs - 1:  # the last run is the final check
@@ -271,7 +298,7 @@ def fit(
             break
         if runs == 1:
             growth = _growth(result, st, max_runs)
-        new = _rank(result, st, _unscaled(result, tensors), ref_tensors, pinned, runs)
+        new = _rank(result, st, _unscaled(result, tensors), ref_tensors, pinned, runs, prepared)
         if not new:
             break
         batch = new[:k]
@@ -279,6 +306,8 @@ def fit(
         k = math.ceil(k * growth)
     else:
         result, passed = rewritten(pinned), False
+    sessions.clear()  # the checks below need neither the last candidate's sessions nor its tensors
+    tensors = ref_tensors = None
     if passed and len(batch) > 1:  # runs left: pin only as much of the last batch as it takes
         before = dict(list(pinned.items())[: len(pinned) - len(batch)])
         low, high = 0, len(batch)
@@ -291,6 +320,8 @@ def fit(
             else:
                 low = middle
         pinned = {**before, **dict(batch[:high])}
+    if options.check:
+        check_valid(result.model, skeleton=loaded.lazy)
     validation = check(result, pinned, final=True)
     if skipped:  # say why onnx.reference did not run, instead of how to run it
         validation.notes[:] = [n for n in validation.notes if n != CPU_NOTE] + skipped
@@ -310,14 +341,17 @@ def _growth(result: RewriteResult, st: _Structure, max_runs: int) -> float:
 
 
 def _rank(
-    result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int
+    result: RewriteResult, st: _Structure, tensors: dict, ref_tensors: dict, pinned: dict, run: int, prepared
 ) -> list:
-    """[(node key, reason)] best first: nodes where the relative error jumps most."""
+    """[(node key, reason)] best first: nodes where the relative error jumps most. `prepared` (a
+    dict) keeps each reference tensor's own figures (`_prepare`) across runs."""
     error: dict = {}
     for per_run in tensors.values():
         for t, arrays in per_run.items():
             if t in ref_tensors:
-                error[t] = max(error.get(t, 0.0), _rel_error(ref_tensors[t], arrays))
+                if t not in prepared:
+                    prepared[t] = _prepare(ref_tensors[t])
+                error[t] = max(error.get(t, 0.0), _rel_error(ref_tensors[t], arrays, prepared[t]))
     precision = _precision_by_key(result, st)
     scores: dict = {}
     for key in st.keys:

@@ -22,6 +22,7 @@ runs whole.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import onnx
@@ -150,22 +151,27 @@ def open_checked(
     label: str = "session",
     size: int = SEGMENT_NODES,
     expose=(),
+    cache: dict | None = None,
     **session_kwargs,
 ):
     """(session, ORT provider used) on `device` ("cuda" or "cpu", as `Deployment.device` resolved
     it): ORT's session, or a SegmentedSession for a model over `size` nodes. `expose`: main-graph
     tensors to output after the graph's outputs (no copy of the model for them when in pieces).
     A piece's outputs are declared untyped (ORT infers them); the types it reports type the next
-    pieces' inputs, so no type inference over the whole model runs here."""
+    pieces' inputs, so no type inference over the whole model runs here. `cache` (a dict the
+    caller keeps: piece index -> (digest of its bytes, session, provider)) reuses the session of a
+    piece whose bytes are those the last call opened at its place, else frees it first (one model's
+    sessions held): the accuracy fallback's candidates share their pieces before the first node a
+    pin changed."""
     count = len(model.graph.node)
     with Progress(-(-count // size), f"{label}: session setup", progress if count > size else False) as bar:
         pieces = plan(model, size, expose)  # drawn under the bar: a second at 100k nodes
         if pieces is None:
             return open_session(with_outputs(model, expose) if expose else model, device, **session_kwargs)
-        return _open_pieces(model, pieces, device, bar, expose, session_kwargs)
+        return _open_pieces(model, pieces, device, bar, expose, cache, session_kwargs)
 
 
-def _open_pieces(model: onnx.ModelProto, pieces: list, device: str, bar, expose, session_kwargs):
+def _open_pieces(model: onnx.ModelProto, pieces: list, device: str, bar, expose, cache, session_kwargs):
     by_name = {i.name: i for i in model.graph.initializer}
     typed = {v.name: v for v in model.graph.input}
     asked = session_kwargs.pop("options", None)
@@ -181,7 +187,7 @@ def _open_pieces(model: onnx.ModelProto, pieces: list, device: str, bar, expose,
         )
         piece = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
         piece.functions.extend(model.functions)
-        session, used = open_session(_serialised(piece), device, options=options, **session_kwargs)
+        session, used = _reused_or_opened(_serialised(piece), index, cache, device, options, session_kwargs)
         for out in session.get_outputs():
             elem = _TENSOR_TYPES.get(out.type)
             if elem is None:  # a sequence or map crossing a cut: run the model whole
@@ -191,11 +197,28 @@ def _open_pieces(model: onnx.ModelProto, pieces: list, device: str, bar, expose,
             types[out.name] = out.type
         sessions.append(_Piece(session, inputs, outputs))
         bar.step()
+    for stale in [i for i in cache or () if i >= len(pieces)]:  # the last call had more pieces
+        del cache[stale]
     for value in model.graph.input:
         elem = value.type.tensor_type.elem_type if value.type.HasField("tensor_type") else 0
         types.setdefault(value.name, _TYPE_NAMES.get(elem, ""))
     outputs = list(dict.fromkeys([o.name for o in model.graph.output] + [x for x in expose if x in types]))
     return SegmentedSession(sessions, outputs, used, types), used
+
+
+def _reused_or_opened(data, index: int, cache, device: str, options, session_kwargs):
+    """The session of the piece at `index`: the cached one when `data` are the bytes it was opened
+    from, else a new one (the cached one is dropped first, so one model's sessions are held)."""
+    key = hashlib.sha256(data).digest() if cache is not None and isinstance(data, bytes) else None
+    last = cache.pop(index, None) if cache is not None else None
+    if last is not None and key is not None and last[0] == key:
+        session, used = last[1], last[2]
+    else:
+        last = None
+        session, used = open_session(data, device, options=options, **session_kwargs)
+    if key is not None:
+        cache[index] = (key, session, used)
+    return session, used
 
 
 def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:

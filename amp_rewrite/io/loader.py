@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -34,6 +34,9 @@ class LoadedModel:
     nested: bool = True  # some node holds a subgraph (False: validation saw none)
     checked: bool = True  # False: loaded with checker=False, onnx.checker has not seen it yet
     notes: tuple = ()  # what loading changed in the working model (never in the input)
+    memo: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # what every rewrite of it computes alike
 
     def validate_in_full(self) -> None:
         """After a stage failed: run the checks `load(checker=False)` left out and those only worth

@@ -34,6 +34,7 @@ class Report:
     sections: dict = field(default_factory=dict)  # "calibration", "validation", "fallback" when run
     casts: list = field(default_factory=list)  # (scope, Cast node name, tensor, to, output) per inserted Cast
     picture_facts: object = None  # () -> report.picture_graph.Facts: the main graph as read, where casts sit
+    make_precisions: object = dict  # (scope, node index) -> (name, precision): no sentences, no figures
     _summary: dict | None = field(default=None, repr=False)
     _nodes: list | None = field(default=None, repr=False)
 
@@ -50,6 +51,12 @@ class Report:
         if self._nodes is None:
             self._nodes = self.make_nodes()
         return self._nodes
+
+    @property
+    def precisions(self) -> dict:
+        """(scope, node index) -> (name, precision) per float node, removed Casts included: what the
+        accuracy fallback reads after every candidate, without building sentences or figures."""
+        return self.make_precisions()
 
     def to_dict(self) -> dict:
         out = {"target": self.target, "summary": self.summary, "nodes": self.nodes, "notes": self.notes}
@@ -258,7 +265,8 @@ def build(
     a caller that wants only the model (an export pipeline) does not pay for them."""
 
     @functools.cache
-    def figures():
+    def grouped():
+        """{(scope, node index): [vertex]}, {(scope, node index): precision}."""
         vertices, colour = cg.vertices, plan.colour
         by_node: dict = {}
         for v, vertex in enumerate(vertices):
@@ -268,6 +276,15 @@ def build(
             else:
                 by_node[key] = [v]
         precisions = {}
+        for key, vs in by_node.items():
+            lows = [colour[v] == LOW for v in vs if colour[v] == LOW or not vertices[v].group.output_only]
+            precisions[key] = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
+        return by_node, precisions
+
+    @functools.cache
+    def figures():
+        vertices = cg.vertices
+        by_node, precisions = grouped()
         flops_of = {}
         gone = {(s, n) for s, n, *_ in materialised.removed_casts}  # not in the result: not counted
         precision_counts = Counter()
@@ -277,9 +294,7 @@ def build(
         flops_known = 0
         for key, vs in by_node.items():
             first = vertices[vs[0]]
-            lows = [colour[v] == LOW for v in vs if colour[v] == LOW or not vertices[v].group.output_only]
-            precision = cg.target if lows and all(lows) else ("mixed" if any(lows) else "float32")
-            precisions[key] = precision
+            precision = precisions[key]
             if gone and key in gone:
                 continue
             precision_counts[precision] += 1
@@ -348,6 +363,10 @@ def build(
             for key, vs in by_node.items()
         ]
 
+    def make_precisions():
+        by_node, precisions = grouped()
+        return {key: (cg.vertices[vs[0]].name, precisions[key]) for key, vs in by_node.items()}
+
     return Report(
         cg.target,
         lambda: figures()[0],
@@ -355,4 +374,5 @@ def build(
         [f"{label}: {text}" for label, text in cg.notes],
         casts=materialised.casts,
         picture_facts=functools.partial(picture_graph.facts, cg, materialised),
+        make_precisions=make_precisions,
     )

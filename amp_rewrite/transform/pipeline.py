@@ -92,7 +92,10 @@ def take_working_copy(w: Work) -> None:
         w.model, w.borrowed = w.loaded.model, {}
     else:
         w.model, w.borrowed = working_copy(w.loaded.model)
-    w.bytes_before = byte_size(w.loaded.model, w.loaded.data_bytes)
+    memo = w.loaded.memo
+    if "bytes" not in memo:  # the input is never changed here: its size is the same every rewrite
+        memo["bytes"] = byte_size(w.loaded.model, w.loaded.data_bytes)
+    w.bytes_before = memo["bytes"]
     w.nested, w.weights_before = w.loaded.nested, w.loaded.float_bytes
 
 
@@ -114,9 +117,18 @@ def read_scopes(w: Work) -> None:
 
 
 def infer_types(w: Work) -> None:
-    """`dims` size the inputs' symbolic dims for shape inference: estimates only, never the model."""
+    """`dims` size the inputs' symbolic dims for shape inference: estimates only, never the model.
+    Before scaling changes the graph, the types are those of every rewrite of the same input with
+    the same opset and dims: read once (the accuracy fallback rewrites it ten times); each rewrite
+    gets its own copy, which graph.build completes."""
     check_dims(w.model.graph, w.options.dims)
-    w.types, w.shapes = tensor_types(w.model, scopes=w.scopes, dims=w.options.dims)
+    key = ("types", w.options.opset, tuple(sorted(dict(w.options.dims or {}).items())))
+    found = w.loaded.memo.get(key) if w.scaling is None else None
+    if found is None:
+        found = tensor_types(w.model, scopes=w.scopes, dims=w.options.dims)
+        if w.scaling is None:
+            w.loaded.memo[key] = found
+    w.types, w.shapes = dict(found[0]), dict(found[1])
 
 
 def scale_activations(w: Work) -> None:
@@ -204,7 +216,7 @@ def sort(w: Work) -> None:
 
 def check(w: Work) -> None:
     if w.options.check:
-        _check(w.model, w.loaded.data_bytes + w.materialised.weight_bytes_delta, skeleton=w.loaded.lazy)
+        check_valid(w.model, w.loaded.data_bytes + w.materialised.weight_bytes_delta, skeleton=w.loaded.lazy)
 
 
 def report(w: Work) -> None:
@@ -330,8 +342,9 @@ def _dims_text(dims) -> str:
     return ", ".join(f"{name}={size}" for name, size in dims.items())
 
 
-def _check(model: onnx.ModelProto, data_bytes: int | None = None, *, skeleton: bool = False) -> None:
-    """Refuse to hand back an invalid model: that would be a bug of ours, said plainly."""
+def check_valid(model: onnx.ModelProto, data_bytes: int | None = None, *, skeleton: bool = False) -> None:
+    """Refuse to hand back an invalid model: that would be a bug of ours, said plainly (also for
+    the accuracy fallback, which checks only the candidate it keeps)."""
     try:  # a big model is checked as a data-free skeleton: the checker serialises what it gets
         onnx.checker.check_model(checker_target(model, data_bytes, skeleton=skeleton))
     except onnx.checker.ValidationError as exc:

@@ -90,3 +90,22 @@ def test_fallback_pins_only_the_part_of_the_last_batch_it_needs():
     passes = [h["pinned"] for h in fb.history if h["passed"] and not h.get("final")]
     assert passes[0] > len(fb.pinned) == min(passes), fb.history
     assert_close(run_ort(fb.result.model, samples[0]), run_ort(model, samples[0]), rtol=0.0, atol=1e-3)
+
+
+def test_rewrites_of_one_loaded_model_match_fresh_ones():
+    """The search rewrites one LoadedModel with different pins: what it reads once (byte size,
+    element types: LoadedModel.memo) must not carry one rewrite's changes into the next."""
+    from amp_rewrite.io import load
+    from helpers import mlp
+
+    loaded = accuracy._shared(load(mlp()))
+    seen = set()
+    for pins in ({}, {"mm1": "pinned"}, {"mm2": "pinned", "relu": "pinned"}, {}):
+        again = rewrite(loaded, force_fp32=pins, dims={"N": 2})
+        fresh = rewrite(mlp(), force_fp32=pins, dims={"N": 2})
+        assert again.model.SerializeToString() == fresh.model.SerializeToString(), pins
+        assert again.report.summary["bytes_before"] == fresh.report.summary["bytes_before"]
+        assert again.report.precisions == fresh.report.precisions
+        seen.add(again.model.SerializeToString())
+    assert len(seen) == 3  # the pins change the model
+    assert any(key[0] == "types" for key in loaded.memo)

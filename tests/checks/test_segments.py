@@ -102,3 +102,24 @@ def test_synthetic_stack_validates_in_pieces():
     original, _ = segments.open_checked(model, "cpu")
     [want] = open_session(model, "cpu")[0].run(None, feeds)
     np.testing.assert_allclose(original.run(None, feeds)[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_cache_reuses_the_sessions_of_unchanged_pieces_only():
+    """The fallback's candidates differ in a few nodes: a piece whose bytes the last call opened
+    keeps its session, a changed piece gets a new one, and the numbers are a fresh chain's."""
+    model = _residual_with_if()
+    feeds = random_feeds(model)
+    cache: dict = {}
+    first, _ = segments.open_checked(model, "cpu", size=4, cache=cache)
+    assert len(cache) == len(first.pieces)
+    changed = model.__class__()
+    changed.CopyFrom(model)
+    last = next(n for n in reversed(changed.graph.node) if n.op_type == "Tanh")
+    last.op_type = "Sigmoid"  # a node of a late piece: the pieces before it are the same bytes
+    second, _ = segments.open_checked(changed, "cpu", size=4, cache=cache)
+    kept = [a.session is b.session for a, b in zip(first.pieces, second.pieces)]
+    assert kept[0] and not all(kept) and len(cache) == len(second.pieces)
+    fresh, _ = segments.open_checked(changed, "cpu", size=4)
+    for a, b in zip(second.run(None, feeds), fresh.run(None, feeds)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(second.run(None, feeds)[0], first.run(None, feeds)[0])
