@@ -6,8 +6,8 @@ by 1/N, so the sum over ranks is the gradient of the global mean), the unscaled 
 a few flat float32 buckets, each bucket is summed across ranks in one `Allreduce` together with the
 local loss and non-finite flag, and then every rank applies the same gated update with the global
 flag. So a non-finite gradient on one rank skips the step everywhere and the loss scales stay
-equal. The one step graph is cut in two for this (`split_step.py`); the single-process Trainer
-keeps its one-graph step.
+equal. The one step graph is cut in two for this (`split_step.py`,
+run by `split_runner.SplitRunner`, as the single-process Trainer runs it on CPU).
 
 Start: weights, optimizer slots and loss-scale state are broadcast from rank 0, after every rank
 has checked that it built the same step graph. `save`/`export` write on rank 0 only, `load` reads
@@ -24,12 +24,10 @@ import sys
 import time
 
 import numpy as np
-import onnxruntime as ort
 
 from amp_rewrite.errors import AmpRewriteError, TrainingError
-from amp_rewrite.training.runner import DeviceState, check_in_place, feed_dtypes, open_step_session
-from amp_rewrite.training.split_step import split_step_graph
-from amp_rewrite.training.step_graph import SKIPPED_OUTPUT, StepGraph
+from amp_rewrite.training.split_runner import SplitRunner
+from amp_rewrite.training.step_graph import UNSCALED_PREFIX, StepGraph
 
 DEFAULT_BUCKET_MB = 25.0  # torch DDP's default bucket size
 MEAN_LOSSES = ("cross_entropy", "mse")
@@ -132,15 +130,16 @@ class GradientBuckets:
 
 class MpiRunner:
     """The step runner of one rank of a data-parallel job (`Trainer(..., distributed="mpi")`, see
-    the module doc): the gradient session, the Allreduce, the apply session; the state lives in
-    ONNX Runtime's memory and the apply session updates it in place.
+    the module doc): a `SplitRunner` with the Allreduce between its halves (the gradient session,
+    then the update: numpy's host update on CPU, an apply session on CUDA); the one copy of the
+    state is updated in place.
 
     Each rank feeds its own share of every batch (`shard`). `loss_reduction`: "mean" (the
     built-in losses; the default for a named loss output) or "sum" (a loss summed over samples,
     whose rank sums add up to the global sum). `bucket_mb`: Allreduce bucket size. `device_id`:
     CUDA device (default: the rank's index on its node); on CPU the node's cores are split between
     its ranks unless `threads` says. `comm`: an mpi4py communicator (default COMM_WORLD).
-    `timings` adds up the seconds spent in the gradient session, the Allreduce and the apply session.
+    `timings` adds up the seconds spent in the gradient session, the Allreduce and the update.
     """
 
     def __init__(
@@ -175,34 +174,27 @@ class MpiRunner:
         self.timings = {"gradient": 0.0, "allreduce": 0.0, "apply": 0.0}
 
         self._share = 1.0 / self.size if self.loss_reduction == "mean" else 1.0
-        split = split_step_graph(step, self._share)
-        self._check_same_step_graph(split)
-        check_in_place(split.apply, step.next_state)
-        options = {"device_id": device_id, "threads": threads}
-        self._grad_session, self.device = open_step_session(split.gradient, provider, precision, **options)
-        self._apply_session, _ = open_step_session(split.apply, provider, precision, **options)
-        self.feed_types = feed_dtypes(split.gradient)
-        self.state = DeviceState(initial, lr, self.device, device_id)
-        shapes = {split.grads[w]: initial[w].shape for w in step.weights}
+        shapes = {UNSCALED_PREFIX + w: initial[w].shape for w in step.weights}
         self.buckets = GradientBuckets(shapes, self.bucket_bytes)
-        self._loss, self._skipped = np.zeros((), np.float32), np.zeros((), np.bool_)
-        self._global_skipped = np.zeros((), np.bool_)
-        host = {name: ort.OrtValue.ortvalue_from_numpy(view) for name, view in self.buckets.views.items()}
-        host[step.loss_output] = ort.OrtValue.ortvalue_from_numpy(self._loss)
-        host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(self._skipped)
-        self._grad_binding = self._grad_session.io_binding()
-        self.state.bind(self._grad_binding, feed_dtypes(split.gradient))
-        for value in split.gradient.graph.output:
-            self._grad_binding.bind_ortvalue_output(value.name, host[value.name])
-        self._apply_binding = self._apply_session.io_binding()
-        self.state.bind(self._apply_binding, feed_dtypes(split.apply), step.next_state)
-        host[SKIPPED_OUTPUT] = ort.OrtValue.ortvalue_from_numpy(
-            self._global_skipped
-        )  # apply reads the global flag
-        for name in feed_dtypes(split.apply):
-            if name in host:
-                self._apply_binding.bind_ortvalue_input(name, host[name])
-        self._host = host  # the OrtValues over the numpy buffers stay alive with the bindings
+        self._global_skipped = np.zeros((), np.bool_)  # what the update reads
+        self.halves = SplitRunner(
+            step,
+            initial,
+            lr,
+            provider,
+            precision,
+            threads=threads,
+            device_id=device_id,
+            loss_share=self._share,
+            gradients=self.buckets.views,
+            flag=self._global_skipped,
+        )
+        self._check_same_step_graph(self.halves.split)
+        self.state, self.device, self.feed_types = (
+            self.halves.state,
+            self.halves.device,
+            self.halves.feed_types,
+        )
         self.share_state()
 
     def _check_same_step_graph(self, split) -> None:
@@ -235,19 +227,17 @@ class MpiRunner:
 
     def run(self, batch: dict[str, np.ndarray]) -> tuple[float, bool]:
         """Gradients of this rank's batch, summed over ranks, then the same update on every rank."""
-        for name, array in batch.items():
-            self._grad_binding.bind_cpu_input(name, array)
         started = time.perf_counter()
-        self._grad_session.run_with_iobinding(self._grad_binding)
+        self.halves.compute_gradients(batch)
         computed = time.perf_counter()
         tail = self.buckets.tail
-        tail[0] = self._loss * np.float32(self._share)
-        tail[1] = 1.0 if self._skipped else 0.0
+        tail[0] = self.halves.loss * np.float32(self._share)
+        tail[1] = 1.0 if self.halves.skipped else 0.0
         for flat in self.buckets.flat:
             self.comm.Allreduce(self._mpi.IN_PLACE, flat, op=self._mpi.SUM)
         reduced = time.perf_counter()
         self._global_skipped[...] = tail[1] > 0
-        self._apply_session.run_with_iobinding(self._apply_binding)
+        self.halves.apply()
         applied = time.perf_counter()
         for key, seconds in (
             ("gradient", computed - started),

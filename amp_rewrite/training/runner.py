@@ -8,7 +8,9 @@ state tensor runs before the node that writes it (`check_in_place`, checked once
 writers are elementwise or the update's `If`, whose branches are checked alike. `read`/`write` copy a tensor out or in on demand
 (checkpoints, export, the skip diagnostic).
 
-The data-parallel runner (`distributed.MpiRunner`) has the same surface over two sessions.
+On CPU the Trainer runs the step split in two instead (`split_runner.SplitRunner`: a gradient
+session, then the update on the host); the data-parallel runner (`distributed.MpiRunner`) puts its
+Allreduce between the two. All have the surface of `SessionRunner`.
 """
 
 from __future__ import annotations
@@ -152,14 +154,20 @@ def feed_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
 
 
 class DeviceState:
-    """One OrtValue per state tensor (ONNX Runtime owns the memory), plus the learning rate."""
+    """One OrtValue per state tensor, plus the learning rate. On CUDA ONNX Runtime owns the memory;
+    on CPU each OrtValue wraps a numpy array (`arrays`, the learning rate under LR_INPUT), the same
+    memory, so the host update (host_update.py) updates the one copy in place too."""
 
     def __init__(self, initial: dict[str, np.ndarray], lr: float, device: str, device_id: int = 0):
         self.device, self.device_id = device, device_id if device == "cuda" else 0
-        self.values = {name: self._new(array) for name, array in initial.items()}
-        self.lr = self._new(np.array(lr, np.float32))
+        self.arrays: dict[str, np.ndarray] = {}
+        self.values = {name: self._new(name, array) for name, array in initial.items()}
+        self.lr = self._new(LR_INPUT, np.array(lr, np.float32))
 
-    def _new(self, array: np.ndarray) -> ort.OrtValue:
+    def _new(self, name: str, array: np.ndarray) -> ort.OrtValue:
+        if self.device == "cpu":
+            self.arrays[name] = np.array(array, order="C", copy=True)
+            return ort.OrtValue.ortvalue_from_numpy(self.arrays[name])
         value = ort.OrtValue.ortvalue_from_shape_and_type(
             list(array.shape), array.dtype, self.device, self.device_id
         )
@@ -190,10 +198,24 @@ class DeviceState:
             binding.bind_ortvalue_output(out, self.values[name])
 
 
-class SessionRunner:
-    """The one-graph step in one session (see the module doc)."""
+class SingleProcess:
+    """What a runner of one process says to the Trainer's data-parallel hooks: rank 0 is everyone,
+    nothing to share."""
 
     primary = True
+
+    def on_primary(self, action) -> None:
+        action()
+
+    def share_state(self) -> None:
+        pass
+
+    def check_batch_count(self, count: int) -> None:
+        pass
+
+
+class SessionRunner(SingleProcess):
+    """The one-graph step in one session (see the module doc)."""
 
     def __init__(
         self,
@@ -221,16 +243,6 @@ class SessionRunner:
             self.binding.bind_cpu_input(name, array)
         self.session.run_with_iobinding(self.binding)
         return float(self._loss), bool(self._skipped)
-
-    # Single process: rank 0 is everyone, nothing to share.
-    def on_primary(self, action) -> None:
-        action()
-
-    def share_state(self) -> None:
-        pass
-
-    def check_batch_count(self, count: int) -> None:
-        pass
 
 
 def check_in_place(model: onnx.ModelProto, next_state: dict[str, str]) -> None:

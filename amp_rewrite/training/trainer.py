@@ -1,8 +1,8 @@
 """The loss-scaled training wrapper: builds the step graph once and drives it through a runner.
 
-The runner (`runner.SessionRunner`, or `distributed.MpiRunner` for data-parallel) owns the
-session(s) and the one copy of the training state, in ONNX Runtime's memory and updated in place
-by each step. The Trainer converts feeds, keeps the skip policy (retry, the skip warning) and reads
+The runner (`runner.SessionRunner` on CUDA, `split_runner.SplitRunner` on CPU, or
+`distributed.MpiRunner` for data-parallel) owns the session(s) and the one copy of the training
+state, updated in place by each step. The Trainer converts feeds, keeps the skip policy (retry, the skip warning) and reads
 the state out only when asked (`state`, `save`, `export`).
 """
 
@@ -28,6 +28,7 @@ from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resol
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
 from amp_rewrite.training.runner import SessionRunner
+from amp_rewrite.training.split_runner import SplitRunner
 from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, apply_precision, build_step_graph
 
 
@@ -118,7 +119,9 @@ class Trainer:
         _drop_weight_data(self._model, set(step.weights))
         del step
         if distributed is None:
-            self.runner = SessionRunner(
+            # On CPU the step runs in two halves, the update on the host (split_runner.py)
+            single = SplitRunner if device == "cpu" else SessionRunner
+            self.runner = single(
                 self.step_graph, initial, self.optimizer.lr, provider, self.precision, threads=threads
             )
         else:

@@ -1,0 +1,310 @@
+"""The apply half of a CPU step, run by numpy over cache-sized blocks of each weight.
+
+ONNX Runtime's inference build has no fused optimizer kernel, so the update (optimizers.py) is a
+chain of whole-tensor elementwise ops: AdamW is 13 per weight, each a pass over memory (about 1 ms
+per 1.86M floats at one thread), 11.6 of the MLP's 54 ms step. Run here block by block, the chain's
+operands stay in cache between its ops: 5-6 ms (`tools/bench_train.py`, docs/benchmarks.md).
+
+The program is compiled once from the split step's apply graph (`split_step.py`), so an optimizer
+is still written once, as ONNX. Tensors are *big* (an input of at least `BIG` elements, or an
+elementwise op of a big one: blocked, written into preallocated buffers) or *small* (scalars,
+small weights, reductions of an input: evaluated whole each step, like the `If` on the skip flag).
+A big chain writes its result into the state array in place, as the one-graph step does; state
+and gradients are numpy arrays ONNX Runtime's sessions read and write through OrtValues over them.
+The ops are the ones ONNX Runtime runs, in the same order, and both round each correctly, so the
+result equals the apply session's bit for bit (tests/training/test_host_update.py); the sum of a
+reduction (a global-norm clip) is taken in another order, within float32 rounding. An apply graph
+with an op outside the tables below (an optimizer of a user's own) compiles to None, and the runner
+keeps ONNX Runtime's apply session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+BLOCK = 32768  # elements per block: a chain's few operands of 128 KB stay in a 1 MB L2 cache
+BIG = 4096  # inputs with fewer elements are updated whole (a bias, a norm's scale)
+
+_FLOAT_OPS = {  # elementwise, float32 in and out: blocked when an input is big
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": np.divide,
+    "Pow": np.power,
+    "Sqrt": np.sqrt,
+    "Neg": np.negative,
+    "Reciprocal": np.reciprocal,
+    "Abs": np.absolute,
+    "Sign": np.sign,
+}
+_SMALL_OPS = {  # evaluated whole, on scalars and small tensors
+    **_FLOAT_OPS,
+    "Min": np.minimum,
+    "Max": np.maximum,
+    "And": np.logical_and,
+    "Or": np.logical_or,
+    "Not": np.logical_not,
+    "Greater": np.greater,
+    "GreaterOrEqual": np.greater_equal,
+    "Less": np.less,
+    "LessOrEqual": np.less_equal,
+    "Equal": np.equal,
+    "IsNaN": np.isnan,
+    "IsInf": np.isinf,
+    "Where": np.where,
+}
+_REDUCTIONS = {"ReduceSumSquare": lambda x: np.dot(x.reshape(-1), x.reshape(-1)), "ReduceSum": np.sum}
+
+
+class Unsupported(Exception):
+    """The apply graph holds something this program does not run."""
+
+
+@dataclasses.dataclass
+class _Chain:
+    """The big ops of one tensor shape, run block by block: (function, inputs, output) each, with
+    each output's buffer: ('array', name) for an array of the environment (a state's, a
+    gradient's), or ('scratch', index)."""
+
+    size: int
+    ops: list
+    buffers: dict
+    scratch_count: int
+    calls: list = dataclasses.field(
+        default_factory=list
+    )  # per block: (function, args, out); bound at first run
+    holders: dict = dataclasses.field(default_factory=dict)  # small input -> the array the calls read it from
+
+
+@dataclasses.dataclass
+class _Program:
+    """One graph's nodes: small steps in order (an If among them), then the big chains, then the
+    small results copied into their state arrays (`writes`: tensor -> state name)."""
+
+    small: list
+    chains: list
+    writes: dict
+
+
+class HostUpdate:
+    """`run()` applies one step: reads the gradients and the flag from their arrays and updates the
+    state arrays in place."""
+
+    def __init__(self, program: _Program, env: dict):
+        self._program, self._env = program, env
+
+    @classmethod
+    def compile(cls, apply: onnx.ModelProto, arrays: dict[str, np.ndarray], next_state: dict[str, str]):
+        """The program of `apply` over `arrays` (an array per apply input: state, gradients, flag,
+        rate), writing each state's next value into its array; None when `apply` holds an op or a
+        form this does not run."""
+        graph = apply.graph
+        missing = [i.name for i in graph.input if i.name not in arrays]
+        if missing:
+            raise RuntimeError(f"no array for apply input {missing[0]!r}")  # our own bug
+        env = dict(arrays)
+        env.update((t.name, numpy_helper.to_array(t)) for t in graph.initializer)
+        big = {name: a.shape for name, a in arrays.items() if a.dtype == np.float32 and a.size >= BIG}
+        writes = {out: state for state, out in next_state.items()}
+        spare = set(big) - set(next_state)  # the gradients: rewritten every step, free once read
+        try:
+            program = _compile(list(graph.node), big, writes, env, spare)
+        except Unsupported:
+            return None
+        return cls(program, env)
+
+    def run(self) -> None:
+        with np.errstate(all="ignore"):  # Inf and NaN are values here, as in ONNX Runtime: no warnings
+            _run(self._program, self._env)
+
+    def blocked_sizes(self) -> list[int]:
+        """The element count of each blocked chain, the If's branches included."""
+        return _chain_sizes(self._program)
+
+
+def _chain_sizes(program: _Program) -> list[int]:
+    inner = [n for step in program.small for p in getattr(step, "programs", ()) for n in _chain_sizes(p)]
+    return [chain.size for chain in program.chains] + inner
+
+
+def _compile(nodes: list, big: dict, writes: dict, env: dict, spare: set) -> _Program:
+    small, by_shape, computed, handled, written = [], {}, set(), set(), set()
+    for node in nodes:
+        if node.domain not in ("", "ai.onnx") or len(node.output) != 1 and node.op_type != "If":
+            raise Unsupported(node.op_type)
+        reads = set(node.input)
+        if reads & written:  # a state an If has already updated in place
+            raise Unsupported(f"{node.name} reads a state after its update")
+        big_inputs = [name for name in node.input if name in big]
+        if node.op_type == "If":
+            run_if, states = _if_step(node, big, writes, env, spare)
+            small.append(run_if)
+            handled.update(node.output)
+            written |= states
+        elif big_inputs and node.op_type == "Identity" and writes.get(node.output[0]) == node.input[0]:
+            handled.add(node.output[0])  # a state passed through unchanged: already where it must be
+        elif big_inputs and node.op_type in (*_FLOAT_OPS, "Identity"):
+            shapes = {big[name] for name in big_inputs}
+            if len(shapes) > 1 or any(n not in big and np.size(env.get(n, 0)) != 1 for n in node.input):
+                raise Unsupported(f"{node.name}: operands of several shapes")
+            big[node.output[0]] = shapes.pop()
+            computed.add(node.output[0])
+            by_shape.setdefault(big[node.output[0]], []).append(node)
+        elif big_inputs:
+            if node.op_type not in _REDUCTIONS or computed & reads or not _reduces_all(node):
+                raise Unsupported(node.op_type)
+            small.append(_small_step(node))
+        else:
+            small.append(_small_step(node))
+    chains = [_chain(shape, chain_nodes, writes, spare) for shape, chain_nodes in by_shape.items()]
+    if any(name in written for chain in chains for _, inputs, _ in chain.ops for name in inputs):
+        raise Unsupported("a chain reads a state an If updated")
+    small_writes = {t: s for t, s in writes.items() if t not in computed and t not in handled}
+    return _Program(small, chains, small_writes)
+
+
+def _run(program: _Program, env: dict) -> None:
+    for step in program.small:
+        step(env)
+    for chain in program.chains:
+        _run_chain(chain, env)
+    for tensor, state in program.writes.items():
+        if tensor in env:
+            np.copyto(env[state], env[tensor])
+
+
+def _reduces_all(node: onnx.NodeProto) -> bool:
+    """A reduction over every axis to a scalar (keepdims=0, no axes): what a global-norm clip uses."""
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return attributes.get("keepdims", 1) == 0 and "axes" not in attributes and len(node.input) == 1
+
+
+def _small_step(node: onnx.NodeProto):
+    """A callable evaluating `node` whole over the environment."""
+    op, inputs, output = node.op_type, list(node.input), node.output[0]
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if op == "Cast":
+        dtype = helper.tensor_dtype_to_np_dtype(attributes["to"])
+        function = lambda x: np.asarray(x).astype(dtype)  # noqa: E731
+    elif op == "Identity":
+        function = lambda x: x  # noqa: E731
+    elif op == "Sum":
+        function = _sum
+    elif op in _REDUCTIONS:
+        function = _REDUCTIONS[op]
+    elif op in _SMALL_OPS and not (op in ("Min", "Max") and len(inputs) != 2):
+        function = _SMALL_OPS[op]
+    else:
+        raise Unsupported(op)
+
+    def step(env):
+        env[output] = np.asarray(function(*[env[name] for name in inputs]))
+
+    return step
+
+
+def _sum(*values):
+    """ONNX Sum, added left to right as ONNX Runtime does."""
+    total = values[0]
+    for value in values[1:]:
+        total = np.add(total, value)
+    return total
+
+
+def _if_step(node: onnx.NodeProto, big: dict, writes: dict, env: dict, spare: set):
+    """(a step running the branch the flag picks, the states it writes): each branch compiled
+    alike, its outputs written where the If's outputs must land."""
+    branches, states = {}, set()
+    for attribute in node.attribute:
+        branch = attribute.g
+        inner = {o.name: writes[out] for o, out in zip(branch.output, node.output) if out in writes}
+        states |= set(inner.values())
+        env.update((t.name, numpy_helper.to_array(t)) for t in branch.initializer)
+        branches[attribute.name] = (_compile(list(branch.node), dict(big), inner, env, spare), branch.output)
+    flag, outputs = node.input[0], list(node.output)
+
+    def run_branch(env):
+        program, results = branches["then_branch" if bool(env[flag]) else "else_branch"]
+        _run(program, env)
+        for result, output in zip(results, outputs):
+            env[output] = env.get(result.name)
+
+    run_branch.programs = [program for program, _ in branches.values()]
+    return run_branch, states
+
+
+def _chain(shape: tuple, nodes: list, writes: dict, spare: set) -> _Chain:
+    """Buffers for a chain's outputs, so that a block touches few arrays: a state's next value goes
+    into the state's array; an intermediate into an array whose value is dead, a `spare` input's
+    (a gradient's), a scratch buffer's, or a state's own array until that state's next value is
+    written there (AdamW then needs no scratch at all: m * b1 goes where m was)."""
+    last_read = {name: i for i, node in enumerate(nodes) for name in node.input}
+    writer = {writes[n.output[0]]: i for i, n in enumerate(nodes) if n.output[0] in writes}
+    if any(last_read.get(state, -1) > i for state, i in writer.items()):
+        raise Unsupported("a state is read after its next value is written")
+    buffers, free, count, ops = {}, [], 0, []  # free: (buffer, the last op it may serve)
+    for i, node in enumerate(nodes):
+        for name in dict.fromkeys(node.input):
+            if last_read[name] != i or name in writes:
+                continue
+            buffer = buffers.get(name, ("array", name) if name in writer or name in spare else None)
+            if buffer is not None:
+                free.append(
+                    (buffer, writer.get(buffer[1], len(nodes)) if buffer[0] == "array" else len(nodes))
+                )
+        output = node.output[0]
+        if output in writes:
+            buffer = ("array", writes[output])
+            free = [entry for entry in free if entry[0] != buffer]
+        else:
+            fits = [entry for entry in free if last_read.get(output, i) <= entry[1]]
+            if fits:
+                free.remove(fits[0])
+                buffer = fits[0][0]
+            else:
+                buffer, count = ("scratch", count), count + 1
+        buffers[output] = buffer
+        function = None if node.op_type == "Identity" else _FLOAT_OPS[node.op_type]
+        ops.append((function, list(node.input), output))
+    return _Chain(int(np.prod(shape, dtype=np.int64)), ops, buffers, count)
+
+
+def _run_chain(chain: _Chain, env: dict) -> None:
+    if not chain.calls:
+        _bind(chain, env)
+    for name, holder in chain.holders.items():
+        np.copyto(holder, env[name])
+    for function, args, out in chain.calls:
+        if function is None:
+            np.copyto(out, args[0])
+        else:
+            function(*args, out=out)
+
+
+def _bind(chain: _Chain, env: dict) -> None:
+    """The calls of every block, over flat views of the arrays: small operands read from holders
+    refreshed each step, so the calls are built once."""
+    scratch = [np.empty(min(BLOCK, chain.size), np.float32) for _ in range(chain.scratch_count)]
+    for _, inputs, _ in chain.ops:
+        for name in inputs:
+            value = env.get(name)
+            if name not in chain.buffers and value is not None and np.size(value) == 1 and chain.size != 1:
+                chain.holders.setdefault(name, np.array(np.asarray(value).reshape(()), copy=True))
+
+    def view(name: str, start: int, end: int):
+        if name in chain.holders:
+            return chain.holders[name]
+        kind, where = chain.buffers.get(name, ("array", name))
+        if kind == "scratch":
+            return scratch[where][: end - start]
+        return env[where].reshape(-1)[start:end]
+
+    for start in range(0, chain.size, BLOCK):
+        end = min(chain.size, start + BLOCK)
+        for function, inputs, output in chain.ops:
+            args = tuple(view(name, start, end) for name in inputs)
+            chain.calls.append((function, args, view(output, start, end)))

@@ -1,0 +1,104 @@
+"""The CPU step's update run by numpy over blocks (host_update.py) against the one-graph step run
+by ONNX Runtime: the same state, bit for bit, step after step, skipped steps included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from amp_rewrite.training import (
+    SGD,
+    Adam,
+    AdamW,
+    DynamicLossScale,
+    FixedLossScale,
+    build_step_graph,
+    host_update,
+)
+from amp_rewrite.training.runner import SessionRunner
+from amp_rewrite.training.split_runner import SplitRunner
+from amp_rewrite.training.step_graph import apply_precision
+from training_models import classification_batches, mlp
+
+OPTIMIZERS = {
+    "sgd": lambda: SGD(0.1),
+    "sgd-nesterov-l2": lambda: SGD(0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam-l2": lambda: Adam(0.01, weight_decay=1e-3),
+    "adamw-warmup": lambda: AdamW(0.01, warmup_steps=3),
+    "adamw-clip": lambda: AdamW(0.01, max_grad_norm=0.05),
+}
+SIZES = (16, 96, 3)  # w0 has 1536 elements: two blocks of the patched 1000, w1 one; biases whole
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(host_update, "BIG", 100)
+    monkeypatch.setattr(host_update, "BLOCK", 1000)
+
+
+def _batches():
+    batches = classification_batches(features=SIZES[0], classes=SIZES[-1], count=6)
+    batches[3] = {**batches[3], "x": np.full_like(batches[3]["x"], np.inf)}  # a step that is skipped
+    return batches
+
+
+def _runners(optimizer, precision, loss_scale, **split_options):
+    step = build_step_graph(mlp(SIZES), "cross_entropy", optimizer, loss_scale)
+    step = apply_precision(step, precision)
+    state = step.initial_state
+    one_graph = SessionRunner(step, state, optimizer.lr, "cpu", precision, threads=1)
+    split = SplitRunner(step, state, optimizer.lr, "cpu", precision, threads=1, **split_options)
+    return one_graph, split
+
+
+def _assert_same_steps(one_graph, split, exact=True):
+    for batch in _batches():
+        (loss, skipped), (expected_loss, expected_skipped) = split.run(batch), one_graph.run(batch)
+        assert skipped == expected_skipped
+        np.testing.assert_allclose(loss, expected_loss, rtol=0 if exact else 1e-5)  # NaN on the skipped step
+        for name in one_graph.state.values:
+            got, expected = split.state.read(name), one_graph.state.read(name)
+            if exact:
+                assert got.tobytes() == expected.tobytes(), name
+            else:
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "precision, loss_scale", [("float32", FixedLossScale(1.0)), ("float16", DynamicLossScale())]
+)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_the_host_update_is_the_one_graph_step_bit_for_bit(optimizer, precision, loss_scale):
+    one_graph, split = _runners(OPTIMIZERS[optimizer](), precision, loss_scale)
+    assert split.host_update is not None
+    assert sorted(split.host_update.blocked_sizes()) == [288, 1536]  # w1, w0 (in blocks); biases whole
+    # a global-norm clip's sum of squares is added in another order: float32 rounding apart
+    _assert_same_steps(one_graph, split, exact=optimizer != "adamw-clip")
+    assert split.state.read("opt/step") == 5  # six steps, one skipped
+
+
+class TanhSGD(SGD):
+    """An optimizer of a user's own, written with an op the host update has no kernel for."""
+
+    def emit_update(self, e, weight, grad, slots, lr, step):
+        delta = e.op("Mul", [e.op("Tanh", [grad], "squashed"), lr], "delta")
+        return e.op("Sub", [weight, delta], "weight"), {}
+
+
+def test_an_update_the_host_cannot_run_stays_in_onnx_runtime():
+    one_graph, split = _runners(TanhSGD(0.1), "float32", FixedLossScale(1.0))
+    assert split.host_update is None
+    _assert_same_steps(one_graph, split)
+
+
+def test_the_host_update_can_be_turned_off():
+    one_graph, split = _runners(AdamW(0.01), "float32", FixedLossScale(1.0), host_update=False)
+    assert split.host_update is None
+    _assert_same_steps(one_graph, split)
+
+
+def test_the_trainer_on_cpu_updates_on_the_host():
+    from amp_rewrite.training import Trainer
+
+    trainer = Trainer(mlp(SIZES), optimizer=AdamW(0.01), provider="cpu", verbose=False, threads=1)
+    assert isinstance(trainer.runner, SplitRunner) and trainer.runner.host_update is not None
