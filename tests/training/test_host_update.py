@@ -102,3 +102,34 @@ def test_the_trainer_on_cpu_updates_on_the_host():
 
     trainer = Trainer(mlp(SIZES), optimizer=AdamW(0.01), provider="cpu", verbose=False, threads=1)
     assert isinstance(trainer.runner, SplitRunner) and trainer.runner.host_update is not None
+
+
+def _update_graph(scale_shape):
+    """w/next = w - g * s: `s` one number, or a row that broadcasts over w's columns."""
+    from onnx import TensorProto, helper
+
+    tensor = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["g", "s"], ["step"]), helper.make_node("Sub", ["w", "step"], ["w/next"])],
+        "update",
+        [tensor("w", [40, 30]), tensor("g", [40, 30]), tensor("s", scale_shape)],
+        [tensor("w/next", [40, 30])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("scale_shape, blocked", [([], True), ([30], False)])
+def test_a_big_op_reads_only_big_tensors_of_its_shape_and_scalars(scale_shape, blocked):
+    from helpers import session
+
+    rng = np.random.default_rng(0)
+    arrays = {"w": rng.standard_normal((40, 30), np.float32), "g": rng.standard_normal((40, 30), np.float32)}
+    arrays["s"] = rng.standard_normal(scale_shape).astype(np.float32)
+    expected = session(_update_graph(scale_shape)).run(None, arrays)[0]
+    update = host_update.HostUpdate.compile(_update_graph(scale_shape), dict(arrays), {"w": "w/next"})
+    if not blocked:  # a row broadcast over blocks of a flattened w would read the wrong elements
+        assert update is None
+        return
+    update.run()
+    assert update.blocked_sizes() == [1200]
+    assert arrays["w"].tobytes() == expected.tobytes()
