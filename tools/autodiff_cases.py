@@ -387,6 +387,21 @@ CASES += [
         {"x": [2, 3, 5, 4], "w": [3, 1, 3, 3]},
     ),
     OpCase("Conv-1d", "Conv", [n("Conv", ["x", "w"], strides=[2])], {"x": [N, 2, 7], "w": [3, 2, 3]}),
+    # 4+ input channels and static sizes: dW as one product per kernel offset (rules/nn.py)
+    OpCase(
+        "Conv-offsets",
+        "Conv",
+        [n("Conv", ["x", "w", "b"], pads=[1, 0, 1, 1])],
+        {"x": [N, 4, 5, 4], "w": [3, 4, 3, 2], "b": [3]},
+    ),
+    OpCase(
+        "Conv-offsets-stride-dilation",
+        "Conv",
+        [n("Conv", ["x", "w"], strides=[2, 1], dilations=[2, 1], pads=[1, 1, 0, 1])],
+        {"x": [2, 4, 7, 6], "w": [2, 4, 2, 3]},
+    ),
+    OpCase("Conv-offsets-1d", "Conv", [n("Conv", ["x", "w"], strides=[2])], {"x": [N, 4, 9], "w": [3, 4, 3]}),
+    OpCase("Conv-offsets-3d", "Conv", [n("Conv", ["x", "w"])], {"x": [2, 4, 3, 4, 3], "w": [2, 4, 2, 2, 2]}),
     OpCase(
         "ConvTranspose",
         "ConvTranspose",

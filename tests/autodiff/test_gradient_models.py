@@ -274,3 +274,26 @@ def test_transformer_block_matches_torch():
     trainable = {"emb", "pos", "g1", "be1", "wq", "wk", "wv", "wo", "g2", "be2", "w1", "c1", "w2", "c2"}
     worst = compare(make(nodes, inputs, w), feeds, w, reference, trainable)
     print(f"\nTransformer block worst relative gradient error vs torch: {worst:.2e}")
+
+
+@pytest.mark.parametrize("channels, products", [(4, 6), (2, 0)])
+def test_conv_weight_gradient_is_a_product_per_kernel_offset_from_four_channels(channels, products):
+    """From 4 input channels (static sizes, one group) dW is one Gemm per kernel offset; below,
+    x correlated with dY. Both against torch."""
+    rng = np.random.default_rng(3)
+    w = {"w": f32(rng, 3, channels, 3, 2)}
+    nodes = [
+        n("Conv", ["x", "w"], ["y"], pads=[1, 0, 1, 1], strides=[2, 1]),
+        n("Mul", ["y", "y"], ["sq"]),
+        n("ReduceMean", ["sq"], ["loss"], keepdims=0),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", channels, 6, 5])]
+    feeds = {"x": f32(rng, 2, channels, 6, 5, scale=1.0)}
+    model = make(nodes, inputs, w)
+    grads = build_gradient_graph(model, "loss", ["w"])
+    assert sum(node.op_type == "Gemm" for node in grads.graph.node) == products
+
+    def reference(p, x):
+        return (F.conv2d(F.pad(x["x"], (0, 1, 1, 1)), p["w"], stride=(2, 1)) ** 2).mean()
+
+    compare(model, feeds, w, reference, set(w))

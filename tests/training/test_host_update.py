@@ -133,3 +133,17 @@ def test_a_big_op_reads_only_big_tensors_of_its_shape_and_scalars(scale_shape, b
     update.run()
     assert update.blocked_sizes() == [1200]
     assert arrays["w"].tobytes() == expected.tobytes()
+
+
+def test_the_gradient_graph_writes_the_gradients_without_identity_copies():
+    """At a loss scale of 1 the unscaled gradients are Identities of the gradients; into a graph
+    output ONNX Runtime would copy each, so the split makes their producers write them."""
+    from amp_rewrite.training.split_step import split_step_graph
+
+    step = build_step_graph(mlp(SIZES), "cross_entropy", AdamW(0.01), FixedLossScale(1.0))
+    gradient = split_step_graph(step).gradient.graph
+    producers = {out: node for node in gradient.node for out in node.output}
+    outputs = [o.name for o in gradient.output if o.name.startswith("scale/unscaled/")]
+    assert len(outputs) == len(step.weights)
+    assert all(producers[name].op_type != "Identity" for name in outputs)
+    assert {producers[name].op_type for name in outputs} <= {"Gemm", "ReduceSum"}
