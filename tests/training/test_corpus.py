@@ -32,10 +32,6 @@ def _model(name):
 
 
 def _train(name, precision):
-    if corpus.CORPUS[name].heavy:
-        pytest.skip(
-            f"{name}: {corpus.CORPUS[name].heavy}; python tools/train_corpus.py --models {name} runs it"
-        )
     model, feeds = _model(name)
     if model is None:
         pytest.skip(feeds)
