@@ -229,6 +229,13 @@ def export_bert_fused():
         dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
     )
     try:
+        import onnxruntime.transformers as ort_transformers
+
+        # its modules import each other as top-level modules, from a folder its __init__ puts on
+        # sys.path once per process: a test that restores sys.path (monkeypatch) drops the folder
+        folder = os.path.dirname(ort_transformers.__file__)
+        if folder not in sys.path:
+            sys.path.append(folder)
         from onnxruntime.transformers import optimizer
     except ImportError as error:
         raise Unavailable(f"onnxruntime.transformers is missing ({error})") from None

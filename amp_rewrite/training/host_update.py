@@ -2,8 +2,9 @@
 
 ONNX Runtime's inference build has no fused optimizer kernel, so the update (optimizers.py) is a
 chain of whole-tensor elementwise ops: AdamW is 13 per weight, each a pass over memory (about 1 ms
-per 1.86M floats at one thread), 11.6 of the MLP's 54 ms step. Run here block by block, the chain's
-operands stay in cache between its ops: 5-6 ms (`tools/bench_train.py`, docs/benchmarks.md).
+per 1.86M floats at one thread), 11.6 of the MLP's 52 ms step. Run here block by block, the chain's
+operands stay in cache between its ops: 6.4 ms with the state coming from memory, 5 from cache
+(docs/benchmarks.md).
 
 The program is compiled once from the split step's apply graph (`split_step.py`), so an optimizer
 is still written once, as ONNX. Tensors are *big* (an input of at least `BIG` elements, or an
@@ -41,8 +42,19 @@ _FLOAT_OPS = {  # elementwise, float32 in and out: blocked when an input is big
     "Abs": np.absolute,
     "Sign": np.sign,
 }
+
+
+def _divide(a, b):
+    """ONNX Div: integers divided as ONNX Runtime does, truncating toward zero, and kept integers."""
+    a, b = np.asarray(a), np.asarray(b)
+    if np.issubdtype(a.dtype, np.integer):
+        return (np.abs(a) // np.abs(b) * np.sign(a) * np.sign(b)).astype(a.dtype)
+    return np.divide(a, b)
+
+
 _SMALL_OPS = {  # evaluated whole, on scalars and small tensors
     **_FLOAT_OPS,
+    "Div": _divide,
     "Min": np.minimum,
     "Max": np.maximum,
     "And": np.logical_and,
@@ -74,10 +86,8 @@ class _Chain:
     ops: list
     buffers: dict
     scratch_count: int
-    calls: list = dataclasses.field(
-        default_factory=list
-    )  # per block: (function, args, out); bound at first run
-    holders: dict = dataclasses.field(default_factory=dict)  # small input -> the array the calls read it from
+    calls: list = dataclasses.field(default_factory=list)  # (function, args, out) per block and op
+    holders: dict = dataclasses.field(default_factory=dict)  # small input -> the array calls read
 
 
 @dataclasses.dataclass

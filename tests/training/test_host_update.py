@@ -147,3 +147,24 @@ def test_the_gradient_graph_writes_the_gradients_without_identity_copies():
     assert len(outputs) == len(step.weights)
     assert all(producers[name].op_type != "Identity" for name in outputs)
     assert {producers[name].op_type for name in outputs} <= {"Gemm", "ReduceSum"}
+
+
+@pytest.mark.parametrize("start", [-7, 7])
+def test_small_integer_division_truncates_as_onnx_runtime_does(start):
+    from onnx import TensorProto, helper
+
+    from helpers import session
+
+    count = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, [])  # noqa: E731
+    graph = helper.make_graph(
+        [helper.make_node("Div", ["n", "two"], ["n/next"])],
+        "halve",
+        [count("n")],
+        [count("n/next")],
+        [helper.make_tensor("two", TensorProto.INT64, [], [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    arrays = {"n": np.array(start, np.int64)}
+    expected = session(model).run(None, dict(arrays))[0]
+    host_update.HostUpdate.compile(model, arrays, {"n": "n/next"}).run()
+    assert arrays["n"] == expected and arrays["n"].dtype == np.int64
