@@ -168,3 +168,10 @@ def test_small_integer_division_truncates_as_onnx_runtime_does(start):
     expected = session(model).run(None, dict(arrays))[0]
     host_update.HostUpdate.compile(model, arrays, {"n": "n/next"}).run()
     assert arrays["n"] == expected and arrays["n"].dtype == np.int64
+
+
+def test_every_tensor_of_two_elements_or_more_runs_in_blocks_by_default(monkeypatch):
+    monkeypatch.setattr(host_update, "BIG", 2)  # the default, under this module's small blocks
+    one_graph, split = _runners(AdamW(0.01, warmup_steps=3), "float16", DynamicLossScale())
+    assert sorted(split.host_update.blocked_sizes()) == [3, 96, 288, 1536]  # b1, b0, w1, w0
+    _assert_same_steps(one_graph, split)
