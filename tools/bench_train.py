@@ -8,7 +8,8 @@ Each contender (torch eager float32, torch CPU autocast bfloat16, ONNX Runtime t
 when an onnxruntime-training Python is given with --ort-training-python or AMP_ORT_TRAINING_PYTHON,
 the Trainer float32 and float16) runs in a fresh process of its own; the driver asks each for one
 step in turn, rotating the order every round, so load drift hits all alike. Step times are medians
-after warm-up; ratios are medians of per-round ratios to torch float32. Memory is the peak RSS above
+after warm-up; ratios are medians of per-round ratios to torch float32 (and, in a line under the
+table, the trainer's to ONNX Runtime training when both ran). Memory is the peak RSS above
 the process's floor after its imports (VmHWM minus VmRSS then): setup and steps. Every contender
 trains with AdamW(1e-3, weight decay 1e-2) on a cross-entropy loss.
 """
