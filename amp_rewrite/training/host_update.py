@@ -80,8 +80,7 @@ class Unsupported(Exception):
 @dataclasses.dataclass
 class _Chain:
     """The big ops of one tensor shape, run block by block: (function, inputs, output) each, with
-    each output's buffer: ('array', name) for an array of the environment (a state's, a
-    gradient's), or ('scratch', index)."""
+    each output's buffer: ('array', name) for a state's array, or ('scratch', index)."""
 
     size: int
     ops: list
