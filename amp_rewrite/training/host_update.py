@@ -4,7 +4,8 @@ ONNX Runtime's inference build has no fused optimizer kernel, so the update (opt
 chain of whole-tensor elementwise ops: AdamW is 13 per weight, each a pass over memory (about 1 ms
 per 1.86M floats at one thread), 11.6 of the MLP's 52 ms step. Run here block by block, the chain's
 operands stay in cache between its ops: 6.4 ms with the state coming from memory, 5 from cache
-(docs/benchmarks.md).
+(docs/benchmarks.md). Where the optional C extension is built (block_loop.py), each chain runs in
+one call over 1K-element blocks instead, 4.7 ms; numpy's calls remain its fallback.
 
 The program is compiled once from the split step's apply graph (`split_step.py`), so an optimizer
 is still written once, as ONNX. Tensors are *big* (an input of at least `BIG` elements, or an
@@ -26,6 +27,8 @@ import dataclasses
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from amp_rewrite.training import block_loop
 
 BLOCK = 65536  # elements per block: fewer calls than 32K, as fast from cache (16K-256K measured)
 BIG = 2  # inputs of 2+ elements run in chains, biases too: a chain's call costs about 1 us, a node
@@ -86,8 +89,10 @@ class _Chain:
     ops: list
     buffers: dict
     scratch_count: int
+    native: bool = True  # run by the C loop (block_loop.py) where it can be
     calls: list = dataclasses.field(default_factory=list)  # (function, args, out) per block and op
     holders: dict = dataclasses.field(default_factory=dict)  # small input -> the array calls read
+    program: tuple | None = None  # _blocks.run's arguments
 
 
 @dataclasses.dataclass
@@ -329,14 +334,17 @@ def _chain(shape: tuple, nodes: list, writes: dict) -> _Chain:
         buffers[output] = buffer
         function = None if node.op_type == "Identity" else _FLOAT_OPS[node.op_type]
         ops.append((function, list(node.input), output))
-    return _Chain(int(np.prod(shape, dtype=np.int64)), ops, buffers, count)
+    return _Chain(int(np.prod(shape, dtype=np.int64)), ops, buffers, count, block_loop.AVAILABLE)
 
 
 def _run_chain(chain: _Chain, env: dict) -> None:
-    if not chain.calls:
+    if not chain.calls and chain.program is None:
         _bind(chain, env)
     for name, holder in chain.holders.items():
         np.copyto(holder, env[name])
+    if chain.program is not None:
+        block_loop.run(chain.program)
+        return
     for function, args, out in chain.calls:
         if function is None:
             np.copyto(out, args[0])
@@ -345,14 +353,18 @@ def _run_chain(chain: _Chain, env: dict) -> None:
 
 
 def _bind(chain: _Chain, env: dict) -> None:
-    """The calls of every block, over flat views of the arrays: small operands read from holders
-    refreshed each step, so the calls are built once."""
-    scratch = [np.empty(min(BLOCK, chain.size), np.float32) for _ in range(chain.scratch_count)]
+    """The C loop's program, or else the calls of every block over flat views of the arrays: small
+    operands read from holders refreshed each step, so either is built once."""
     for _, inputs, _ in chain.ops:
         for name in inputs:
             value = env.get(name)
             if name not in chain.buffers and value is not None and np.size(value) == 1 and chain.size != 1:
                 chain.holders.setdefault(name, np.array(np.asarray(value).reshape(()), copy=True))
+    if chain.native:
+        chain.program = block_loop.program(chain.ops, chain.buffers, chain.holders, env, chain.size)
+    if chain.program is not None:
+        return
+    scratch = [np.empty(min(BLOCK, chain.size), np.float32) for _ in range(chain.scratch_count)]
 
     def view(name: str, start: int, end: int):
         if name in chain.holders:
