@@ -110,6 +110,9 @@ CLONES static void run_blocks(const Op *ops, Py_ssize_t count, float **base, con
 }
 
 static int valid(const Op *ops, Py_ssize_t count, const int32_t *kinds, Py_ssize_t slots) {
+    for (Py_ssize_t s = 0; s < slots; s++)
+        if (kinds[s] < KIND_ARRAY || kinds[s] > KIND_SCRATCH)
+            return 0;
     for (Py_ssize_t k = 0; k < count; k++) {
         const Op op = ops[k];
         if (op.op < OP_COPY || op.op > OP_RECIPROCAL || op.out < 0 || op.out >= slots || op.a < 0 ||

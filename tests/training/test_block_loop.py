@@ -128,8 +128,9 @@ def _raw(rows, operands, kinds, size=SIZE):
             [(6, 1, 0, -1)], [np.ones(SIZE, np.float32), np.frombuffer(bytes(4 * SIZE), np.float32)], [0, 0]
         ),
         _raw([(6, 1, 0, -1)], [np.ones(SIZE, np.float32)] * 2, [0]),  # a kind short
+        _raw([(6, 1, 0, -1)], [np.ones(SIZE, np.float32)] * 2, [0, 5]),  # no such kind
     ],
-    ids=["slot", "unary-add", "opcode", "to-scalar", "float64", "short", "strided", "read-only", "kinds"],
+    ids="slot unary-add opcode to-scalar float64 short strided read-only kinds kind-5".split(),
 )
 def test_a_malformed_program_is_refused(case):
     with pytest.raises(ValueError):
