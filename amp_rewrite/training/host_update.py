@@ -1,23 +1,19 @@
 """The apply half of a CPU step, run by numpy over cache-sized blocks of each weight.
 
 ONNX Runtime's inference build has no fused optimizer kernel, so the update (optimizers.py) is a
-chain of whole-tensor elementwise ops: AdamW is 13 per weight, each a pass over memory (about 1 ms
-per 1.86M floats at one thread), 11.6 of the MLP's 52 ms step. Run here block by block, the chain's
-operands stay in cache between its ops: 6.4 ms with the state coming from memory, 5 from cache
-(docs/benchmarks.md). Where the optional C extension is built (block_loop.py), each chain runs in
-one call over 1K-element blocks instead, 4.7 ms; numpy's calls remain its fallback.
+chain of whole-tensor elementwise ops (AdamW: 13 per weight, 11.6 of the MLP's 52 ms step). Run
+block by block, the chain's operands stay in cache between its ops (6.4 ms); where the optional C
+extension is built (block_loop.py), each chain is one call over 1K-element blocks (4.7 ms).
 
 The program is compiled once from the split step's apply graph (`split_step.py`), so an optimizer
 is still written once, as ONNX. Tensors are *big* (an input of at least `BIG` elements, or an
-elementwise op of a big one: blocked, written into preallocated buffers) or *small* (scalars and
-reductions of an input: evaluated whole each step, like the `If` on the skip flag).
-A big chain writes its result into the state array in place, as the one-graph step does; state
-and gradients are numpy arrays ONNX Runtime's sessions read and write through OrtValues over them.
-The ops are the ones ONNX Runtime runs, in the same order, and both round each correctly, so the
-result equals the apply session's bit for bit (tests/training/test_host_update.py); the sum of a
-reduction (a global-norm clip) is taken in another order, within float32 rounding. An apply graph
-with an op outside the tables below (an optimizer of a user's own) compiles to None, and the runner
-keeps ONNX Runtime's apply session.
+elementwise op of a big one: blocked, written into preallocated buffers, a chain's result into the
+state array in place) or *small* (scalars and reductions of an input: evaluated whole each step,
+like the `If` on the skip flag). The ops are ONNX Runtime's, in its order, each rounded as it
+rounds (a small Pow through C's powf, `_power`), so the state equals the apply session's bit for
+bit (tests/training/test_host_update.py); a reduction's sum (a global-norm clip) is taken in another
+order, within float32 rounding. An op outside the tables below (a user's optimizer) compiles to
+None, and the runner keeps ONNX Runtime's apply session.
 """
 
 from __future__ import annotations
@@ -57,33 +53,25 @@ def _divide(a, b):
     return np.divide(a, b)
 
 
-def _libm_power():
-    """C's powf and pow, which ONNX Runtime's CPU Pow calls (std::pow); None without a C library."""
-    path = ctypes.util.find_library("m") or ctypes.util.find_library("c")
-    if path is None:
-        return None
-    libm = ctypes.CDLL(path)
-    functions = {}
-    for dtype, name, ctype in ((np.float32, "powf", ctypes.c_float), (np.float64, "pow", ctypes.c_double)):
-        function = getattr(libm, name)
-        function.restype, function.argtypes = ctype, [ctype, ctype]
-        functions[np.dtype(dtype)] = np.vectorize(function, otypes=[dtype])
-    return functions
+def _libm_power(dtype, name, ctype):
+    """C's powf or pow, which ONNX Runtime's CPU Pow calls (std::pow), over an array."""
+    function = getattr(ctypes.CDLL(ctypes.util.find_library("m") or ctypes.util.find_library("c")), name)
+    function.restype, function.argtypes = ctype, [ctype, ctype]
+    return np.dtype(dtype), np.vectorize(function, otypes=[dtype])
 
 
-_LIBM_POWER = _libm_power()
+_LIBM_POWER = dict(
+    _libm_power(*f) for f in ((np.float32, "powf", ctypes.c_float), (np.float64, "pow", ctypes.c_double))
+)
 
 
 def _power(base, exponent):
-    """ONNX Pow on small tensors (beta^t of Adam's bias corrections) computed as ONNX Runtime does:
-    numpy's power is SIMD code on AVX-512 machines and differs from C's powf by one ulp on 11 of 98
-    values of beta^t, so the host update would not be the graph's step bit for bit. Big tensors'
-    Pow is not compiled (`_FLOAT_OPS`): it stays in ONNX Runtime's apply session."""
-    base, exponent = np.asarray(base), np.asarray(exponent)
-    libm = (_LIBM_POWER or {}).get(base.dtype)
-    if libm is None:  # integers are exact in numpy; no C library: numpy's, within an ulp
-        return np.power(base, exponent.astype(base.dtype))
-    return np.asarray(libm(base, exponent.astype(base.dtype)), base.dtype)
+    """ONNX Pow on small tensors (Adam's beta^t) as ONNX Runtime computes it: numpy's power is SIMD
+    code on AVX-512 machines, an ulp off powf on 11 of 98 values of beta^t. (A big tensor's Pow is
+    not compiled, `_FLOAT_OPS`: ONNX Runtime's apply session runs it.)"""
+    base = np.asarray(base)
+    power = _LIBM_POWER.get(base.dtype, np.power)  # integers: exact in numpy
+    return np.asarray(power(base, np.asarray(exponent).astype(base.dtype)), base.dtype)
 
 
 _SMALL_OPS = {  # evaluated whole, on scalars and small tensors
