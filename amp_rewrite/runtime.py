@@ -10,11 +10,14 @@ one clear line, not an AttributeError.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import tempfile
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import onnx
 
 from amp_rewrite.errors import RuntimeUnavailableError, ValidationError
@@ -129,3 +132,54 @@ def open_session(
         raise error(f"ONNX Runtime refused {what}: {str(exc).strip().splitlines()[0]}") from None
     sess._amp_keep_alive = keep_alive  # external data lives as long as the session
     return sess, used
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_BFLOAT16_TYPE = "tensor(bfloat16)"
+
+
+def run(session, outputs, feeds: dict) -> list:
+    """`session.run(outputs, feeds)`, bfloat16 included: numpy has no bfloat16, so ORT's `run`
+    refuses a bfloat16 feed (ml_dtypes') and cannot return a bfloat16 output ("No corresponding
+    Numpy type for Tensor Type. bfloat16"). Such a run binds them as OrtValues instead and reads
+    bfloat16 outputs back as ml_dtypes.bfloat16 arrays, copied to the host."""
+    if not hasattr(session, "io_binding"):  # a SegmentedSession: its pieces run through here
+        return session.run(outputs, feeds)
+    names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
+    if not any(np.asarray(v).dtype == BFLOAT16 for v in feeds.values()) and not _bfloat16_among(
+        session, names
+    ):
+        return session.run(names, feeds)
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_ortvalue_input(name, _ort_value(np.asarray(value)))
+    for name in names:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    return [host_array(v) for v in binding.get_outputs()]
+
+
+def _bfloat16_among(session, names: list) -> bool:
+    wanted = set(names)
+    return any(o.type == _BFLOAT16_TYPE for o in session.get_outputs() if o.name in wanted)
+
+
+def _ort_value(array: np.ndarray):
+    if array.dtype == BFLOAT16:
+        return ort().OrtValue.ortvalue_from_numpy_with_onnx_type(
+            np.ascontiguousarray(array).view(np.uint16), onnx.TensorProto.BFLOAT16
+        )
+    return ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+
+
+def host_array(value) -> np.ndarray:
+    """An OrtValue on the host as a numpy array; a bfloat16 one as ml_dtypes.bfloat16 (copied:
+    ORT's `numpy()` has no bfloat16)."""
+    if value.data_type() != _BFLOAT16_TYPE:
+        return value.numpy()
+    shape = tuple(value.shape())
+    count = int(np.prod(shape, dtype=np.int64))
+    if not count:
+        return np.zeros(shape, BFLOAT16)
+    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.frombuffer(raw, np.uint16).copy().view(BFLOAT16).reshape(shape)

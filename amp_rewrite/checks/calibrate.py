@@ -43,6 +43,7 @@ from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.io import load
+from amp_rewrite.runtime import run as run_session
 from amp_rewrite.transform.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
@@ -268,7 +269,7 @@ def calibrate(
     flush = FLUSH[target]
     with val.Progress(len(samples), "calibrate", progress) as bar:
         for feeds in samples:
-            _accumulate_all([ranges[n] for n in names], sess.run(names, feeds), flush)
+            _accumulate_all([ranges[n] for n in names], run_session(sess, names, feeds), flush)
             bar.step()
     result = CalibrationResult(target, len(samples), safety, ranges, consumers, used)
     if len(val.feed_inputs(model)) and len(samples) == 1:
