@@ -152,6 +152,9 @@ def _evaluate(
 ) -> tuple[dict, dict]:
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}. `sessions`
     keeps the last candidate's piece sessions: those whose bytes no pin changed are reused."""
+    samples = val.as_declared(
+        candidate, samples
+    )  # low-precision inputs (--no-keep-io-types) read them rounded
     exposed = val.expose(candidate, measured)
     sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate", cache=sessions)
     available = {o.name for o in sess.get_outputs()}
