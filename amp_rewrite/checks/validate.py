@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from amp_rewrite.checks.check_options import CheckOptions
+from amp_rewrite.checks.judgement import LOCAL, compare
 from amp_rewrite.checks.reference import CPU_NOTE, run_reference, use_reference
 from amp_rewrite.checks.segments import open_checked, with_outputs
 from amp_rewrite.deployment import DEFAULT, Deployment
@@ -30,7 +32,7 @@ from amp_rewrite.io import load
 from amp_rewrite.io.npz import read_npz
 from amp_rewrite.io.samples import feed_inputs, synthesise  # noqa: F401  (the checks' names for them)
 from amp_rewrite.progress import Progress
-from amp_rewrite.runtime import BFLOAT16, CPU, CUDA
+from amp_rewrite.runtime import CPU, CUDA
 from amp_rewrite.runtime import run as run_session
 
 
@@ -122,122 +124,6 @@ def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> l
 # --- comparison ------------------------------------------------------------------------------------
 
 
-# The rule (README, "Trust the result"): an output is judged against its own scale, never by one
-# element alone. A healthy float16 model on float16 hardware is off by about 1.5e-3 of its output's
-# RMS (BERT-base, GPT-2, ResNet-50, ViT-B/16 on an H200, every float16 converter alike), and its
-# largest error about 2e-3 of its largest value: relative to a value near zero that is a max rel of
-# 3-6, so max rel is shown, not judged. What a broken rewrite does is caught: a NaN or inf where
-# float32 is finite (overflow), an error of a sizable share of the output (a wrong cast, a denied op
-# forced low), one far off its scale anywhere (LOCAL x rtol of the largest value), or a class-score
-# row whose top-1 changes although no error within the tolerance could swap them.
-LOCAL = 10.0  # an element may be off by LOCAL x rtol of the output's largest |value|, no more
-
-
-def compare(reference, candidate, *, rtol: float, atol: float, name: str = "", floor=None) -> dict:
-    """Figures for one output over all samples (lists of arrays, one per sample), judged by the
-    rule above: `passed` needs no new NaN/Inf, RMS error <= atol + rtol x RMS(reference), every
-    |error| <= atol + LOCAL x rtol x max|reference|, and no decisive top-1 change. `floor`
-    ({"rms": .., "max_abs": ..}): what float32 itself is off by on the provider (TF32), added to
-    both bounds."""
-    ref = [np.asarray(r) for r in reference]
-    cand = [np.asarray(c) for c in candidate]
-    stats = {"name": name, "shape": list(ref[0].shape) if ref else [], "passed": True}
-    if any(r.shape != c.shape for r, c in zip(ref, cand)):
-        stats.update(_failed_figures(), error="shape differs")
-        return stats
-    if any(not _numeric(x) for x in (*ref, *cand)):  # strings, objects: the rewrite must keep them exactly
-        same = all(r.dtype == c.dtype and np.array_equal(r, c) for r, c in zip(ref, cand))
-        if same:
-            stats.update(max_abs=0.0, max_rel=0.0, rel_l2=0.0, cosine=1.0, nan=0, inf=0, ref_nan=0, ref_inf=0)
-            stats.update(top1=None, flips=0, within=1.0)
-        else:
-            stats.update(_failed_figures(), error="values differ")
-        return stats
-    r = np.concatenate([x.astype(np.float64).ravel() for x in ref]) if ref else np.zeros(0)
-    c = np.concatenate([x.astype(np.float64).ravel() for x in cand]) if cand else np.zeros(0)
-    both = np.isfinite(r) & np.isfinite(c)
-    diff = np.abs(c[both] - r[both])
-    mag = np.abs(r[both])
-    rel_mask = mag > max(atol, 1e-30)
-    new_bad = int(np.sum(np.isfinite(r) & ~np.isfinite(c)))
-    floor = floor or {}
-    rms_err = float(np.sqrt(np.mean(diff**2))) if diff.size else 0.0
-    rms_ref = float(np.sqrt(np.mean(mag**2))) if mag.size else 0.0
-    largest = float(mag.max()) if mag.size else 0.0
-    max_abs = float(diff.max()) if diff.size else 0.0
-    dot = float(np.dot(r[both], c[both]))
-    norm = float(np.linalg.norm(r[both]) * np.linalg.norm(c[both]))
-    local_bound = atol + LOCAL * rtol * largest + floor.get("max_abs", 0.0)
-    top1, flips = _top1(ref, cand, atol + floor.get("max_abs", 0.0), rtol)
-    stats.update(
-        max_abs=max_abs,
-        max_rel=float((diff[rel_mask] / mag[rel_mask]).max()) if rel_mask.any() else 0.0,
-        rel_l2=rms_err / rms_ref if rms_ref > 0 else (0.0 if rms_err == 0 else float("inf")),
-        cosine=dot / norm if norm > 0 else (1.0 if not diff.size or diff.max() == 0 else 0.0),
-        nan=int(np.isnan(c).sum()),
-        inf=int(np.isinf(c).sum()),
-        ref_nan=int(np.isnan(r).sum()),
-        ref_inf=int(np.isinf(r).sum()),
-        within=float(np.mean(diff <= local_bound)) if diff.size else 1.0,
-        top1=top1,
-        flips=flips,
-    )
-    stats["passed"] = bool(
-        new_bad == 0
-        and rms_err <= atol + rtol * rms_ref + floor.get("rms", 0.0)
-        and max_abs <= local_bound
-        and not flips
-    )
-    return stats
-
-
-def _failed_figures() -> dict:
-    return {
-        "passed": False,
-        "max_abs": float("inf"),
-        "max_rel": float("inf"),
-        "rel_l2": float("inf"),
-        "cosine": 0.0,
-        "nan": 0,
-        "inf": 0,
-        "ref_nan": 0,
-        "ref_inf": 0,
-        "top1": None,
-        "flips": 0,
-        "within": 0.0,
-    }
-
-
-def _numeric(array: np.ndarray) -> bool:
-    return array.dtype.kind in "biufc" or array.dtype == BFLOAT16
-
-
-def _floating(array: np.ndarray) -> bool:
-    return array.dtype.kind == "f" or array.dtype == BFLOAT16
-
-
-def _top1(ref, cand, atol: float, rtol: float):
-    """(share of rows whose argmax over the last axis agrees, decisive changes) for class scores
-    (float, last dim >= 2), else (None, 0). A change is decisive when float32 puts the new pick
-    more than 2 x (atol + rtol x the row's largest |value|) below its own: errors within the
-    tolerance cannot swap them (near ties, a hidden state's features, may swap)."""
-    if not ref or ref[0].ndim < 1 or ref[0].shape[-1] < 2 or not _floating(ref[0]):
-        return None, 0
-    agree = total = flips = 0
-    for r, c in zip(ref, cand):
-        r2 = np.nan_to_num(r.reshape(-1, r.shape[-1]).astype(np.float64), nan=-np.inf)
-        c2 = np.nan_to_num(c.reshape(-1, c.shape[-1]).astype(np.float64), nan=-np.inf)
-        r_top, c_top = r2.argmax(-1), c2.argmax(-1)
-        rows = np.arange(r2.shape[0])
-        margin = r2[rows, r_top] - r2[rows, c_top]
-        with np.errstate(invalid="ignore"):
-            scale = np.max(np.where(np.isfinite(r2), np.abs(r2), 0.0), axis=-1)
-            flips += int(np.sum((r_top != c_top) & (margin > 2 * (atol + rtol * scale))))
-        agree += int((r_top == c_top).sum())
-        total += r2.shape[0]
-    return (agree / total if total else None), flips
-
-
 @dataclass
 class ValidationResult:
     """Per-output figures for each run ("ort:<provider>", and "reference" on CPU)."""
@@ -305,8 +191,11 @@ class ValidationResult:
 
 
 def reference_outputs(original: onnx.ModelProto, samples, deployment: Deployment = DEFAULT, progress=None):
-    """(float32 outputs per sample, provider used): the original run once on ORT."""
-    sess, used = open_checked(original, deployment.device, progress=progress, label="validate: original")
+    """(output names, float32 outputs per sample, provider used): the original run once on ORT,
+    in IEEE float32 (TF32 off on CUDA)."""
+    sess, used = open_checked(
+        original, deployment.device, progress=progress, label="validate: original", tf32=False
+    )  # IEEE float32: the reference
     names = [o.name for o in sess.get_outputs()]
     return names, run_samples(sess, samples, progress=progress, label="validate: original"), used
 
@@ -317,17 +206,21 @@ def validate(
     samples=None,
     *,
     deployment: Deployment = DEFAULT,
-    rtol: float = 1e-2,
-    atol: float = 1e-3,
-    reference="auto",
+    checks: CheckOptions | None = None,
     progress=None,
     expected=None,
+    **fields,
 ) -> ValidationResult:
     """Compare `rewritten` with `original` (paths or ModelProtos) on `samples` (synthesised if None).
 
-    `reference`: also run `onnx.reference` on the rewritten model (True/False, or "auto": on CPU
-    when its estimated work is small, reference.py's `use_reference`). `expected` reuses `reference_outputs(...)`.
+    `checks` (changed by `fields`, CheckOptions' own: `rtol`, `atol`, `reference`, `tf32`) say
+    how: `reference` also runs `onnx.reference` on the rewritten model (True/False, or "auto": on
+    CPU when its estimated work is small, reference.py's `use_reference`); `tf32` lets CUDA run
+    float32 in TF32, when the original is also run so and its own error allowed for (`floor`).
+    `expected` reuses `reference_outputs(...)`.
     """
+    checks = CheckOptions.of(checks, **fields)
+    rtol, atol, reference = checks.rtol, checks.atol, checks.reference
     original = load(original).model if not isinstance(original, onnx.ModelProto) else original
     rewritten = load(rewritten).model if not isinstance(rewritten, onnx.ModelProto) else rewritten
     if samples is None:
@@ -338,12 +231,15 @@ def validate(
     result = ValidationResult(rtol, atol, used, len(samples))
     if deployment.provider == "cuda" and used != CUDA:
         result.notes.append("CUDA provider did not load; validated on CPU")
+    floors = float32_floor(original, samples, deployment, names, ref, checks.tf32, progress)
+    if floors is not None:
+        result.notes.append("TF32: float32's own error on CUDA (the original run in TF32) is allowed for")
     samples = as_declared(rewritten, samples)  # float16 inputs (low_precision_io, keep_io_types=False)
     sess, used_new = open_checked(
-        rewritten, deployment.device, progress=progress, label="validate: rewritten"
+        rewritten, deployment.device, progress=progress, label="validate: rewritten", tf32=checks.tf32
     )
     got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: rewritten")
-    result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol)
+    result.runs[f"ort:{used_new}"] = _compare_all(names, ref, got, rtol, atol, floors)
     skipped: list = []
     if use_reference(rewritten, used_new, reference, samples, skipped):
         try:
@@ -361,9 +257,40 @@ def validate(
     return result
 
 
-def _compare_all(names, ref, got, rtol, atol) -> list:
+def float32_floor(original, samples, deployment: Deployment, names, ref, tf32: bool, progress=None):
+    """[{"rms", "max_abs"} per output]: how far the original itself is off IEEE float32 (`ref`)
+    when CUDA runs it in TF32, or None where it runs IEEE float32 (TF32 off, or not on CUDA)."""
+    if not tf32 or deployment.device != "cuda":
+        return None
+    sess, used = open_checked(
+        original, "cuda", progress=progress, label="validate: original, TF32", tf32=True
+    )
+    if used != CUDA:
+        return None
+    got = run_samples(sess, samples, outputs=names, progress=progress, label="validate: original, TF32")
+    floors = []
+    for i in range(len(names)):
+        diff = [np.abs(np.asarray(g[i], np.float64) - np.asarray(r[i], np.float64)) for g, r in zip(got, ref)]
+        finite = np.concatenate([d[np.isfinite(d)].ravel() for d in diff]) if diff else np.zeros(0)
+        floors.append(
+            {
+                "rms": float(np.sqrt(np.mean(finite**2))) if finite.size else 0.0,
+                "max_abs": float(finite.max()) if finite.size else 0.0,
+            }
+        )
+    return floors
+
+
+def _compare_all(names, ref, got, rtol, atol, floors=None) -> list:
     return [
-        compare([r[i] for r in ref], [g[i] for g in got], rtol=rtol, atol=atol, name=name)
+        compare(
+            [r[i] for r in ref],
+            [g[i] for g in got],
+            rtol=rtol,
+            atol=atol,
+            name=name,
+            floor=floors[i] if floors else None,
+        )
         for i, name in enumerate(names)
     ]
 
