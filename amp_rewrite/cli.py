@@ -18,6 +18,7 @@ from pathlib import Path
 
 from amp_rewrite import driver
 from amp_rewrite.checks import validate
+from amp_rewrite.checks.check_options import CheckOptions
 from amp_rewrite.cli_parser import build_parser, option_flags
 from amp_rewrite.errors import AmpRewriteError, UsageError, one_line
 from amp_rewrite.io import OutputPlan, atomic_write_bytes, save
@@ -68,19 +69,7 @@ def output_plan(args, source: Path, output: Path) -> OutputPlan:
 
 def run(args) -> int:
     options = rewrite_options(args)  # bad option values fail before anything is read
-    checks = {
-        "validate": args.validate,
-        "calibrate": args.calibrate or args.tolerance,
-        "tolerance": args.tolerance,
-    }
-    numbers = {
-        "samples_count": args.samples,
-        "safety": args.safety,
-        "rtol": args.rtol,
-        "atol": args.atol,
-        "max_runs": args.max_runs,
-    }
-    driver.check_values(options, **numbers, **checks)
+    checks = driver.check_values(options, CheckOptions.from_args(args))
     source = Path(args.model)
     output = Path(args.output) if args.output else default_output(source, options.target)
     if args.explain is not None:
@@ -88,10 +77,7 @@ def run(args) -> int:
     plan = output_plan(args, source, output)
     checked = driver.check(
         source,
-        inputs=args.inputs,
-        **numbers,
-        **checks,
-        reference={"auto": "auto", "always": True, "never": False}[args.reference],
+        checks=checks,
         progress=args.progress,
         options=options,
         keep_original=bool(args.html),

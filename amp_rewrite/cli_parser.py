@@ -1,11 +1,13 @@
 """The CLI's flags: the argparse parser and its help text, and which `RewriteOptions` field each
-option flag sets (`option_flags`; an option without a flag is `API_ONLY`)."""
+option flag sets (`option_flags`; an option without a flag is `API_ONLY`); the checks' flags are
+`CheckOptions`' own (checks/check_options.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 from amp_rewrite.analysis.oplists import TARGETS
+from amp_rewrite.checks.check_options import CheckOptions
 from amp_rewrite.deployment import PROVIDERS
 from amp_rewrite.errors import UsageError
 from amp_rewrite.options import ALIASES, PLACEMENTS, RewriteOptions, option_names
@@ -185,14 +187,7 @@ def _add_check_arguments(p) -> None:
     g.add_argument(
         "--html", metavar="FILE.html", help="write a self-contained HTML report (summary, op table, graph)"
     )
-    g.add_argument(
-        "--validate", action="store_true", help="run both models in ONNX Runtime and compare outputs"
-    )
-    g.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="measure float32 tensor ranges on the samples; overflowing producers/readers stay float32",
-    )
+    CheckOptions.add_arguments(g)  # --validate ... --tf32: the checks' flags, owned by CheckOptions
     g.add_argument(
         "--scale-activations",
         action=argparse.BooleanOptionalAction,
@@ -208,28 +203,6 @@ def _add_check_arguments(p) -> None:
         f"measured inputs and outputs stay within max/M (default {DEFAULT.relax_margin:g}; 0: never) "
         "becomes an infer op",
     )
-    g.add_argument(
-        "--tolerance",
-        action="store_true",
-        help="after calibration, pin nodes float32 where the error enters until --rtol/--atol pass",
-    )
-    g.add_argument("--inputs", metavar="FILE.npz", help="sample inputs: keys NAME, or I/NAME for sample I")
-    g.add_argument("--samples", type=int, default=1, metavar="N", help="synthesised samples (default 1)")
-    g.add_argument("--rtol", type=float, default=1e-2, help="relative tolerance (default 1e-2)")
-    g.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
-    g.add_argument(
-        "--safety", type=float, default=4.0, help="calibration margin: limit is max/SAFETY (default 4)"
-    )
-    g.add_argument(
-        "--reference",
-        nargs="?",
-        const="always",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="also run onnx.reference on CPU, which keeps float16 (--reference alone: always; auto: "
-        "when its estimated work is small, about 20 s)",
-    )
-    g.add_argument("--max-runs", type=int, default=10, help="validation runs the --tolerance search may use")
     g.add_argument(
         "--progress", action="store_true", default=None, help="progress bars even when not a terminal"
     )

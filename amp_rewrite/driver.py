@@ -2,15 +2,15 @@
 for the API's checked rewrites (`check`); a plain rewrite is `api.rewrite`, this run's middle.
 
 Every setting is read from one place: the rewrite's `RewriteOptions` (and its `Deployment`:
-provider, target, dims), and the checks' own numbers here. Anything a check cannot run with fails
-before any work (`check_values`): bad numbers, no samples, a target the device cannot run.
+provider, target, dims), and the checks' `CheckOptions` (checks/check_options.py). Anything a
+check cannot run with fails before any work (`check_values`): bad numbers, no samples, a target
+the device cannot run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 from dataclasses import dataclass
 
@@ -19,6 +19,7 @@ from amp_rewrite.analysis.oplists import check_named_ops
 from amp_rewrite.api import RewriteOptions, RewriteResult
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
+from amp_rewrite.checks.check_options import CheckOptions, split_fields
 from amp_rewrite.checks.fallback import FallbackResult, fit
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import LoadedModel, load
@@ -43,59 +44,23 @@ class CheckedResult:
 
 
 def check_values(
-    options: RewriteOptions | None = None,
-    *,
-    samples_count=1,
-    safety=cal_mod.DEFAULT_SAFETY,
-    rtol=1e-2,
-    atol=1e-3,
-    max_runs=10,
-    validate=False,
-    calibrate=False,
-    tolerance=False,
-) -> None:
-    """Numbers a check cannot run with are usage errors, before any work (no ZeroDivisionError
-    from --safety 0, no PASSED from comparing zero samples), and so is a rewritten model the
-    deployment's device cannot run at all (bfloat16 for CUDA, checked on ORT's CPU)."""
-
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    if not number(safety) or safety <= 0:
-        raise UsageError(f"safety {safety!r} must be a positive number (the limit is max/safety)")
-    for name, value in (("rtol", rtol), ("atol", atol)):
-        if not number(value) or value < 0:
-            raise UsageError(f"{name} {value!r} must be a number of at least 0")
-    if not isinstance(max_runs, int) or isinstance(max_runs, bool) or max_runs < 1:
-        raise UsageError(f"max runs {max_runs!r} must be a whole number of at least 1")
-    checks = validate or calibrate or tolerance
-    if (
-        not isinstance(samples_count, int)
-        or isinstance(samples_count, bool)
-        or samples_count < (1 if checks else 0)
-    ):
-        raise UsageError(
-            f"samples {samples_count!r} must be a whole number of at least 1 to validate or calibrate"
-        )
-    if options is not None and (validate or tolerance):
+    options: RewriteOptions | None = None, checks: CheckOptions | None = None, **fields
+) -> CheckOptions:
+    """The checks' options (`checks` changed by `fields`, CheckOptions' own), checked before any
+    work (CheckOptions.__post_init__: bad numbers, no samples), and a rewritten model the
+    deployment's device cannot run at all (bfloat16 for CUDA, checked on ORT's CPU) refused."""
+    checks = CheckOptions.of(checks, **fields)
+    if options is not None and (checks.validate or checks.tolerance):
         options.deployment.check_runnable()
+    return checks
 
 
 def check(
     model,
     *,
     samples=None,
-    inputs=None,
-    samples_count: int = 1,
-    validate: bool = False,
-    calibrate: bool = False,
-    tolerance: bool = False,
-    rtol: float = 1e-2,
-    atol: float = 1e-3,
-    reference="auto",
-    safety: float = cal_mod.DEFAULT_SAFETY,
+    checks: CheckOptions | None = None,
     progress=None,
-    max_runs: int = 10,
     keep_original: bool = True,
     lazy_weights: bool = False,
     outputs=None,
@@ -104,59 +69,44 @@ def check(
 ) -> CheckedResult:
     """load -> calibrate (optional) -> rewrite -> validate (optional) -> fallback (when `tolerance`).
 
-    `options` (changed by `fields`, RewriteOptions' own, e.g. provider="cpu") are the rewrite's;
-    their deployment says where the checks run. A model read from a file here is rewritten in
-    place (no second copy) only when no check needs the original and `keep_original` is False;
+    `checks` (a CheckOptions: which checks, `inputs` or `samples_count`, the tolerance...) and
+    `options` (a RewriteOptions) are changed by `fields`, each by its own names (e.g.
+    validate=True, rtol=1e-3, provider="cpu"); the deployment says where the checks run. `samples`:
+    the sample feeds themselves, instead of `inputs`. A model read from a file here is rewritten
+    in place (no second copy) only when no check needs the original and `keep_original` is False;
     `lazy_weights` and `outputs` (an io.OutputPlan) go to `io.load`.
     """
+    check_fields, rewrite_fields = split_fields(fields)
     options = (
-        options.replace(**fields)
-        if options is not None and fields
-        else options or RewriteOptions.of(**fields)
+        options.replace(**rewrite_fields)
+        if options is not None and rewrite_fields
+        else options or RewriteOptions.of(**rewrite_fields)
     )
-    checks = validate or calibrate or tolerance
-    check_values(
-        options,
-        samples_count=samples_count,
-        safety=safety,
-        rtol=rtol,
-        atol=atol,
-        max_runs=max_runs,
-        validate=validate,
-        calibrate=calibrate,
-        tolerance=tolerance,
-    )
-    if samples is not None and not len(samples) and checks:
+    checks = check_values(options, checks, **check_fields)
+    runs = checks.runs
+    if samples is not None and not len(samples) and runs:
         raise UsageError("no samples: a check on nothing would pass anything")
     # onnx.checker once, on the rewrite (the input gets it when a stage or ONNX Runtime refuses it)
     with Progress(1, "load", progress) as bar:
         loaded = load(
-            model, lazy_weights=lazy_weights and not checks, checker=not options.check, outputs=outputs
+            model, lazy_weights=lazy_weights and not runs, checker=not options.check, outputs=outputs
         )
         bar.step()
-    if keep_original or checks:
+    if keep_original or runs:
         loaded = _shared(loaded)
     model = loaded.model
     deployment = options.deployment
     check_dims(model.graph, deployment.dims)  # a typo fails now, not after calibrating
     check_named_ops(options.lists(), model)  # so does an unknown op type
     check_keep_patterns(model, options.keep_fp32_nodes)  # and a node pattern that pins nothing
-    if samples is None and checks:
+    if samples is None and runs:
         samples = (
-            val.load_samples(inputs, model)
-            if inputs is not None
-            else val.synthesise(model, dims=deployment.dims, count=samples_count)
+            val.load_samples(checks.inputs, model)
+            if checks.inputs is not None
+            else val.synthesise(model, dims=deployment.dims, count=checks.samples_count)
         )
     try:
-        out = _checked_run(
-            loaded,
-            samples,
-            options,
-            steps=(calibrate or tolerance, validate, tolerance),
-            numbers={"rtol": rtol, "atol": atol, "safety": safety, "max_runs": max_runs},
-            reference=reference,
-            progress=progress,
-        )
+        out = _checked_run(loaded, samples, options, checks, progress=progress)
     except ValidationError:  # ONNX Runtime refused a model: a bad input says so in one ModelError line
         loaded.validate_in_full()
         raise
@@ -168,47 +118,25 @@ def check(
     return out
 
 
-def _checked_run(loaded, samples, options, *, steps, numbers, reference, progress) -> CheckedResult:
-    """calibrate -> rewrite -> validate, or calibrate -> fit, on `loaded` as `check` set it up;
-    `steps`: (calibrate, validate, tolerance)."""
+def _checked_run(loaded, samples, options, checks: CheckOptions, *, progress) -> CheckedResult:
+    """calibrate -> rewrite -> validate, or calibrate -> fit, on `loaded` as `check` set it up."""
     model, deployment = loaded.model, options.deployment
-    calibrate, validate, tolerance = steps
-    rtol, atol = numbers["rtol"], numbers["atol"]
     calibration = None
-    if calibrate:
+    if checks.calibrate or checks.tolerance:
         calibration = cal_mod.calibrate(
-            model, samples, deployment=deployment, safety=numbers["safety"], progress=progress
+            model, samples, deployment=deployment, safety=checks.safety, progress=progress
         )
-    if tolerance:
-        fb = fit(
-            loaded,
-            samples,
-            rtol=rtol,
-            atol=atol,
-            calibration=calibration,
-            max_runs=numbers["max_runs"],
-            reference=reference,
-            progress=progress,
-            options=options,
+    if checks.tolerance:
+        fb = fit(loaded, samples, calibration=calibration, progress=progress, options=options, checks=checks)
+        return CheckedResult(fb.result, calibration, fb.validation, fb, loaded)
+    result = rewrite_run(loaded, options.replace(calibration=calibration), progress=progress)
+    validation = None
+    if checks.validate:
+        validation = val.validate(
+            model, result.model, samples, deployment=deployment, checks=checks, progress=progress
         )
-        out = CheckedResult(fb.result, calibration, fb.validation, fb, loaded)
-    else:
-        result = rewrite_run(loaded, options.replace(calibration=calibration), progress=progress)
-        validation = None
-        if validate:
-            validation = val.validate(
-                model,
-                result.model,
-                samples,
-                deployment=deployment,
-                rtol=rtol,
-                atol=atol,
-                reference=reference,
-                progress=progress,
-            )
-            result.report.sections["validation"] = validation.to_dict()
-        out = CheckedResult(result, calibration, validation, None, loaded)
-    return out
+        result.report.sections["validation"] = validation.to_dict()
+    return CheckedResult(result, calibration, validation, None, loaded)
 
 
 def check_keep_patterns(model, patterns) -> None:

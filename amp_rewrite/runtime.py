@@ -10,11 +10,14 @@ one clear line, not an AttributeError.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import tempfile
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import onnx
 
 from amp_rewrite.errors import RuntimeUnavailableError, ValidationError
@@ -98,34 +101,104 @@ def _session_source(model, keep_alive: list):
     return str(path)
 
 
-def _open(source, device: str, options, device_id: int):
+def cuda_options(device_id: int = 0, tf32: bool = False) -> dict:
+    """The CUDA provider's options: the device, and `use_tf32`. ORT's CUDA provider computes
+    float32 MatMul/Conv in TF32 (a 10-bit mantissa, float16's) unless told otherwise; amp-rewrite
+    asks for IEEE float32 unless `tf32` (docs/decisions.md: a node kept float32 for accuracy, or
+    the float32 reference a check compares with, must not compute at float16's mantissa)."""
+    return {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0"}
+
+
+def providers_for(device: str, device_id: int = 0, tf32: bool = False) -> list:
+    """ORT's `providers` list for a session on `device` ("cuda": CUDA, then CPU for what it lacks)."""
+    return [(CUDA, cuda_options(device_id, tf32)), CPU] if device == "cuda" else [CPU]
+
+
+def _open(source, device: str, options, device_id: int, tf32: bool = False):
     """(session, ORT provider used); ORT's load-failure spew silenced while CUDA is tried."""
     runtime = ort()
     cuda = device == "cuda"
     runtime.set_default_logger_severity(_FATAL_ONLY if cuda else _QUIET)
     try:
-        sess = runtime.InferenceSession(
-            source, options, providers=[(CUDA, {"device_id": str(device_id)}), CPU] if cuda else [CPU]
-        )
+        sess = runtime.InferenceSession(source, options, providers=providers_for(device, device_id, tf32))
     finally:
         runtime.set_default_logger_severity(_ORT_DEFAULT_SEVERITY)
     return sess, (CUDA if CUDA in sess.get_providers() else CPU)
 
 
 def open_session(
-    model, device: str, *, options=None, error=ValidationError, what: str = "the model", device_id: int = 0
+    model,
+    device: str,
+    *,
+    options=None,
+    error=ValidationError,
+    what: str = "the model",
+    device_id: int = 0,
+    tf32: bool = False,
 ):
     """(session, ORT provider used). `model`: a ModelProto or its bytes; `device`: "cuda" or "cpu",
-    as a `Deployment` resolved it (`Deployment.device`); a model ORT refuses is `error`."""
+    as a `Deployment` resolved it (`Deployment.device`); a model ORT refuses is `error`. `tf32`:
+    let CUDA compute float32 MatMul/Conv in TF32 (`cuda_options`)."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: a Deployment resolves it to cuda or cpu")
     keep_alive: list = []
     source = _session_source(model, keep_alive)
     try:
-        sess, used = _open(source, device, options or session_options(), device_id)
+        sess, used = _open(source, device, options or session_options(), device_id, tf32)
     except RuntimeUnavailableError:
         raise
     except Exception as exc:  # ORT raises its own untyped errors for invalid graphs
         raise error(f"ONNX Runtime refused {what}: {str(exc).strip().splitlines()[0]}") from None
     sess._amp_keep_alive = keep_alive  # external data lives as long as the session
     return sess, used
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_BFLOAT16_TYPE = "tensor(bfloat16)"
+
+
+def run(session, outputs, feeds: dict) -> list:
+    """`session.run(outputs, feeds)`, bfloat16 included: numpy has no bfloat16, so ORT's `run`
+    refuses a bfloat16 feed (ml_dtypes') and cannot return a bfloat16 output ("No corresponding
+    Numpy type for Tensor Type. bfloat16"). Such a run binds them as OrtValues instead and reads
+    bfloat16 outputs back as ml_dtypes.bfloat16 arrays, copied to the host."""
+    if not hasattr(session, "io_binding"):  # a SegmentedSession: its pieces run through here
+        return session.run(outputs, feeds)
+    names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
+    if not any(np.asarray(v).dtype == BFLOAT16 for v in feeds.values()) and not _bfloat16_among(
+        session, names
+    ):
+        return session.run(names, feeds)
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_ortvalue_input(name, _ort_value(np.asarray(value)))
+    for name in names:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    return [host_array(v) for v in binding.get_outputs()]
+
+
+def _bfloat16_among(session, names: list) -> bool:
+    wanted = set(names)
+    return any(o.type == _BFLOAT16_TYPE for o in session.get_outputs() if o.name in wanted)
+
+
+def _ort_value(array: np.ndarray):
+    if array.dtype == BFLOAT16:
+        return ort().OrtValue.ortvalue_from_numpy_with_onnx_type(
+            np.ascontiguousarray(array).view(np.uint16), onnx.TensorProto.BFLOAT16
+        )
+    return ort().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+
+
+def host_array(value) -> np.ndarray:
+    """An OrtValue on the host as a numpy array; a bfloat16 one as ml_dtypes.bfloat16 (copied:
+    ORT's `numpy()` has no bfloat16)."""
+    if value.data_type() != _BFLOAT16_TYPE:
+        return value.numpy()
+    shape = tuple(value.shape())
+    count = int(np.prod(shape, dtype=np.int64))
+    if not count:
+        return np.zeros(shape, BFLOAT16)
+    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.frombuffer(raw, np.uint16).copy().view(BFLOAT16).reshape(shape)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import io
 import math
 import os
@@ -61,6 +60,7 @@ import exported  # noqa: E402
 import synthetic  # noqa: E402
 from amp_rewrite.checks import calibrate as cal  # noqa: E402
 from amp_rewrite.checks import validate as val  # noqa: E402
+from amp_rewrite.checks.check_options import CheckOptions  # noqa: E402
 from amp_rewrite.deployment import Deployment  # noqa: E402
 from amp_rewrite.io.skeleton import inference_skeleton  # noqa: E402
 from amp_rewrite.ir import sort_graphs  # noqa: E402
@@ -96,8 +96,7 @@ NOT_COMPUTE = {
     "Split",
 }
 # today's tolerance: what `amp-rewrite --validate` uses unless told otherwise
-_VALIDATE_DEFAULTS = inspect.signature(val.validate).parameters
-RTOL, ATOL = _VALIDATE_DEFAULTS["rtol"].default, _VALIDATE_DEFAULTS["atol"].default
+RTOL, ATOL = CheckOptions.rtol, CheckOptions.atol
 OLD_DENY = ("LayerNormalization", "Softmax")  # moved out of deny after bf991a5
 OLD_BEHAVIOUR = {"pointwise_check": False, "fold_noop_casts": False}  # both came after bf991a5 too
 BASELINE = "amp-rewrite tf, old lists"

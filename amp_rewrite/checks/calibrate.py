@@ -40,15 +40,17 @@ from amp_rewrite import ir
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
+from amp_rewrite.checks.check_options import CheckOptions
 from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.io import load
+from amp_rewrite.runtime import run as run_session
 from amp_rewrite.transform.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
 FLUSH = {"float16": float(np.finfo(np.float16).smallest_subnormal) / 2, "bfloat16": 9.183549615799121e-41 / 2}
 SENTINEL = float(np.finfo(np.float32).max)  # +-this: "as large as float32 allows", see above
-DEFAULT_SAFETY = 4.0
+DEFAULT_SAFETY = CheckOptions.safety  # written once, in check_options.py
 DEFAULT_RELAX_MARGIN = 16.0
 
 
@@ -245,6 +247,7 @@ def calibrate(
 ) -> CalibrationResult:
     """Run the float32 `model` on `samples` (synthesised if None, at the deployment's dims) on the
     deployment's device and measure every float tensor against its target's range."""
+    CheckOptions(safety=safety)  # a safety it cannot divide by is a UsageError, before any work
     model = load(model).model if not isinstance(model, onnx.ModelProto) else model
     if samples is None:
         samples = val.synthesise(model, dims=deployment.dims)
@@ -268,7 +271,7 @@ def calibrate(
     flush = FLUSH[target]
     with val.Progress(len(samples), "calibrate", progress) as bar:
         for feeds in samples:
-            _accumulate_all([ranges[n] for n in names], sess.run(names, feeds), flush)
+            _accumulate_all([ranges[n] for n in names], run_session(sess, names, feeds), flush)
             bar.step()
     result = CalibrationResult(target, len(samples), safety, ranges, consumers, used)
     if len(val.feed_inputs(model)) and len(samples) == 1:

@@ -28,6 +28,7 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
+from amp_rewrite.checks.check_options import CheckOptions, split_fields
 from amp_rewrite.checks.reference import CPU_NOTE, use_reference
 from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.io import load
@@ -148,12 +149,16 @@ def _unscaled(result: RewriteResult, tensors: dict) -> dict:
 
 
 def _evaluate(
-    candidate: onnx.ModelProto, samples, names, measured: list, device: str, reference, progress, sessions
+    candidate: onnx.ModelProto, samples, names, measured: list, device: str, reference, progress, opening
 ) -> tuple[dict, dict]:
-    """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}. `sessions`
-    keeps the last candidate's piece sessions: those whose bytes no pin changed are reused."""
+    """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}. `opening`: the
+    sessions' `tf32` and `cache`, the last candidate's piece sessions (those whose bytes no pin
+    changed are reused)."""
+    samples = val.as_declared(
+        candidate, samples
+    )  # low-precision inputs (--no-keep-io-types) read them rounded
     exposed = val.expose(candidate, measured)
-    sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate", cache=sessions)
+    sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate", **opening)
     available = {o.name for o in sess.get_outputs()}
     kept = set(names)
     inter = [m for m in measured if m in available and m not in kept]  # sets: 10k tensors, one pass
@@ -184,25 +189,25 @@ def fit(
     model,
     samples=None,
     *,
-    rtol: float = 1e-2,
-    atol: float = 1e-3,
     calibration=None,
-    max_runs: int = 10,
-    reference="auto",
     progress=None,
     options: RewriteOptions | None = None,
+    checks: CheckOptions | None = None,
     **fields,
 ) -> FallbackResult:
     """Rewrite `model`, then pin a few nodes float32 until it validates within rtol/atol.
 
-    `calibration` (a CalibrationResult) is applied to every candidate; `options` (changed by
-    `fields`, RewriteOptions' own) are the rewrite's, their deployment where the runs go. At most
-    `max_runs` validation runs, the final clean check included.
+    `calibration` (a CalibrationResult) is applied to every candidate; `options` (the rewrite's,
+    their deployment where the runs go) and `checks` (rtol, atol, at most `max_runs` validation
+    runs with the final check, reference, tf32) are changed by `fields`, each by its own names.
     """
+    check_fields, rewrite_fields = split_fields(fields)
+    checks = CheckOptions.of(checks, **check_fields)
+    rtol, atol, max_runs, reference = checks.rtol, checks.atol, checks.max_runs, checks.reference
     options = (
-        options.replace(**fields)
-        if options is not None and fields
-        else options or RewriteOptions.of(**fields)
+        options.replace(**rewrite_fields)
+        if options is not None and rewrite_fields
+        else options or RewriteOptions.of(**rewrite_fields)
     )
     deployment = options.deployment
     device = deployment.device
@@ -216,7 +221,7 @@ def fit(
     names = [o.name for o in model.graph.output]
     measured_names = [t for t in measured if t not in names] + [t for t in names if t in measured]
     ref_sess, ref_used = open_checked(
-        val.expose(model, measured_names), device, progress=progress, label="fallback: original"
+        val.expose(model, measured_names), device, progress=progress, label="fallback: original", tf32=False
     )
     ref_available = [o.name for o in ref_sess.get_outputs()]
     ref_rows = val.run_samples(
@@ -228,11 +233,13 @@ def fit(
     reference = use_reference(model, ref_used, reference, samples, skipped, repeats=max_runs)
     ref_out = [[row[ref_available.index(n)] for n in names] for row in ref_rows]
     ref_rows = None  # ref_tensors and ref_out hold what the search and the checks read
+    floor = {f"ort:{ref_used}": val.float32_floor(model, samples, deployment, names, ref_out, checks.tf32)}
     base_force = dict(options.force_fp32)
 
     history: list = []
     runs = 0
     sessions: dict = {}  # the last candidate's pieces: the next shares those before its first change
+    opening = {"cache": sessions, "tf32": checks.tf32}
 
     unchecked = options.replace(check=False)  # onnx.checker runs once, on the candidate kept
 
@@ -256,10 +263,14 @@ def fit(
         nonlocal runs
         candidate = rewritten(pins)
         outputs, tensors = _evaluate(
-            candidate.model, samples, names, measured_names, device, reference, progress, sessions
+            candidate.model, samples, names, measured_names, device, reference, progress, opening
         )
         runs += 1
-        stats = [s for run, got in outputs.items() for s in val._compare_all(names, ref_out, got, rtol, atol)]
+        stats = [
+            s
+            for run, got in outputs.items()
+            for s in val._compare_all(names, ref_out, got, rtol, atol, floor.get(run))
+        ]
         passed = all(s["passed"] for s in stats)
         record(
             pins,
@@ -278,9 +289,7 @@ def fit(
             candidate.model,
             samples,
             deployment=deployment,
-            rtol=rtol,
-            atol=atol,
-            reference=reference,
+            checks=checks.replace(reference=reference),
             progress=progress,
             expected=(names, ref_out, ref_used),
         )

@@ -31,6 +31,7 @@ from onnx import helper
 from amp_rewrite.progress import Progress
 from amp_rewrite.runtime import open_session, session_options
 from amp_rewrite.runtime import ort as ort_module
+from amp_rewrite.runtime import run as run_session
 
 SEGMENT_NODES = 100  # measured (10k-node float16 stack, CPU): 100 < 200 < 400 nodes a piece, in setup time
 
@@ -135,7 +136,7 @@ class SegmentedSession:
         keep = set(wanted)
         live = dict(feeds)
         for index, piece in enumerate(self.pieces):
-            got = piece.session.run(piece.outputs, {n: live[n] for n in piece.inputs})
+            got = run_session(piece.session, piece.outputs, {n: live[n] for n in piece.inputs})
             live.update(zip(piece.outputs, got))
             for name in piece.inputs:
                 if self._last_read[name] == index and name not in keep:

@@ -85,6 +85,11 @@ def device_for(provider: str) -> str:
     return deployment_for(provider).device
 
 
+def check_tf32(tf32) -> None:
+    if not isinstance(tf32, bool):
+        raise TrainingError(f"tf32 must be True or False, got {tf32!r}")
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise TrainingError(f"{name} must be one of {', '.join(choices)}, got {value!r}")

@@ -155,6 +155,7 @@ class MpiRunner:
         bucket_mb: float = DEFAULT_BUCKET_MB,
         device_id: int | None = None,
         comm=None,
+        tf32: bool = False,
     ):
         self.loss_reduction = _check_reduction(loss, loss_reduction)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -188,6 +189,7 @@ class MpiRunner:
             loss_share=self._share,
             gradients=self.buckets.views,
             flag=self._global_skipped,
+            tf32=tf32,
         )
         self._check_same_step_graph(self.halves.split)
         self.state, self.device, self.feed_types = (

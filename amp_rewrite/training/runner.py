@@ -40,7 +40,12 @@ def deployment_for(provider: str) -> Deployment:
 
 
 def open_step_session(
-    model: onnx.ModelProto, provider: str, precision: str, device_id: int = 0, threads: int = 0
+    model: onnx.ModelProto,
+    provider: str,
+    precision: str,
+    device_id: int = 0,
+    threads: int = 0,
+    tf32: bool = False,
 ):
     """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error.
     `threads`: CPU intra-op threads (0: ONNX Runtime's default). ONNX Runtime's memory pattern is
@@ -48,7 +53,8 @@ def open_step_session(
     raised the peak above the floor from 2010 to 3280 MB at no measured gain in speed. On CPU the
     graph is optimised to the extended level, without the NCHWc layout pass: its reorders around
     every forward and backward Conv cost more than they gained (the small CNN's step at 1 thread,
-    alternating in one process: 55.8 vs 63.2 and 58.9 vs 62.0 ms CPU; the MLP equal)."""
+    alternating in one process: 55.8 vs 63.2 and 58.9 vs 62.0 ms CPU; the MLP equal). `tf32`: CUDA
+    computes the step's float32 MatMul/Conv in TF32 (runtime.cuda_options; off: IEEE float32)."""
     device = deployment_for(provider).device
     settings = {}
     if device == "cpu":
@@ -61,6 +67,7 @@ def open_step_session(
             device,
             options=options,
             device_id=device_id,
+            tf32=tf32,
             error=TrainingError,
             what="the step graph",
         )
@@ -225,9 +232,12 @@ class SessionRunner(SingleProcess):
         provider: str,
         precision: str,
         threads: int = 0,
+        tf32: bool = False,
     ):
         check_in_place(step.model, step.next_state)
-        self.session, self.device = open_step_session(step.model, provider, precision, threads=threads)
+        self.session, self.device = open_step_session(
+            step.model, provider, precision, threads=threads, tf32=tf32
+        )
         self.feed_types = feed_dtypes(step.model)
         self.batch_inputs = step.batch_inputs
         self.state = DeviceState(initial, lr, self.device)

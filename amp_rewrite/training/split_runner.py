@@ -43,10 +43,11 @@ class SplitRunner(SingleProcess):
         gradients: dict[str, np.ndarray] | None = None,
         flag: np.ndarray | None = None,
         host_update: bool = True,
+        tf32: bool = False,
     ):
         self.split = split = split_step_graph(step, loss_share)
         check_in_place(split.apply, step.next_state)
-        options = {"device_id": device_id, "threads": threads}
+        options = {"device_id": device_id, "threads": threads, "tf32": tf32}
         self._grad_session, self.device = open_step_session(split.gradient, provider, precision, **options)
         self.feed_types = feed_dtypes(split.gradient)
         self.state = DeviceState(initial, lr, self.device, device_id)

@@ -55,7 +55,8 @@ class Trainer:
     constants (default: the model's parameters, `training.parameters`). `gradient_builder`: a
     function with `amp_rewrite.autodiff.build_gradient_graph`'s signature (the default).
     `verbose`: say what is trained (one line on stderr). `threads`: CPU intra-op threads (0: ONNX
-    Runtime's default).
+    Runtime's default). `tf32`: on CUDA, the step's float32 MatMul/Conv run in TF32 (ONNX Runtime's
+    default, faster, float16's 10-bit mantissa); off (default), IEEE float32, as torch's matmuls.
     `distributed="mpi"`: data-parallel over MPI ranks; its options (`loss_reduction`, `bucket_mb`,
     `device_id`, `comm`) are described at `amp_rewrite.training.distributed.MpiRunner`.
     `recompute`: segments whose activations the backward recomputes instead of keeping: node-name
@@ -79,11 +80,13 @@ class Trainer:
         verbose: bool = True,
         recompute=None,
         threads: int = 0,
+        tf32: bool = False,
         **distributed_options,
     ):
         self.precision = arguments.check_choice("precision", precision, arguments.PRECISIONS)
         arguments.check_distributed(distributed, distributed_options)
         arguments.check_threads(threads)
+        arguments.check_tf32(tf32)
         device = arguments.device_for(provider)
         say = _say if verbose else (lambda line: None)
         self._model, found = prepare(arguments.load_model(model, say), say)
@@ -122,7 +125,13 @@ class Trainer:
             # On CPU the step runs in two halves, the update on the host (split_runner.py)
             single = SplitRunner if device == "cpu" else SessionRunner
             self.runner = single(
-                self.step_graph, initial, self.optimizer.lr, provider, self.precision, threads=threads
+                self.step_graph,
+                initial,
+                self.optimizer.lr,
+                provider,
+                self.precision,
+                threads=threads,
+                tf32=tf32,
             )
         else:
             from amp_rewrite.training.distributed import MpiRunner
@@ -135,6 +144,7 @@ class Trainer:
                 self.precision,
                 loss,
                 threads=threads,
+                tf32=tf32,
                 **distributed_options,
             )
         del initial

@@ -288,9 +288,9 @@ def test_fallback_compares_scaled_tensors_at_their_true_scale():
     model = conv_front_end()
     feeds = samples(model, 2, seed=1)
     checked = driver.check(
-        model, samples=feeds, calibrate=True, tolerance=True, rtol=1e-2, atol=1e-3, reference=True
+        model, samples=feeds, calibrate=True, tolerance=True, rtol=1e-4, atol=1e-3, reference=True
     )
-    assert checked.passed  # atol 1e-3 on outputs near 1e4: only float32 gets there, node by node
+    assert checked.passed  # 1e-4 of the outputs' own scale: only float32 gets there, node by node
     reasons = checked.fallback.pinned
     assert "conv1" in reasons
     first = reasons[next(iter(reasons))]
