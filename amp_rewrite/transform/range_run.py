@@ -15,6 +15,7 @@ from amp_rewrite.io.samples import synthesise
 from amp_rewrite.onnx_facts import reads
 from amp_rewrite.runtime import open_session, session_options
 from amp_rewrite.runtime import ort as ort_module
+from amp_rewrite.transform import numpy_run
 
 # Above these, cost placement's extra low ops are not measured on synthesised inputs (evidence.settle)
 RANGE_CHECK_NODES, RANGE_CHECK_BYTES = (
@@ -35,7 +36,8 @@ def over_budget(scopes, model_bytes: int, lazy: bool) -> str | None:
 
 
 def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
-    """{name: largest |value|} of main-graph tensors `names` in one float32 run (CPU) on one
+    """{name: largest |value|} of main-graph tensors `names` in one float32 run (numpy where it
+    runs every op, `numpy_run`, else ONNX Runtime on the CPU) on one
     synthesised sample of the part of `model` that computes them (their cone: the run costs what
     it needs, often the embeddings only): inf where a value is not finite, a mask sentinel
     (float32's largest) left out as the constant scan reads it; absent where the tensor is not the
@@ -66,10 +68,12 @@ def largest_values(model, names, types: dict, *, dims=None) -> dict | None:
     )
     try:
         feeds = synthesise(part, dims=dims)[0]
-        quiet = session_options(log_severity_level=4)  # a failed run is said in the report, not by ORT
-        runs = ort_module().RunOptions()
-        runs.log_severity_level = 4
-        arrays = open_session(part, "cpu", options=quiet)[0].run(wanted, feeds, runs) if wanted else []
+        arrays = numpy_run.run(part, feeds, wanted) if wanted else []
+        if arrays is None:  # an op numpy_run does not run: ONNX Runtime's session
+            quiet = session_options(log_severity_level=4)  # a failed run is said in the report, not by ORT
+            runs = ort_module().RunOptions()
+            runs.log_severity_level = 4
+            arrays = open_session(part, "cpu", options=quiet)[0].run(wanted, feeds, runs)
     except Exception:  # noqa: BLE001 - any failure: no evidence, said in the report
         return None
     found = {}
