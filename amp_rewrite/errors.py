@@ -6,8 +6,15 @@ the API raises them as they are. Anything else escaping is a bug in amp-rewrite.
 
 
 def one_line(text: str) -> str:
-    """`text` as one line: line breaks in a path or a quoted name are shown escaped."""
-    return text.replace("\r", "\\r").replace("\n", "\\n")
+    """`text` as one printable line: line breaks in a path or a quoted name are shown escaped, and
+    so is anything else unprintable (control characters; bytes a library could not decode, which
+    reach Python as lone surrogates)."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text
+    )
 
 
 class AmpRewriteError(Exception):

@@ -10,8 +10,10 @@ one clear line, not an AttributeError.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import io
 import logging
 import tempfile
 from pathlib import Path
@@ -119,8 +121,9 @@ def _open(source, device: str, options, device_id: int, tf32: bool = False):
     runtime = ort()
     cuda = device == "cuda"
     runtime.set_default_logger_severity(_FATAL_ONLY if cuda else _QUIET)
-    try:
-        sess = runtime.InferenceSession(source, options, providers=providers_for(device, device_id, tf32))
+    try:  # ORT prints "EP Error ..." on stdout when a provider's session fails: the error says it
+        with contextlib.redirect_stdout(io.StringIO()):
+            sess = runtime.InferenceSession(source, options, providers=providers_for(device, device_id, tf32))
     finally:
         runtime.set_default_logger_severity(_ORT_DEFAULT_SEVERITY)
     return sess, (CUDA if CUDA in sess.get_providers() else CPU)

@@ -57,6 +57,8 @@ def contained_file(
         raise error(f"{what} {shown(name)} is too long to be a file name")
     if os.path.isabs(name) or name.startswith(("\\", "/")):
         raise error(f"{what} {shown(name)} must be a relative path inside {inside}")
+    if os.path.normpath(name).split(os.sep)[0] == "..":  # as written, whatever exists on the way
+        raise error(f"{what} {shown(name)} escapes {inside}")
     try:
         base = Path(os.path.realpath(folder, strict=True))
         target = Path(os.path.realpath(base / name, strict=True))

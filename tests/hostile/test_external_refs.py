@@ -175,6 +175,18 @@ def test_no_reference_anywhere_reads_a_file_outside_the_folder(place, how, plant
     assert _listing(root) == before  # no output, nothing changed
 
 
+@pytest.mark.parametrize("location", ["sub/../../secret.txt", "no-such-folder/../../secret.txt", "sub/../.."])
+def test_a_dotdot_through_any_folder_is_said_to_escape(location, planted, capsys):
+    """Refused whether the folders on the way exist or not, and said as an escape (a name through
+    a missing folder was 'missing')."""
+    secret, folder = planted
+    (folder / "sub").mkdir()
+    path = _write(folder, PLACES["sparse"](location))
+    _refused(capsys, main([str(path), "--dry-run"]), "escapes the model's folder")
+    with pytest.raises(errors.ModelError, match="escapes the model's folder"):
+        amp_rewrite.rewrite(str(path))
+
+
 def test_function_reference_inside_the_folder_is_read_from_the_models_folder(planted, monkeypatch, tmp_path):
     """The same function model with its data beside it rewrites, from any current directory."""
     _, folder = planted
