@@ -18,6 +18,7 @@ from onnx import TensorProto
 from amp_rewrite.errors import ModelError
 from amp_rewrite.io import external
 from amp_rewrite.io.input_checks import check_after_failure, validate
+from amp_rewrite.io.output import interrupt_hook
 from amp_rewrite.onnx_facts import all_graphs, walk
 
 
@@ -136,6 +137,7 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
     if not stat.S_ISREG(mode):
         _fail(path, "not a file")
     data = external.read_bounded(path, MAX_MODEL_BYTES, what="model file")
+    interrupt_hook("load")
     if not data:
         _fail(path, "empty file, not an ONNX model")
     model = onnx.ModelProto()

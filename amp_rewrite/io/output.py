@@ -6,12 +6,16 @@ run reads (the model and each of its external-data files): a clash is one Output
 existing output needs `force`. `OutputPair` writes a model and its external data so that a reader
 never sees one run's model with another run's data: the data goes under a name unique to the run,
 the model that names it is renamed into place last, and the data files of the model it replaced
-are removed after. Nothing it made outlives an error or an interrupt (temporaries are removed on
-the way out; the CLI turns SIGTERM into such an interrupt).
+are removed after. Concurrent runs writing one output take turns for those renames and removals
+(an advisory lock on the folder, milliseconds), so each removes exactly the data of the model it
+replaced, and the orphan of a run killed between its two renames is removed by the next. Nothing
+it made outlives an error or an interrupt (temporaries are removed on the way out; the CLI turns
+SIGTERM into such an interrupt); a SIGKILL may leave a hidden `.NAME.*.tmp`, which no run reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -102,8 +106,9 @@ def _file_mode() -> int:
 
 
 def interrupt_hook(stage: str) -> None:
-    """Test hook: AMP_REWRITE_TEST_PAUSE=stage:seconds sleeps at that point of a write;
-    stage:@FILE waits there (a minute at most) until FILE exists."""
+    """Test hook: AMP_REWRITE_TEST_PAUSE=stage:seconds sleeps at that point of a run ("load": the
+    model file read; "rename", "between": a write's two renames); stage:@FILE waits there (a
+    minute at most) until FILE exists, having made FILE.reached."""
     spec = os.environ.get("AMP_REWRITE_TEST_PAUSE", "")
     if not spec.startswith(stage + ":"):
         return
@@ -111,6 +116,7 @@ def interrupt_hook(stage: str) -> None:
     if not value.startswith("@"):
         time.sleep(float(value))
         return
+    Path(value[1:] + ".reached").touch()  # the test knows this process is here
     deadline = time.monotonic() + 60
     while not os.path.exists(value[1:]) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -179,6 +185,44 @@ def old_data_files(path: Path) -> list[Path]:
     except Exception:  # not a model, unreadable: it names nothing we would remove
         return []
     return [path.parent / n for n in sorted(names) if "/" not in n and os.sep not in n and _ours(path, n)]
+
+
+def orphan_data_files(path: Path, named: list[Path]) -> list[Path]:
+    """Run-unique data files of the output `path` that the model now there does not name: left by a
+    run killed between placing its data and renaming its model (SIGKILL, power loss). Called with
+    the folder's lock held, when no other run can be between those two steps. `named`: the data
+    files the model names."""
+    named = {p.name for p in named}
+    pattern = re.compile(re.escape(path.name) + r"\.[0-9a-f]{8}\.data")
+    try:
+        names = os.listdir(path.parent or ".")
+    except OSError:
+        return []
+    return [path.parent / n for n in sorted(names) if pattern.fullmatch(n) and n not in named]
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive advisory lock on the output's folder for one run's renames and removals, so
+    that concurrent runs writing one output take turns: each removes exactly the data of the model
+    it replaced, and none removes what the current model names. Held for milliseconds (the data
+    was written before); released by the kernel if the process dies. No lock where the platform
+    or file system has none (the renames are still atomic; only a stale file may be left)."""
+    try:
+        import fcntl
+
+        fd = os.open(folder if str(folder) else ".", os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _place(tmp: str, target: Path) -> None:
@@ -252,10 +296,16 @@ class OutputPair:
             self._data_tmp = None
 
     def commit(self, write_model: Callable[[BinaryIO], object]) -> None:
-        """Write the model, put the data then the model in place, remove the replaced model's data."""
+        """Write the model, then, holding the folder's lock, put the data then the model in place
+        and remove the replaced model's data and any orphan of a killed run."""
         model_tmp = write_tmp(self.path, write_model)
+        with _folder_lock(self.path.parent):
+            self._replace(model_tmp)
+
+    def _replace(self, model_tmp: str) -> None:
         try:
             old = old_data_files(self.path)
+            old += orphan_data_files(self.path, old)
             interrupt_hook("rename")
             if self._data_tmp is not None:
                 if self.fixed_name:

@@ -8,11 +8,13 @@ never leaves a model with another run's data; SIGTERM removes the temporaries.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -256,41 +258,177 @@ def _check_pair(out: Path, source: onnx.ModelProto) -> None:
     )
 
 
-def test_two_writers_interleaved_never_mix_model_and_data(tmp_path):
-    """A links its data, then waits before renaming its model; B (another model's weights) runs
-    whole; then A renames: out.onnx is A's with A's data, never A's model with B's data."""
+def _cli(path, out, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "amp_rewrite",
+        str(path),
+        "-o",
+        str(out),
+        "--force",
+        "--quiet",
+        "--external-data",
+        *extra,
+    ]
+
+
+def _data_names(model: onnx.ModelProto) -> set:
+    tensors = model_io.external.model_tensors(model)
+    return {e.value for t in tensors for e in t.external_data if e.key == "location"}
+
+
+def _digest(out: Path) -> str:
+    """The weights out.onnx holds, read through the data file it names."""
+    model = onnx.load(str(out))
+    return hashlib.sha256(
+        b"".join(onnx.numpy_helper.to_array(t).tobytes() for t in model.graph.initializer)
+    ).hexdigest()
+
+
+def _lone_digests(tmp_path, sources) -> dict:
+    """{digest: source index} of each source rewritten alone."""
+    digests = {}
+    for i, source in enumerate(sources):
+        out = tmp_path / f"lone{i}" / "out.onnx"
+        out.parent.mkdir()
+        assert main([str(source), "-o", str(out), "--external-data", "--quiet"]) == 0
+        digests[_digest(out)] = i
+    return digests
+
+
+def _left(folder: Path) -> list[str]:
+    """What the writers left beside out.onnx: its data files and any temporary."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(("out.onnx", ".out.onnx")))
+
+
+def _observe(out: Path, seen: list, stop: threading.Event) -> None:
+    """A reader: whenever it looks, out.onnx names data files that exist (unless out.onnx has been
+    replaced in between: then it looks again)."""
+    while not stop.is_set():
+        try:
+            data = out.read_bytes()
+        except FileNotFoundError:
+            continue
+        model = onnx.ModelProto.FromString(data)
+        missing = [n for n in _data_names(model) if not (out.parent / n).exists()]
+        if missing and out.read_bytes() == data:
+            seen.append(f"out.onnx names {missing}, which do not exist")
+        seen.append(None)
+
+
+def test_four_concurrent_writers_leave_one_pair_and_readers_never_see_a_missing_file(tmp_path):
+    sources = [tmp_path / "a.onnx", tmp_path / "b.onnx"]
+    for seed, source in enumerate(sources):
+        source.write_bytes(_big_model(seed=seed + 5).SerializeToString())
+    lone = _lone_digests(tmp_path, sources)
+    out = tmp_path / "out.onnx"
+    assert main([str(sources[0]), "-o", str(out), "--external-data", "--quiet"]) == 0  # a previous pair
+    seen, stop = [], threading.Event()
+    reader = threading.Thread(target=_observe, args=(out, seen, stop))
+    reader.start()
+    try:
+        slow = dict(os.environ, AMP_REWRITE_TEST_PAUSE="rename:0.3")  # widen each run's renames
+        writers = [
+            subprocess.Popen(_cli(sources[i % 2], out), cwd=ROOT, env=slow, stderr=subprocess.PIPE, text=True)
+            for i in range(4)
+        ]
+        for writer in writers:
+            assert writer.wait(120) == 0, writer.stderr.read()
+    finally:
+        stop.set()
+        reader.join()
+    assert [s for s in seen if s is not None] == [] and len(seen) > 10
+    assert _digest(out) in lone  # one run's weights, whole
+    assert _left(tmp_path) == sorted(
+        ["out.onnx", *_data_names(onnx.load(str(out), load_external_data=False))]
+    )
+    assert len(_left(tmp_path)) == 2  # the model and its one data file: no stale data accumulates
+
+
+def test_a_second_writer_waits_for_the_first_to_finish_its_renames(tmp_path):
+    """A places its data, then waits before renaming its model; B (another model's weights) takes
+    its turn after A's renames: readers see the previous pair, then A's, then B's, never a model
+    with another run's data, and B removes A's data with A's model."""
     path, other = tmp_path / "model.onnx", tmp_path / "other.onnx"
     path.write_bytes(_big_model().SerializeToString())
     other.write_bytes(_big_model(seed=2).SerializeToString())
     out = tmp_path / "out.onnx"
+    assert main([str(other), "-o", str(out), "--external-data", "--quiet"]) == 0
     go = tmp_path / "go"
     a = _start(path, out, f"between:@{go}")
-    _wait_for(
-        lambda: any(re.fullmatch(r"out\.onnx\.[0-9a-f]{8}\.data", p.name) for p in tmp_path.iterdir()),
-        a,
-        "its data link",
-    )
-    b = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "amp_rewrite",
-            str(other),
-            "-o",
-            str(out),
-            "--force",
-            "--quiet",
-            "--external-data",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert b.returncode == 0, b.stderr
-    _check_pair(out, _big_model(seed=2))  # while A waits, readers see B's pair
+    _wait_for(lambda: Path(f"{go}.reached").exists(), a, "its renames")
+    b = subprocess.Popen(_cli(other, out), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    assert b.poll() is None  # waiting for A's renames
+    _check_pair(out, _big_model(seed=2))  # while A waits, readers see the previous pair
     go.touch()
     assert a.wait(60) == 0, a.stderr.read()
+    assert b.wait(60) == 0, b.stderr.read()
+    _check_pair(out, _big_model(seed=2))
+    assert len(_left(tmp_path)) == 2  # out.onnx and B's data; A's went with A's model
+
+
+def test_a_run_killed_between_its_renames_leaves_an_orphan_the_next_run_removes(tmp_path):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_big_model().SerializeToString())
+    out = tmp_path / "out.onnx"
+    assert main([str(path), "-o", str(out), "--external-data", "--quiet"]) == 0
+    go = tmp_path / "go"
+    proc = _start(path, out, f"between:@{go}")
+    _wait_for(lambda: Path(f"{go}.reached").exists(), proc, "its renames")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    _check_pair(out, _big_model())  # the previous pair, whole
+    assert len(list(tmp_path.glob("out.onnx.*.data"))) == 2  # its data, placed, named by no model
+    path.write_bytes(_big_model(seed=4).SerializeToString())
+    assert main([str(path), "-o", str(out), "--external-data", "--quiet", "--force"]) == 0
+    _check_pair(out, _big_model(seed=4))
+    assert len(list(tmp_path.glob("out.onnx.*.data"))) == 1  # the orphan went with the old pair
+
+
+@pytest.mark.parametrize(
+    "stage, sig, code",
+    [
+        ("load", signal.SIGINT, 130),
+        ("rename", signal.SIGINT, 130),
+        ("between", signal.SIGINT, 130),
+        ("load", signal.SIGTERM, 143),
+        ("rename", signal.SIGTERM, 143),
+    ],
+)
+def test_an_interrupt_leaves_the_previous_pair_and_no_temporary(stage, sig, code, tmp_path):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_big_model().SerializeToString())
+    out = tmp_path / "out.onnx"
+    assert main([str(path), "-o", str(out), "--external-data", "--quiet"]) == 0
+    before = _left(tmp_path)
+    path.write_bytes(_big_model(seed=3).SerializeToString())  # the interrupted run writes other weights
+    go = tmp_path / "go"
+    proc = _start(path, out, f"{stage}:@{go}")
+    _wait_for(lambda: Path(f"{go}.reached").exists(), proc, stage)
+    proc.send_signal(sig)
+    assert proc.wait(30) == code
+    err = proc.stderr.read().strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("amp-rewrite: ") and "nothing written" in err[0], err
+    assert _left(tmp_path) == before  # no temporary, no data of its own
     _check_pair(out, _big_model())
+
+
+def test_a_kill_mid_write_leaves_a_hidden_temporary_the_next_run_ignores(tmp_path):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_big_model().SerializeToString())
+    out = tmp_path / "out.onnx"
+    go = tmp_path / "go"
+    proc = _start(path, out, f"rename:@{go}")
+    _wait_for(lambda: Path(f"{go}.reached").exists(), proc, "its renames")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.onnx.")]
+    assert hidden and not out.exists()  # its temporaries, hidden; no output
+    assert main([str(path), "-o", str(out), "--external-data", "--quiet"]) == 0
+    _check_pair(out, _big_model())
+    assert not set(_data_names(onnx.load(str(out), load_external_data=False))) & set(hidden)
 
 
 @pytest.mark.parametrize("stage", ["rename", "between"])
