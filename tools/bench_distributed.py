@@ -95,7 +95,9 @@ def launch(args, ranks):
         "--worker",
         *_forwarded(args),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    from amp_rewrite.training.distributed import mpiexec_environment
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=mpiexec_environment())
     if done.returncode != 0:
         raise SystemExit(f"{ranks} ranks failed:\n{done.stdout}{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])

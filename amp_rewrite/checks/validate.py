@@ -102,7 +102,8 @@ def _check_sample(what: str, index: str, value: onnx.ValueInfoProto, array: np.n
         )
     if not declared.HasField("shape"):
         return
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
+    # a negative dim_value (-1: some exporters' "dynamic") is dynamic, as ONNX Runtime reads it
+    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in declared.shape.dim]
     if len(dims) != array.ndim or any(d is not None and d != n for d, n in zip(dims, array.shape)):
         shown = [d if d is not None else "?" for d in dims]
         raise UsageError(

@@ -40,7 +40,7 @@ def synthesise(
                 raise UsageError(f"input {value.name!r} is not a tensor; pass samples with --inputs")
             shape = []
             for d in t.shape.dim:
-                if d.HasField("dim_value"):
+                if d.HasField("dim_value") and d.dim_value >= 0:  # -1: dynamic, as ONNX Runtime reads it
                     shape.append(d.dim_value)
                 else:
                     shape.append(dims.get(d.dim_param, default_dim))

@@ -49,6 +49,17 @@ def mpi():
 ABORT_GRACE_S = 0.5  # seconds between our failure line and MPI's Abort
 
 
+def mpiexec_environment(env: dict | None = None) -> dict:
+    """The environment to start `mpiexec` with: `env` (default os.environ), plus, as root, the two
+    variables Open MPI's mpiexec needs to run as root at all (it refuses without them; MPICH's
+    ignores them), as in containers and CI."""
+    env = dict(os.environ if env is None else env)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
 def install_abort_hook(comm=None) -> None:
     """Make an uncaught exception on this rank end the whole job: one line naming the rank, then
     `Abort`, since the other ranks would otherwise wait in their next collective forever. Called by

@@ -16,7 +16,7 @@ import pytest
 
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import SGD, AdamW, DynamicLossScale, Trainer, build_step_graph
-from amp_rewrite.training.distributed import GradientBuckets, plan_buckets, shard
+from amp_rewrite.training.distributed import GradientBuckets, mpiexec_environment, plan_buckets, shard
 from amp_rewrite.training.split_step import split_step_graph
 from amp_rewrite.training.step_graph import LR_INPUT, apply_precision
 from distributed_worker import CLASSES, EQUIVALENCE, FEATURES, HIDDEN, global_batches, model_and_loss
@@ -112,7 +112,8 @@ def _mpiexec():
 
 def launch(ranks, scenario, out, timeout=120):
     """Run the worker on `ranks` ranks; returns (exit status, output, seconds)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])
+    env = mpiexec_environment(dict(os.environ, PYTHONPATH=path))  # Open MPI as root too
     started = time.perf_counter()
     done = subprocess.run(
         [_mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), scenario, str(out)],
@@ -236,3 +237,13 @@ def test_bench_distributed_quick_prints_its_table():
         "2 ranks x 8",
     ]
     assert all(float(row.split("|")[6]) > 0 for row in rows)  # samples/s
+
+
+@pytest.mark.parametrize("uid, allowed", [(0, True), (1000, False)])
+def test_mpiexec_starts_as_root_under_open_mpi_too(uid, allowed, monkeypatch):
+    """Open MPI's mpiexec refuses root without these two variables (MPICH's ignores them)."""
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+    env = mpiexec_environment({"PATH": "/bin"})
+    assert env["PATH"] == "/bin"
+    for name in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        assert (env.get(name) == "1") is allowed
