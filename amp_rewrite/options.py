@@ -30,14 +30,15 @@ def _as_tuple(value) -> tuple:
 
 
 PLACEMENTS = ("tf", "cost")
+TUPLE_FIELDS = ("op_lists", "allow", "deny", "infer", "clear", "keep_fp32_nodes", "low_precision_io")
 DEPLOYMENT_FIELDS = tuple(f.name for f in dataclasses.fields(Deployment))  # provider, target, dims
 ALIASES = ("op_block_list", "node_block_list")  # onnxconverter-common's names
 
 
 @dataclass(frozen=True)
 class RewriteOptions:
-    """Everything a rewrite is asked to do. Build with `RewriteOptions.of(...)`, which checks the
-    values and accepts onnxconverter-common's names (`op_block_list`, `node_block_list`) and the
+    """Everything a rewrite is asked to do, checked however it is built (`__post_init__`).
+    `RewriteOptions.of(...)` also refuses unknown names and accepts onnxconverter-common's names (`op_block_list`, `node_block_list`) and the
     deployment's fields (`provider`, `target`, `dims`) as options of their own."""
 
     deployment: Deployment = Deployment()  # where the model runs: provider, target, dims
@@ -72,6 +73,15 @@ class RewriteOptions:
     fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
     opset: int | None = None  # convert the model to this default-domain opset first (onnx.version_converter)
 
+    def __post_init__(self):
+        """Every way in (the constructor, `of`, `replace`, dataclasses.replace) is normalised and
+        checked here: sequences become tuples, mappings read-only, and a bad value one UsageError."""
+        for name in TUPLE_FIELDS:
+            object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        for name in ("force_fp32", "colour_as"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name) or {})))
+        self.check_values()
+
     @property
     def target(self) -> str:
         return self.deployment.target
@@ -92,16 +102,9 @@ class RewriteOptions:
         if placed:
             base = fields.get("deployment") or Deployment()
             fields["deployment"] = dataclasses.replace(base, **placed)
-        for name in ("op_lists", "allow", "deny", "infer", "clear", "keep_fp32_nodes", "low_precision_io"):
-            if name in fields:
-                fields[name] = _as_tuple(fields[name])
-        fields["deny"] = fields.get("deny", ()) + _as_tuple(op_block_list)
-        fields["keep_fp32_nodes"] = fields.get("keep_fp32_nodes", ()) + _as_tuple(node_block_list)
-        fields["force_fp32"] = MappingProxyType(dict(fields.get("force_fp32") or {}))
-        fields["colour_as"] = MappingProxyType(dict(fields.get("colour_as") or {}))
-        options = cls(**fields)
-        options.check_values()
-        return options
+        fields["deny"] = _as_tuple(fields.get("deny")) + _as_tuple(op_block_list)
+        fields["keep_fp32_nodes"] = _as_tuple(fields.get("keep_fp32_nodes")) + _as_tuple(node_block_list)
+        return cls(**fields)  # normalised and checked in __post_init__
 
     def replace(self, **changes) -> RewriteOptions:
         return RewriteOptions.of(
@@ -109,7 +112,7 @@ class RewriteOptions:
         )
 
     def check_values(self) -> None:
-        """Provider, target and dims are checked by `Deployment`; the rest here."""
+        """Provider, target and dims are checked by `Deployment`; the rest here (from __post_init__)."""
         if not isinstance(self.deployment, Deployment):
             raise UsageError(f"deployment {self.deployment!r}: expected a Deployment")
         if self.relax_margin < 0 or (0 < self.relax_margin < 1):

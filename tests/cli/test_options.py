@@ -44,6 +44,44 @@ def test_bad_options_are_one_usage_error(bad, message):
         RewriteOptions.of(**bad)
 
 
+WAYS_IN = {
+    "of": lambda **bad: RewriteOptions.of(**bad),
+    "constructor": lambda **bad: RewriteOptions(**bad),
+    "replace": lambda **bad: RewriteOptions().replace(**bad),
+    "dataclasses.replace": lambda **bad: dataclasses.replace(RewriteOptions(), **bad),
+    "rewrite(options=...)": lambda **bad: amp_rewrite.rewrite(_tiny(), options=RewriteOptions(**bad)),
+}
+
+
+def _tiny():
+    return make_model([node("Relu", ["x"], ["y"])], [tensor("x", [2])], [tensor("y", [2])])
+
+
+@pytest.mark.parametrize("way", list(WAYS_IN))
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"placement": "bogus"}, "unknown placement"),
+        ({"relax_margin": 0.5}, "relax margin"),
+        ({"opset": 0}, "opset"),
+        ({"low_precision_io": ["("]}, "not a valid regular expression"),
+        ({"target": "float8"}, "unknown target"),
+    ],
+)
+def test_every_way_in_checks_the_values(way, bad, message):
+    """RewriteOptions(placement="bogus") used to run: only `of()` checked."""
+    with pytest.raises(UsageError, match=message):
+        WAYS_IN[way](**bad)
+
+
+def test_every_way_in_normalises():
+    options = RewriteOptions(deny=["Gelu"], keep_fp32_nodes="head/.*", force_fp32={"n": "why"})
+    assert options.deny == ("Gelu",) and options.keep_fp32_nodes == ("head/.*",)
+    with pytest.raises(TypeError):
+        options.force_fp32["m"] = "changed"
+    assert options == RewriteOptions.of(deny="Gelu", node_block_list=["head/.*"], force_fp32={"n": "why"})
+
+
 def test_cli_and_api_build_the_same_options_and_the_same_model(tmp_path):
     rng = np.random.default_rng(7)
     model = make_model(
