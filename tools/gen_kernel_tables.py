@@ -3,7 +3,7 @@ Runtime's CUDA and CPU providers register kernels for, per op and opset range.
 
 Why data: whether a float16 node runs on the GPU is a fact of ONNX Runtime's kernel registry,
 not of the op's numerics; a node without a kernel is placed on the CPU with a copy each side.
-The files are read by amp_rewrite/kernels.py; this script is how they are made.
+The files are read by amp_rewrite/analysis/kernels.py; this script is how they are made.
 
 - CUDA: from the CUDAExecutionProvider section of ONNX Runtime's generated
   docs/OperatorKernels.md, as a JSON (`--cuda-source`, default ../shared/reference/ort_cuda_kernels.json).

@@ -16,7 +16,7 @@ from amp_rewrite.autodiff.rules import (
     control,
     elementwise,
     linalg,
-    losses,
+    loss_ops,
     nn,
     norm,
     recurrent,
@@ -124,8 +124,8 @@ TABLE = {
     # nn
     "Dropout": (nn.dropout_grad, (0,)),
     # losses
-    "NegativeLogLikelihoodLoss": (losses.nll_loss_grad, (0,)),
-    "SoftmaxCrossEntropyLoss": (losses.softmax_cross_entropy_grad, (0,)),
+    "NegativeLogLikelihoodLoss": (loss_ops.nll_loss_grad, (0,)),
+    "SoftmaxCrossEntropyLoss": (loss_ops.softmax_cross_entropy_grad, (0,)),
     # resize
     "Resize": (resize.resize_grad, (0,)),
     # recurrent

@@ -41,7 +41,7 @@ from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.check_options import CheckOptions
-from amp_rewrite.checks.segments import open_checked
+from amp_rewrite.checks.pieces import open_checked
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.io import load
 from amp_rewrite.runtime import run as run_session

@@ -29,8 +29,8 @@ from amp_rewrite.api import RewriteOptions, RewriteResult, rewrite
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
 from amp_rewrite.checks.check_options import CheckOptions, split_fields
+from amp_rewrite.checks.pieces import open_checked
 from amp_rewrite.checks.reference import CPU_NOTE, use_reference
-from amp_rewrite.checks.segments import open_checked
 from amp_rewrite.io import load
 from amp_rewrite.transform.pipeline import check_valid
 

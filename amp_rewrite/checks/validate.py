@@ -24,8 +24,8 @@ from onnx import helper
 
 from amp_rewrite.checks.check_options import CheckOptions
 from amp_rewrite.checks.judgement import LOCAL, compare
+from amp_rewrite.checks.pieces import open_checked, with_outputs
 from amp_rewrite.checks.reference import CPU_NOTE, run_reference, use_reference
-from amp_rewrite.checks.segments import open_checked, with_outputs
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import load

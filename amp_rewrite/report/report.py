@@ -1,6 +1,6 @@
 """What the rewrite decided and why: per node, per type group, and in summary figures.
 
-The sentences come from `sentences.py`, the FLOPs and weight bytes from `flops.py`; this module
+The sentences come from `sentences.py`, the FLOPs and weight bytes from `node_flops.py`; this module
 assembles them into the `Report` that `--report` writes and the HTML picture draws.
 """
 

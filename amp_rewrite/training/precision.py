@@ -12,7 +12,7 @@ import logging
 import onnx
 
 from amp_rewrite.analysis.elemtypes import tensor_types
-from amp_rewrite.training.kernels import LOW
+from amp_rewrite.training.cpu_refusals import LOW
 
 log = logging.getLogger("amp_rewrite.training")
 

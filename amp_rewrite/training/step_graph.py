@@ -335,11 +335,11 @@ def apply_precision(step: StepGraph, precision: str, device: str = "cpu") -> Ste
         return step
     from amp_rewrite.api import rewrite
     from amp_rewrite.autodiff.recompute import copies, report_section
-    from amp_rewrite.training.kernels import refused_in, refused_nodes
+    from amp_rewrite.training.cpu_refusals import refused_in, refused_nodes
 
     forced = refused_in(step.model, precision) if device == "cpu" else {}
     result = rewrite(step.model, precision_options(precision, forced, device, copies(step.model)))
-    missed = refused_nodes(result.model, device) if device == "cpu" else {}
+    missed = refused_nodes(result.model) if device == "cpu" else {}
     if missed:  # a refusal the probe of the float32 graph did not foresee (none known): rewrite once more
         result = rewrite(
             step.model, precision_options(precision, forced | missed, device, copies(step.model))

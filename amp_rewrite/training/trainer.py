@@ -338,7 +338,7 @@ class Trainer:
         """The mixed-precision rewrite's report of the step graph (the one the step was built
         with, no rewrite again); with `html` (a path) also the HTML picture, forward, backward,
         loss-scale and optimizer regions drawn apart."""
-        from amp_rewrite.training.picture import step_report
+        from amp_rewrite.training.step_picture import step_report
 
         return step_report(
             self._float_step, self.step_graph.report, self.precision, html, title="training step"

@@ -25,7 +25,7 @@ from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working
 from amp_rewrite.onnx_facts import opsets
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.progress import Progress
-from amp_rewrite.report import flops as report_flops
+from amp_rewrite.report import node_flops as report_flops
 from amp_rewrite.report import report as report_mod
 from amp_rewrite.transform import colour_as, converters, range_run, weights
 from amp_rewrite.transform import materialise as materialise_mod
@@ -274,7 +274,7 @@ STAGES = (
     build_colouring_graph,  # analysis.graph
     scan_constants,  # transform.weights
     colour,  # analysis.paint
-    estimate_flops,  # report.flops
+    estimate_flops,  # report.node_flops
     materialise,  # transform.materialise
     sort,  # onnx_facts
     check,  # onnx.checker

@@ -49,7 +49,7 @@ def loss_model(nodes, inputs, weights, out_shape, opset=17, seed=5, elem=FLOAT):
 def float16_outputs(grad_model, feeds):
     """Run the gradient graph as a float16 training step runs it on CPU."""
     from amp_rewrite import rewrite
-    from amp_rewrite.training.kernels import refused_in
+    from amp_rewrite.training.cpu_refusals import refused_in
     from amp_rewrite.training.step_graph import precision_options
 
     result = rewrite(grad_model, precision_options("float16", refused_in(grad_model, "float16")))

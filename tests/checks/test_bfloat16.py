@@ -10,7 +10,7 @@ from onnx import TensorProto
 
 from amp_rewrite import runtime
 from amp_rewrite.checks import validate
-from amp_rewrite.checks.segments import open_checked
+from amp_rewrite.checks.pieces import open_checked
 from amp_rewrite.cli import main
 from amp_rewrite.deployment import Deployment
 from helpers import make_model, mlp, node, tensor

@@ -2,9 +2,10 @@
 imports, at module level or inside functions, form no cycle, across stages or inside one. Read
 from the source with `ast`, so it needs no import.
 
-    errors, naming, progress, plan < onnx_facts, ir, runtime < flops, io < analysis < deployment
-    < options, report < transform < api < toggles < checks < autodiff < training < driver
-    < cli_parser < cli < __main__, the package's __init__
+    errors, naming, progress, plan < onnx_facts, ir, runtime < flops, io < autodiff (a leaf: the
+    gradient builder reads only the layers below) < analysis < deployment < options, report
+    < transform < api < toggles < checks < training < driver < cli_parser < cli < __main__,
+    the package's __init__
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ RANK = {
     "runtime": 1,
     "flops": 2,
     "io": 2,
+    "autodiff": 2.5,
     "analysis": 3,
     "deployment": 3.5,
     "options": 4,
@@ -35,7 +37,6 @@ RANK = {
     "api": 6,
     "toggles": 7,
     "checks": 8,
-    "autodiff": 9,
     "training": 10,
     "driver": 10.5,
     "cli_parser": 10.75,

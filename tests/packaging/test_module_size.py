@@ -26,3 +26,13 @@ def test_the_check_sees_a_long_module(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "long.py").write_text("x = 1\n" * 401)
     assert oversized(tmp_path) == {"sub/long.py": 401}
+
+
+def test_every_module_name_is_unique():
+    """One name, one module: `kernels` meant the rewrite's kernel table in analysis/ and the CPU
+    probe in training/, which a reader (and a traceback) could not tell apart."""
+    seen: dict = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py", "_common.py"):
+            seen.setdefault(path.stem, []).append(path.relative_to(PACKAGE).as_posix())
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import SGD, AdamW, Trainer, parameters
@@ -240,17 +240,31 @@ def test_unreachable_loss_names_the_op_that_cuts_the_path():
 
 
 def test_cuda_refusals_come_from_the_kernel_table():
-    """No GPU here: the CUDA decision is a table lookup (ONNX Runtime's OperatorKernels.md rows),
-    checked on a float16 EyeLike (its CUDA kernel has no float16) beside a float16 MatMul."""
-    from amp_rewrite.training import kernels
+    """No GPU here: the CUDA decision is the rewrite's kernel-table lookup (ONNX Runtime's
+    registered kernels), checked with a training step's options: Clip at opset 11 has no float16
+    CUDA kernel, so it stays float32 between two float16 MatMuls there, and not on CPU."""
+    from amp_rewrite.api import rewrite
+    from amp_rewrite.training import cpu_refusals
+    from amp_rewrite.training.step_graph import precision_options
 
-    f16 = TensorProto.FLOAT16
-    model = make_model(
-        [node("EyeLike", ["a"], ["eye"], name="eye"), node("MatMul", ["eye", "a"], ["y"], name="mm")],
-        [tensor("a", [3, 3], f16)],
-        [tensor("y", [3, 3], f16)],
-        opset=17,
+    def clipped(elem):
+        nodes = [
+            node("MatMul", ["a", "a"], ["m"], name="mm"),
+            node("Clip", ["m", "lo", "hi"], ["c"], name="clip"),
+            node("MatMul", ["c", "a"], ["y"], name="mm2"),
+        ]
+        dtype = helper.tensor_dtype_to_np_dtype(elem)
+        bounds = [init("lo", np.array(-1, dtype)), init("hi", np.array(1, dtype))]
+        return make_model(nodes, [tensor("a", [3, 3], elem)], [tensor("y", [3, 3], elem)], bounds, opset=11)
+
+    cuda = rewrite(clipped(TensorProto.FLOAT), precision_options("float16", device="cuda")).report
+    assert (
+        cuda.node("clip")["precision"] == "float32"
+        and "no float16 kernel on CUDA" in cuda.node("clip")["because"]
     )
-    refused = kernels.refused_nodes(model, "cuda")
-    assert list(refused) == ["eye"] and "no float16 EyeLike kernel at opset 17" in refused["eye"]
-    assert kernels.refused_nodes(model, "cpu") == {}  # the CPU provider has both in float16
+    assert cuda.node("mm")["precision"] == "float16"
+    cpu = rewrite(clipped(TensorProto.FLOAT), precision_options("float16", device="cpu")).report
+    assert cpu.node("clip")["precision"] == "float16"
+    assert (
+        cpu_refusals.refused_nodes(clipped(TensorProto.FLOAT16)) == {}
+    )  # the CPU provider runs it in float16

@@ -17,7 +17,6 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from amp_rewrite.analysis import kernels as analysis_kernels
 from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.onnx_facts import all_graphs, default_opset
 
@@ -26,9 +25,10 @@ LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 REFUSALS = ("not supported", "NOT_IMPLEMENTED", "Could not find an implementation", "not implemented")
 
 
-def refused_nodes(model: onnx.ModelProto, device: str) -> dict[str, str]:
+def refused_nodes(model: onnx.ModelProto) -> dict[str, str]:
     """{node name: reason} for each node (If/Loop/Scan bodies too: ORT runs them only when the
-    step runs) with a low-precision tensor the provider refuses."""
+    step runs) with a low-precision tensor ONNX Runtime's CPU provider refuses. (CUDA's refusals
+    are the rewrite's own check, `provider="cuda"`, read from its kernel table.)"""
     types, shapes = tensor_types(model, shape_inference=True)
     opset = default_opset(model) or 13
     refused = {}
@@ -38,12 +38,9 @@ def refused_nodes(model: onnx.ModelProto, device: str) -> dict[str, str]:
         low = {t for t in (*ins, *outs) if t in LOW}
         if not low or node.op_type in ("Cast", "Constant"):
             continue
-        if device == "cuda":
-            reason = _cuda_refuses(node, opset, ins, outs)
-        else:
-            ranks = tuple(_rank(shapes.get(n)) for n in node.input)
-            attributes = tuple(a.SerializeToString() for a in node.attribute)
-            reason = _cpu_refuses(node.domain, node.op_type, opset, attributes, ins, outs, ranks)
+        ranks = tuple(_rank(shapes.get(n)) for n in node.input)
+        attributes = tuple(a.SerializeToString() for a in node.attribute)
+        reason = _cpu_refuses(node.domain, node.op_type, opset, attributes, ins, outs, ranks)
         if reason:
             refused[node.name or node.output[0]] = reason
     return refused
@@ -142,30 +139,6 @@ def _cpu_refuses(domain, op_type, opset, attributes, ins, outs, ranks) -> str | 
         text = str(error)
         if any(marker in text for marker in REFUSALS):
             return f"ONNX Runtime's CPU provider refuses {op_type} in {_low_names(ins, outs)}: {_short(text)}"
-    return None
-
-
-def _cuda_refuses(node: onnx.NodeProto, opset: int, ins, outs) -> str | None:
-    """The CUDA kernel table's row for the node at `opset` (analysis.kernels, from ONNX Runtime's
-    registered kernels): refused if a low type is outside the constraint of its slot."""
-    domain = "" if node.domain == "ai.onnx" else node.domain
-    rows = analysis_kernels.table("cuda").get(f"{domain}:{node.op_type}", ())
-    row = next((r for r in rows if r[0] <= opset and (r[1] is None or opset <= r[1])), None)
-    if row is None:
-        return None  # no CUDA kernel: ONNX Runtime places the node on CPU (checked there at run time)
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
-    except onnx.defs.SchemaError:
-        return None
-    for formals, elems in ((schema.inputs, ins), (schema.outputs, outs)):
-        for k, elem in enumerate(elems):
-            if elem not in LOW or not formals:
-                continue
-            param = formals[min(k, len(formals) - 1)].type_str
-            if param in row[2] and LOW[elem] not in row[2][param]:
-                return (
-                    f"ONNX Runtime's CUDA provider has no {LOW[elem]} {node.op_type} kernel at opset {opset}"
-                )
     return None
 
 

@@ -253,10 +253,3 @@ _TENSOR_TYPES = {
     f"tensor({name.lower()})": value for name, value in onnx.TensorProto.DataType.items() if value
 }
 _TYPE_NAMES = {value: name for name, value in _TENSOR_TYPES.items()}
-
-
-def _same(used: str) -> str:
-    """Every piece on the provider the first one got (CUDA did not load: CPU for all)."""
-    from amp_rewrite.checks.sessions import CUDA
-
-    return "cuda" if used == CUDA else "cpu"
