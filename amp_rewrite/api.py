@@ -6,7 +6,8 @@ for export pipelines are in toggles.py.
 from __future__ import annotations
 
 from amp_rewrite.options import RewriteOptions
-from amp_rewrite.transform.pipeline import RewriteResult, run
+from amp_rewrite.transform.pipeline import run
+from amp_rewrite.transform.result import RewriteResult
 
 __all__ = ["RewriteOptions", "RewriteResult", "rewrite"]
 

@@ -32,7 +32,7 @@ from amp_rewrite.checks.check_options import CheckOptions, split_fields
 from amp_rewrite.checks.pieces import open_checked
 from amp_rewrite.checks.reference import CPU_NOTE, use_reference
 from amp_rewrite.io import load
-from amp_rewrite.transform.pipeline import check_valid
+from amp_rewrite.transform.result import check_valid
 
 HUGE = 1e30
 LOW_MAX = cal_mod.LIMITS["float16"]  # bfloat16's is larger: a low type's sentinel is at least this

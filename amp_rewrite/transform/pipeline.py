@@ -4,11 +4,13 @@
          -> constant scan -> paint -> FLOPs -> materialise -> sort -> check -> report
 
 Each stage is a small function that reads what earlier stages left in `Work` and adds its own
-result; the module of each stage is named beside it in STAGES. ARCHITECTURE.md has the picture.
+result; STAGES declares, per stage, the fields it reads and writes (checked as it runs, `run_stage`)
+and the module that does its work. ARCHITECTURE.md has the picture.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import time
@@ -21,7 +23,7 @@ from amp_rewrite.analysis import evidence, graph, paint, pointwise
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.oplists import check_named_ops
-from amp_rewrite.io import LoadedModel, byte_size, checker_target, load, working_copy
+from amp_rewrite.io import LoadedModel, byte_size, load, working_copy
 from amp_rewrite.onnx_facts import opsets
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.progress import Progress
@@ -30,30 +32,7 @@ from amp_rewrite.report import report as report_mod
 from amp_rewrite.transform import colour_as, converters, range_run, weights
 from amp_rewrite.transform import materialise as materialise_mod
 from amp_rewrite.transform import scaling as scaling_mod
-
-
-@dataclass(repr=False)
-class RewriteResult:
-    """What `rewrite()` returns. Its repr is one line and, in a notebook, a summary card: the
-    model and report themselves are far too big to print."""
-
-    model: onnx.ModelProto  # checker-valid, IR version and opsets kept
-    report: report_mod.Report  # every decision and why
-    changed: bool
-
-    def __repr__(self) -> str:
-        s = self.report.summary
-        return (
-            f"<RewriteResult {self.report.target}: {s['nodes_low']} of {s['nodes_float']} float nodes "
-            f"({s['nodes_mixed']} mixed), {s['casts_inserted']} casts inserted, "
-            f"{s['bytes_before'] / 1e6:.2f} MB -> {s['bytes_after'] / 1e6:.2f} MB"
-            f"{'' if self.changed else ', unchanged'}>"
-        )
-
-    def _repr_html_(self) -> str:
-        from amp_rewrite.report.html import summary_card
-
-        return summary_card(self.report)
+from amp_rewrite.transform.result import RewriteResult, bytes_moved, check_valid
 
 
 @dataclass
@@ -264,23 +243,104 @@ def annotate(w: Work) -> None:
         write_notes(w.result.model, w.result.report)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline: the `Work` fields it reads and the ones it (re)assigns, checked by
+    `run_stage` each time it runs, and the module that does its work."""
+
+    function: object
+    reads: tuple
+    writes: tuple
+    module: str
+
+    @property
+    def name(self) -> str:
+        return self.function.__name__
+
+
 STAGES = (
-    take_working_copy,  # io.working_copy
-    choose_low_io,  # options (low_precision_io, keep_io_types)
-    inline_local_functions,  # onnx.inliner
-    read_scopes,  # analysis.graph
-    infer_types,  # analysis.elemtypes (+ onnx shape inference)
-    scale_activations,  # transform.scaling (only with calibration)
-    build_colouring_graph,  # analysis.graph
-    scan_constants,  # transform.weights
-    colour,  # analysis.paint
-    estimate_flops,  # report.node_flops
-    materialise,  # transform.materialise
-    sort,  # onnx_facts
-    check,  # onnx.checker
-    report,  # report.report
-    annotate,  # report.annotate
+    Stage(
+        take_working_copy,
+        ("loaded", "options"),
+        ("model", "borrowed", "bytes_before", "nested", "weights_before"),
+        "io.working_copy, transform.converters (--opset)",
+    ),
+    Stage(choose_low_io, ("model", "options"), ("low_io",), "options (low_precision_io, keep_io_types)"),
+    Stage(inline_local_functions, ("model",), ("model", "nested", "weights_before"), "transform.converters"),
+    Stage(read_scopes, ("model", "nested"), ("scopes",), "ir"),
+    Stage(
+        infer_types,
+        ("model", "options", "scopes", "loaded", "scaling"),
+        ("types", "shapes"),
+        "analysis.elemtypes (+ onnx shape inference)",
+    ),
+    Stage(
+        scale_activations,
+        ("model", "options", "types", "borrowed", "nested", "loaded", "scaling"),
+        ("scaling", "scopes", "types", "shapes"),
+        "transform.scaling (only with calibration)",
+    ),
+    Stage(
+        build_colouring_graph,
+        ("model", "lists", "types", "shapes", "options", "scaling", "borrowed", "scopes"),
+        ("cg",),
+        "analysis.graph, analysis.pointwise",
+    ),
+    Stage(scan_constants, ("cg", "options"), ("constants",), "transform.weights"),
+    Stage(
+        colour,
+        ("cg", "low_io", "options", "loaded", "borrowed", "model", "types", "scopes", "bytes_before"),
+        ("plan", "range_note"),
+        "analysis.paint, analysis.placement, analysis.evidence, transform.range_run",
+    ),
+    Stage(estimate_flops, ("cg", "weights_before"), ("flops", "weights_before"), "report.node_flops, flops"),
+    Stage(
+        materialise,
+        ("model", "cg", "plan", "constants", "low_io", "options"),
+        ("materialised",),
+        "transform.materialise",
+    ),
+    Stage(sort, ("cg", "model"), (), "ir"),
+    Stage(check, ("options", "model", "loaded", "materialised"), (), "onnx.checker"),
+    Stage(
+        report,
+        (
+            "cg",
+            "plan",
+            "materialised",
+            "bytes_before",
+            "started",
+            "weights_before",
+            "flops",
+            "options",
+            "model",
+            "low_io",
+            "loaded",
+            "range_note",
+            "scaling",
+        ),
+        ("result",),
+        "report.report",
+    ),
+    Stage(annotate, ("options", "result"), (), "report.annotate"),
 )
+GIVEN = ("loaded", "options", "lists", "started", "scaling", "range_note")  # set before any stage
+# (scaling and range_note: None says "none", a value of its own)
+
+
+def run_stage(stage: Stage, w: Work, written: set) -> None:
+    """Run `stage` on `w`, holding it to its declaration: it reads only fields some earlier stage
+    wrote (or `GIVEN`) and assigns only the fields it declares. A breach is our own bug."""
+    missing = [name for name in stage.reads if name not in written]
+    if missing:
+        raise RuntimeError(f"pipeline stage {stage.name} reads {missing}, which no earlier stage writes")
+    before = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
+    stage.function(w)
+    changed = [name for name, value in before.items() if getattr(w, name) is not value]
+    undeclared = sorted(set(changed) - set(stage.writes))
+    if undeclared:
+        raise RuntimeError(f"pipeline stage {stage.name} assigned {undeclared}, which it does not declare")
+    written.update(stage.writes)
 
 
 def _gc_paused(function):
@@ -312,9 +372,10 @@ def run(model, options: RewriteOptions, progress=None) -> RewriteResult:
     check_named_ops(lists, loaded.model)
     w = Work(loaded, options, lists, started)
     try:
+        written = set(GIVEN)
         with Progress(len(STAGES), "rewrite", progress) as bar:
             for stage in STAGES:
-                stage(w)
+                run_stage(stage, w, written)
                 bar.step()
     except Exception:
         loaded.validate_in_full()
@@ -322,31 +383,5 @@ def run(model, options: RewriteOptions, progress=None) -> RewriteResult:
     return w.result
 
 
-def bytes_moved(
-    cg, plan, options: RewriteOptions, dims_used: bool = True, low_io: frozenset = frozenset()
-) -> dict:
-    """Estimated bytes moved (analysis.placement.estimate) all in float32 and as coloured, for the
-    report, with the symbolic dims the sizes used (`dims`: empty when none were)."""
-    from amp_rewrite.analysis import placement
-
-    low = {v for v, c in plan.colour.items() if c == paint.LOW}
-    return {
-        "placement": options.placement,
-        "bytes_moved_float32": placement.estimate(cg, set(), low_io),
-        "bytes_moved": placement.estimate(cg, low, low_io),
-        "dims": dict(options.dims) if dims_used else {},
-    }
-
-
 def _dims_text(dims) -> str:
     return ", ".join(f"{name}={size}" for name, size in dims.items())
-
-
-def check_valid(model: onnx.ModelProto, data_bytes: int | None = None, *, skeleton: bool = False) -> None:
-    """Refuse to hand back an invalid model: that would be a bug of ours, said plainly (also for
-    the accuracy fallback, which checks only the candidate it keeps)."""
-    try:  # a big model is checked as a data-free skeleton: the checker serialises what it gets
-        onnx.checker.check_model(checker_target(model, data_bytes, skeleton=skeleton))
-    except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
-        raise RuntimeError(f"amp-rewrite produced an invalid model ({first}); please report this") from exc
