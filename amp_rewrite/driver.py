@@ -14,8 +14,6 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from amp_rewrite.analysis.elemtypes import check_dims
-from amp_rewrite.analysis.oplists import check_named_ops
 from amp_rewrite.api import RewriteOptions, RewriteResult
 from amp_rewrite.checks import calibrate as cal_mod
 from amp_rewrite.checks import validate as val
@@ -25,6 +23,7 @@ from amp_rewrite.errors import UsageError, ValidationError
 from amp_rewrite.io import LoadedModel, load
 from amp_rewrite.onnx_facts import all_graphs
 from amp_rewrite.progress import Progress
+from amp_rewrite.transform.pipeline import preflight
 from amp_rewrite.transform.pipeline import run as rewrite_run
 
 
@@ -96,8 +95,7 @@ def check(
         loaded = _shared(loaded)
     model = loaded.model
     deployment = options.deployment
-    check_dims(model.graph, deployment.dims)  # a typo fails now, not after calibrating
-    check_named_ops(options.lists(), model)  # so does an unknown op type
+    preflight(loaded, options)  # a --dim or op type typo fails now, not after calibrating
     check_keep_patterns(model, options.keep_fp32_nodes)  # and a node pattern that pins nothing
     if samples is None and runs:
         samples = (

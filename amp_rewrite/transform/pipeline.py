@@ -43,6 +43,7 @@ class Work:
     options: RewriteOptions
     lists: object  # analysis.oplists.OpLists
     started: float
+    kernel_check: object = None  # analysis.kernels' check for the deployment (None: provider "any")
     model: onnx.ModelProto = None  # the proto being rewritten in place
     low_io: frozenset = frozenset()  # main-graph inputs and outputs that take the target type
     borrowed: dict = field(default_factory=dict)
@@ -100,7 +101,6 @@ def infer_types(w: Work) -> None:
     Before scaling changes the graph, the types are those of every rewrite of the same input with
     the same opset and dims: read once (the accuracy fallback rewrites it ten times); each rewrite
     gets its own copy, which graph.build completes."""
-    check_dims(w.model.graph, w.options.dims)
     key = ("types", w.options.opset, tuple(sorted(dict(w.options.dims or {}).items())))
     found = w.loaded.memo.get(key) if w.scaling is None else None
     if found is None:
@@ -139,7 +139,7 @@ def build_colouring_graph(w: Work) -> None:
         force_fp32=w.options.deny_roots(w.scaling),
         borrowed=w.borrowed,
         scopes=w.scopes,
-        kernel_check=w.options.kernel_check(),
+        kernel_check=w.kernel_check,
         relax=relax,
     )
 
@@ -220,9 +220,8 @@ def report(w: Work) -> None:
         )
     if w.range_note:
         rep.notes.append(w.range_note)
-    kernel_check = w.options.kernel_check()
-    if kernel_check is not None:
-        rep.notes.extend(newer_opset_advice(w.cg, kernel_check, opsets(w.model)))
+    if w.kernel_check is not None:
+        rep.notes.extend(newer_opset_advice(w.cg, w.kernel_check, opsets(w.model)))
     if w.scaling is not None and w.scaling.regions:
         scaling_mod.add_to_report(rep, w.scaling)
     changed = bool(
@@ -245,12 +244,12 @@ def annotate(w: Work) -> None:
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of the pipeline: the `Work` fields it reads and the ones it (re)assigns, checked by
-    `run_stage` each time it runs, and the module that does its work."""
+    """One step of the pipeline: the `Work` fields it reads and the ones it (re)assigns (names
+    separated by spaces), checked by `run_stage` each time it runs, and the module doing its work."""
 
     function: object
-    reads: tuple
-    writes: tuple
+    reads: str
+    writes: str
     module: str
 
     @property
@@ -261,86 +260,71 @@ class Stage:
 STAGES = (
     Stage(
         take_working_copy,
-        ("loaded", "options"),
-        ("model", "borrowed", "bytes_before", "nested", "weights_before"),
+        "loaded options",
+        "model borrowed bytes_before nested weights_before",
         "io.working_copy, transform.converters (--opset)",
     ),
-    Stage(choose_low_io, ("model", "options"), ("low_io",), "options (low_precision_io, keep_io_types)"),
-    Stage(inline_local_functions, ("model",), ("model", "nested", "weights_before"), "transform.converters"),
-    Stage(read_scopes, ("model", "nested"), ("scopes",), "ir"),
-    Stage(
-        infer_types,
-        ("model", "options", "scopes", "loaded", "scaling"),
-        ("types", "shapes"),
-        "analysis.elemtypes (+ onnx shape inference)",
-    ),
+    Stage(choose_low_io, "model options", "low_io", "options (low_precision_io, keep_io_types)"),
+    Stage(inline_local_functions, "model", "model nested weights_before", "transform.converters"),
+    Stage(read_scopes, "model nested", "scopes", "ir"),
+    Stage(infer_types, "model options scopes loaded scaling", "types shapes", "analysis.elemtypes"),
     Stage(
         scale_activations,
-        ("model", "options", "types", "borrowed", "nested", "loaded", "scaling"),
-        ("scaling", "scopes", "types", "shapes"),
+        "model options types borrowed nested loaded scaling",
+        "scaling scopes types shapes",
         "transform.scaling (only with calibration)",
     ),
     Stage(
         build_colouring_graph,
-        ("model", "lists", "types", "shapes", "options", "scaling", "borrowed", "scopes"),
-        ("cg",),
+        "model lists types shapes options scaling borrowed scopes kernel_check",
+        "cg",
         "analysis.graph, analysis.pointwise",
     ),
-    Stage(scan_constants, ("cg", "options"), ("constants",), "transform.weights"),
+    Stage(scan_constants, "cg options", "constants", "transform.weights"),
     Stage(
         colour,
-        ("cg", "low_io", "options", "loaded", "borrowed", "model", "types", "scopes", "bytes_before"),
-        ("plan", "range_note"),
+        "cg low_io options loaded borrowed model types scopes bytes_before",
+        "plan range_note",
         "analysis.paint, analysis.placement, analysis.evidence, transform.range_run",
     ),
-    Stage(estimate_flops, ("cg", "weights_before"), ("flops", "weights_before"), "report.node_flops, flops"),
-    Stage(
-        materialise,
-        ("model", "cg", "plan", "constants", "low_io", "options"),
-        ("materialised",),
-        "transform.materialise",
-    ),
-    Stage(sort, ("cg", "model"), (), "ir"),
-    Stage(check, ("options", "model", "loaded", "materialised"), (), "onnx.checker"),
+    Stage(estimate_flops, "cg weights_before", "flops weights_before", "report.node_flops, flops"),
+    Stage(materialise, "model cg plan constants low_io options", "materialised", "transform.materialise"),
+    Stage(sort, "cg model", "", "ir"),
+    Stage(check, "options model loaded materialised", "", "onnx.checker"),
     Stage(
         report,
-        (
-            "cg",
-            "plan",
-            "materialised",
-            "bytes_before",
-            "started",
-            "weights_before",
-            "flops",
-            "options",
-            "model",
-            "low_io",
-            "loaded",
-            "range_note",
-            "scaling",
-        ),
-        ("result",),
+        "cg plan materialised bytes_before started weights_before flops options model low_io loaded "
+        "range_note scaling kernel_check",
+        "result",
         "report.report",
     ),
-    Stage(annotate, ("options", "result"), (), "report.annotate"),
+    Stage(annotate, "options result", "", "report.annotate"),
 )
-GIVEN = ("loaded", "options", "lists", "started", "scaling", "range_note")  # set before any stage
+GIVEN = (
+    "loaded",
+    "options",
+    "lists",
+    "started",
+    "kernel_check",
+    "scaling",
+    "range_note",
+)  # set before any stage
 # (scaling and range_note: None says "none", a value of its own)
 
 
 def run_stage(stage: Stage, w: Work, written: set) -> None:
     """Run `stage` on `w`, holding it to its declaration: it reads only fields some earlier stage
     wrote (or `GIVEN`) and assigns only the fields it declares. A breach is our own bug."""
-    missing = [name for name in stage.reads if name not in written]
+    missing = [name for name in stage.reads.split() if name not in written]
     if missing:
         raise RuntimeError(f"pipeline stage {stage.name} reads {missing}, which no earlier stage writes")
     before = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
     stage.function(w)
     changed = [name for name, value in before.items() if getattr(w, name) is not value]
-    undeclared = sorted(set(changed) - set(stage.writes))
+    undeclared = sorted(set(changed) - set(stage.writes.split()))
     if undeclared:
         raise RuntimeError(f"pipeline stage {stage.name} assigned {undeclared}, which it does not declare")
-    written.update(stage.writes)
+    written.update(stage.writes.split())
 
 
 def _gc_paused(function):
@@ -360,6 +344,19 @@ def _gc_paused(function):
     return paused
 
 
+def preflight(loaded: LoadedModel, options: RewriteOptions, lists=None) -> None:
+    """The options' names checked against the model before any work: every --dim names a symbolic
+    dim, every op type a list moves exists. Once per model and set of names, however many rewrites
+    follow (the checked run calls it before calibrating, the accuracy fallback rewrites ten times)."""
+    key = ("preflight", options.target, options.op_lists, options.allow, options.deny, options.infer)
+    key += (options.clear, tuple(sorted(dict(options.dims or {}).items())))
+    if key in loaded.memo:
+        return
+    check_dims(loaded.model.graph, options.dims)
+    check_named_ops(lists or options.lists(), loaded.model)
+    loaded.memo[key] = True
+
+
 @_gc_paused
 def run(model, options: RewriteOptions, progress=None) -> RewriteResult:
     """Rewrite `model` (a path, ModelProto or LoadedModel) as `options` say; see `api.rewrite`.
@@ -369,8 +366,8 @@ def run(model, options: RewriteOptions, progress=None) -> RewriteResult:
     # onnx.checker runs once, on the result (`check`); the input gets it only when anything fails,
     # to tell a bad input (one ModelError line) from a bug of ours, or up front when nothing is checked
     loaded = load(model, checker=not options.check)
-    check_named_ops(lists, loaded.model)
-    w = Work(loaded, options, lists, started)
+    preflight(loaded, options, lists)
+    w = Work(loaded, options, lists, started, options.kernel_check())
     try:
         written = set(GIVEN)
         with Progress(len(STAGES), "rewrite", progress) as bar:

@@ -45,7 +45,7 @@ def test_every_stage_keeps_to_its_declaration_on_a_real_rewrite(options, monkeyp
 def test_every_declared_field_is_a_field_of_work():
     fields = {f.name for f in dataclasses.fields(pipeline.Work)}
     for stage in pipeline.STAGES:
-        assert set(stage.reads) | set(stage.writes) <= fields, stage.name
+        assert set(stage.reads.split()) | set(stage.writes.split()) <= fields, stage.name
     assert set(pipeline.GIVEN) <= fields
 
 
@@ -56,12 +56,39 @@ def _swap(monkeypatch, name, **changes):
 
 def test_a_stage_reading_what_no_earlier_stage_writes_is_caught(monkeypatch):
     colour = next(s for s in pipeline.STAGES if s.name == "colour")
-    _swap(monkeypatch, "colour", reads=(*colour.reads, "materialised"))  # written two stages later
+    _swap(monkeypatch, "colour", reads=colour.reads + " materialised")  # written two stages later
     with pytest.raises(RuntimeError, match=r"stage colour reads \['materialised'\]"):
         amp_rewrite.rewrite(mlp())
 
 
 def test_a_stage_assigning_what_it_does_not_declare_is_caught(monkeypatch):
-    _swap(monkeypatch, "infer_types", writes=("types",))  # it also assigns shapes
+    _swap(monkeypatch, "infer_types", writes="types")  # it also assigns shapes
     with pytest.raises(RuntimeError, match=r"stage infer_types assigned \['shapes'\]"):
         amp_rewrite.rewrite(mlp())
+
+
+def test_the_names_are_checked_once_per_model_however_many_rewrites(monkeypatch):
+    """driver.check checked the op names and dims before calibrating, then each rewrite did again
+    (the accuracy fallback: up to ten); and the kernel check was built twice per rewrite."""
+    from amp_rewrite import driver
+    from amp_rewrite.options import RewriteOptions
+
+    calls = {"names": 0, "kernels": 0}
+    real_names, real_kernels = pipeline.check_named_ops, RewriteOptions.kernel_check
+
+    def names(*args):
+        calls["names"] += 1
+        return real_names(*args)
+
+    def kernels(self):
+        calls["kernels"] += 1
+        return real_kernels(self)
+
+    monkeypatch.setattr(pipeline, "check_named_ops", names)
+    monkeypatch.setattr(RewriteOptions, "kernel_check", kernels)
+    checked = driver.check(mlp(), validate=True, tolerance=True, provider="cpu", rtol=1e-6, atol=1e-6)
+    assert checked.fallback is not None and checked.validation is not None  # several rewrites ran
+    assert calls["names"] == 1
+    calls["kernels"] = 0
+    amp_rewrite.rewrite(mlp())
+    assert calls["kernels"] == 1
