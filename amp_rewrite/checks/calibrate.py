@@ -44,7 +44,6 @@ from amp_rewrite.checks.check_options import CheckOptions
 from amp_rewrite.checks.pieces import open_checked
 from amp_rewrite.deployment import DEFAULT, Deployment
 from amp_rewrite.io import load
-from amp_rewrite.runtime import run as run_session
 from amp_rewrite.transform.weights import LIMITS
 
 # Non-zero values below half the smallest subnormal round to zero.
@@ -269,10 +268,8 @@ def calibrate(
     ranges = {n: TensorRange(n, *producers[n]) for n in names}
     target = deployment.target
     flush = FLUSH[target]
-    with val.Progress(len(samples), "calibrate", progress) as bar:
-        for feeds in samples:
-            _accumulate_all([ranges[n] for n in names], run_session(sess, names, feeds), flush)
-            bar.step()
+    for values in val.run_samples(sess, samples, outputs=names, progress=progress, label="calibrate"):
+        _accumulate_all([ranges[n] for n in names], values, flush)
     result = CalibrationResult(target, len(samples), safety, ranges, consumers, used)
     if len(val.feed_inputs(model)) and len(samples) == 1:
         result.notes.append(

@@ -27,10 +27,10 @@ from amp_rewrite.checks.judgement import LOCAL, compare
 from amp_rewrite.checks.pieces import open_checked, with_outputs
 from amp_rewrite.checks.reference import CPU_NOTE, run_reference, use_reference
 from amp_rewrite.deployment import DEFAULT, Deployment
-from amp_rewrite.errors import UsageError, ValidationError
+from amp_rewrite.errors import AmpRewriteError, UsageError, ValidationError
 from amp_rewrite.io import load
 from amp_rewrite.io.npz import read_npz
-from amp_rewrite.io.samples import feed_inputs, synthesise  # noqa: F401  (the checks' names for them)
+from amp_rewrite.io.samples import Synthesised, feed_inputs, synthesise  # noqa: F401  (the checks' names for them)
 from amp_rewrite.progress import Progress
 from amp_rewrite.runtime import CPU, CUDA
 from amp_rewrite.runtime import run as run_session
@@ -113,13 +113,22 @@ def _check_sample(what: str, index: str, value: onnx.ValueInfoProto, array: np.n
 
 
 def run_samples(sess, samples, *, outputs=None, progress=None, label="run") -> list:
-    """One session run per sample: [[array per output] per sample]."""
-    results = []
-    with Progress(len(samples), label, progress) as bar:
-        for feeds in samples:
-            results.append(run_session(sess, outputs, feeds))
-            bar.step()
-    return results
+    """One session run per sample: [[array per output] per sample]. Synthesised samples the model
+    refuses (a window larger than a made-up image) are made again larger, in place (`grow`), and
+    past that are one UsageError line naming the inputs to size."""
+    while True:
+        try:
+            with Progress(len(samples), label, progress) as bar:
+                results = []
+                for feeds in samples:
+                    results.append(run_session(sess, outputs, feeds))
+                    bar.step()
+                return results
+        except Exception as error:
+            if not isinstance(samples, Synthesised) or isinstance(error, AmpRewriteError):
+                raise
+            if not samples.grow():
+                raise samples.refused(error) from None
 
 
 # --- comparison ------------------------------------------------------------------------------------
