@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         "only between allow ops (TensorFlow's rule, a little faster on very large graphs)",
     )
     p.add_argument(
+        "--even-if-worse",
+        dest="never_worse",
+        action="store_const",
+        const=False,
+        help="rewrite even where cost placement's estimate says the low-precision model moves more "
+        "bytes than float32 (default: such a model stays float32, and the summary says so)",
+    )
+    p.add_argument(
         "--opset",
         type=int,
         metavar="N",

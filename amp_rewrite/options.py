@@ -71,6 +71,7 @@ class RewriteOptions:
         True  # range-deny ops whose pointwise chain agrees on every float16 value become infer
     )
     fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
+    never_worse: bool = True  # cost placement: a model its estimate says moves more bytes low stays float32
     opset: int | None = None  # convert the model to this default-domain opset first (onnx.version_converter)
 
     def __post_init__(self):

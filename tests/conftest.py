@@ -30,3 +30,20 @@ def example_models():
     """The models shipped in examples/, by file stem, loaded once. Never mutate them: the rewrite
     copies its input (a test that edits a model builds its own)."""
     return {path.stem: onnx.load(str(path)) for path in sorted((ROOT / "examples").glob("*.onnx"))}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "even_if_worse: a toy graph whose colouring's structure is under test, rewritten even where cost "
+        "placement's estimate favours float32 (its I/O casts outweigh a 2x4 MatMul), as --even-if-worse",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _even_if_worse(request, monkeypatch):
+    """For tests marked even_if_worse: the rewrite's never-worse guard (paint.never_worse) is off."""
+    if request.node.get_closest_marker("even_if_worse"):
+        from amp_rewrite.analysis import paint
+
+        monkeypatch.setattr(paint, "never_worse", lambda cg, plan, low_io=frozenset(): (plan, None))

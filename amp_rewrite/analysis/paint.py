@@ -235,6 +235,36 @@ def _typed_output_keys(cg: ColouringGraph, low_io: frozenset) -> set:
     }
 
 
+def never_worse(cg: ColouringGraph, plan, low_io: frozenset = frozenset()):
+    """(plan, note): cost placement's promise, by its own estimate: never more bytes moved than in
+    float32. The cut places the free ops; allow ops are low whatever they cost (TF's rule), and
+    where their casts outweigh what they save (a QDQ model's small MatMuls between its
+    DequantizeLinear nodes) the model stays float32, with the figures in the reasons and a note."""
+    from amp_rewrite.analysis.placement import estimate
+
+    low = {v for v, c in plan.colour.items() if c == LOW}
+    if not low:
+        return plan, None
+    before, after = estimate(cg, set(), low_io), estimate(cg, low, low_io)
+    if after <= before:
+        return plan, None
+    why = (
+        f"cost placement: in {cg.target} the model would move {after / 1e6:.3f} MB by its estimate, "
+        f"more than {before / 1e6:.3f} MB in float32, so it stays float32"
+    )
+    return all_float32(cg, plan, why), f"nothing pays: {why}"
+
+
+def all_float32(cg: ColouringGraph, plan: Plan, why: str) -> Plan:
+    """`plan` with every vertex float32: the low ones for `why` (cost placement's estimate says
+    the low-precision model would move more bytes), the rest with their own reasons."""
+    reasons = {
+        v: Reason(Step.COST_PLACEMENT, None, why) if c == LOW else plan.reason[v]
+        for v, c in plan.colour.items()
+    }
+    return _freeze(cg, {}, reasons)
+
+
 def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:
     colours = {v: (LOW if v in low else FP32) for v in range(len(cg.vertices))}
     for v, vertex in enumerate(cg.vertices):

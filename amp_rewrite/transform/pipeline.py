@@ -165,6 +165,9 @@ def colour(w: Work) -> None:
         largest = functools.partial(range_run.largest_values, source, types=w.types, dims=w.options.dims)
         budget = range_run.over_budget(w.scopes, w.bytes_before, w.loaded.lazy)
         plan, w.range_note = evidence.settle(w.cg, run, largest, budget, w.low_io)
+        if w.options.never_worse:
+            plan, note = paint.never_worse(w.cg, plan, w.low_io)
+            w.range_note = "; ".join(filter(None, [w.range_note, note])) or None
     w.plan = colour_as.follow(w.cg, plan, w.options.colour_as)
 
 

@@ -162,6 +162,7 @@ def test_broken_rewrites_fail(kind):
         result.raise_if_failed()
 
 
+@pytest.mark.even_if_worse
 def test_cli_validate_passes_the_healthy_block_and_refuses_the_broken_one(tmp_path, capsys):
     from amp_rewrite.cli import main
 

@@ -228,6 +228,7 @@ def test_layout_layers_by_longest_path_and_orders_to_cut_crossings():
     assert layer == [0, 1, 1, 2] and ~2 in rows[1]
 
 
+@pytest.mark.even_if_worse
 def test_picture_data_folds_constants_and_places_every_cast():
     nodes = [
         node("Constant", [], ["c"], name="const", value=onnx.numpy_helper.from_array(np.float32(2.0))),

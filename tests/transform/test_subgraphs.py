@@ -95,6 +95,7 @@ def test_loop_with_float_carried_state_and_matmul_inside():
         assert_close(run_reference(result.model, feeds), run_reference(model, feeds), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.even_if_worse
 def test_scan_state_takes_one_colour_and_scan_inputs_keep_their_types():
     """The Scan's state (s0 -> s_in -> s_out -> s) is one colour with the Add that makes it; the
     scanned input and output keep their declared float32 (regression: the Scan's group once went
@@ -179,6 +180,7 @@ def test_if_branches_with_outer_scope_capture():
         _check_both(model, result, feeds)
 
 
+@pytest.mark.even_if_worse
 def test_nested_if_in_loop():
     rng = np.random.default_rng(0)
     inner_then = helper.make_graph(
@@ -213,6 +215,7 @@ def test_nested_if_in_loop():
         _check_both(model, result, feeds)
 
 
+@pytest.mark.even_if_worse
 def test_sequence_ops_keep_their_tensor_types():
     """Regression: SplitToSequence / SequenceInsert tie their tensor input to the sequence's
     element type beyond the type parameters; making the tensor float16 gave an invalid model."""
