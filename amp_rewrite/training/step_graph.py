@@ -377,4 +377,5 @@ def precision_options(
         op_lists=training_lists,
         colour_as=colour_as,
         provider="cuda" if device == "cuda" else "any",
+        never_worse=False,  # a step trains in the precision asked for: its memory is what low saves
     )
