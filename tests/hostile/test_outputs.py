@@ -218,24 +218,7 @@ def test_a_newline_in_a_path_is_one_line(tmp_path, capsys):
 
 def _start(path, out, pause, *extra):
     env = dict(os.environ, AMP_REWRITE_TEST_PAUSE=pause)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "amp_rewrite",
-            str(path),
-            "-o",
-            str(out),
-            "--force",
-            "--quiet",
-            "--external-data",
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return subprocess.Popen(_cli(path, out, *extra), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(predicate, proc, what):
