@@ -3,19 +3,22 @@
 A node's inputs and outputs that share a type parameter in its schema (`T` of Add ties A, B and C)
 must share one element type, so they are coloured together: that set is a *type group*. A formal
 parameter with a fixed type (Resize's `scales: tensor(float)`) is a group of its own that admits
-nothing else. Schemas come from `onnx.defs` at the model's opset, and for other domains (and ONNX
-Runtime's own ops in the default domain) from ONNX Runtime's schema registry, which is safe to
-read in-process (unlike its kernel registry). Whether a group may become float16 or bfloat16 is
+nothing else. Schemas come from `onnx.defs` at the model's opset; ONNX Runtime's com.microsoft ops from
+`op_lists/schemas_contrib.json` (its registry, written by `tools/gen_contrib_schemas.py`), so
+they are the same whatever ONNX Runtime is installed; other domains (and ONNX Runtime's own ops
+in the default domain) from ONNX Runtime's schema registry, which is safe to read in-process
+(unlike its kernel registry). Whether a group may become float16 or bfloat16 is
 its allowed type list: no op-specific exceptions anywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
 import onnx.defs
 
+from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS
 
 
@@ -118,6 +121,55 @@ _CONTAINERS = ("seq(", "optional(", "map(", "sparse_tensor(")
 _TENSOR_ATTRIBUTE_TYPES = {int(onnx.AttributeProto.TENSOR), int(onnx.AttributeProto.TENSORS)}
 
 
+@dataclass(frozen=True)
+class _DataFormal:
+    """A formal parameter read from the contrib schema file, shaped as the registries' own."""
+
+    name: str
+    typeStr: str  # noqa: N815 - the registries' spelling, read by `_formal`
+    option: int
+
+
+@dataclass(frozen=True)
+class _DataConstraint:
+    type_param_str: str
+    allowed_type_strs: tuple
+
+
+@dataclass(frozen=True)
+class _DataAttribute:
+    type: int
+
+
+@dataclass(frozen=True)
+class _DataSchema:
+    """One version of a contrib op's schema from `schemas_contrib.json`."""
+
+    since_version: int
+    inputs: tuple
+    outputs: tuple
+    type_constraints: tuple
+    attributes: dict = field(default_factory=dict)
+
+
+def _data_schema(row: dict) -> _DataSchema:
+    return _DataSchema(
+        row["since"],
+        tuple(_DataFormal(*f) for f in row["inputs"]),
+        tuple(_DataFormal(*f) for f in row["outputs"]),
+        tuple(_DataConstraint(p, tuple(t)) for p, t in row["types"].items()),
+        {name: _DataAttribute(kind) for name, kind in row["attributes"].items()},
+    )
+
+
+@lru_cache(maxsize=1)
+def _contrib_schemas() -> dict:
+    """(com.microsoft, op_type) -> schema versions, oldest first, from the shipped data file."""
+    table = shipped_table("schemas_contrib.json")
+    domain = table["domain"]
+    return {(domain, op): [_data_schema(r) for r in rows] for op, rows in table["schemas"].items()}
+
+
 @lru_cache(maxsize=1)
 def _onnxruntime_schemas() -> dict:
     """(domain, op_type) -> schemas sorted by version, from ONNX Runtime's registry."""
@@ -144,7 +196,8 @@ def signature(domain: str, op_type: str, opset: int) -> Signature | None:
         return _signature_of(schema, domain, op_type)
     except onnx.defs.SchemaError:
         pass
-    candidates = [s for s in _onnxruntime_schemas().get((domain, op_type), []) if s.since_version <= opset]
+    registry = _contrib_schemas() if (domain, op_type) in _contrib_schemas() else _onnxruntime_schemas()
+    candidates = [s for s in registry.get((domain, op_type), []) if s.since_version <= opset]
     if not candidates:
         return None
     return _signature_of(candidates[-1], domain, op_type)
