@@ -336,10 +336,13 @@ def apply_precision(step: StepGraph, precision: str, device: str = "cpu") -> Ste
     from amp_rewrite.api import rewrite
     from amp_rewrite.autodiff.recompute import copies, report_section
     from amp_rewrite.training.cpu_refusals import refused_in, refused_nodes
+    from amp_rewrite.training.step_placement import low_without_kernel
 
     forced = refused_in(step.model, precision) if device == "cpu" else {}
     result = rewrite(step.model, precision_options(precision, forced, device, copies(step.model)))
-    missed = refused_nodes(result.model) if device == "cpu" else {}
+    # CUDA: a low node the kernel table has no kernel for (the rewrite's own check should prevent
+    # it) is kept float32 by name, rather than left for ONNX Runtime to run on CPU
+    missed = refused_nodes(result.model) if device == "cpu" else low_without_kernel(result.model)
     if missed:  # a refusal the probe of the float32 graph did not foresee (none known): rewrite once more
         result = rewrite(
             step.model, precision_options(precision, forced | missed, device, copies(step.model))

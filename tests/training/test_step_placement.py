@@ -1,0 +1,109 @@
+"""Where the CUDA provider would run a step's nodes, read from the kernel table without a GPU
+(training/step_placement.py), and tools/step_report.py printing it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from amp_rewrite.training.step_placement import low_without_kernel, place
+from helpers import init, load_tool, make_model, node, tensor
+from training_models import mlp
+
+
+def _shape_logic_model():
+    """x -> Shape -> Gather -> Reshape's shape (shape arithmetic ORT runs on CPU); NonZero over x
+    (a data-dependent shape); EyeLike in float16 (no float16 CUDA kernel); Relu (a CUDA node)."""
+    return make_model(
+        [
+            node("Shape", ["x"], ["shape"]),
+            node("Gather", ["shape", "zero"], ["rows"], axis=0),
+            node("Concat", ["rows", "minus_one"], ["target"], axis=0),
+            node("Reshape", ["x", "target"], ["reshaped"]),
+            node("NonZero", ["x"], ["where"]),
+            node("Relu", ["reshaped"], ["y"]),
+            node("EyeLike", ["h"], ["eye"]),
+        ],
+        [tensor("x", [2, 3]), tensor("h", [3, 3], TensorProto.FLOAT16)],
+        [
+            tensor("y", [2, 3]),
+            tensor("where", [2, "n"], TensorProto.INT64),
+            tensor("eye", [3, 3], TensorProto.FLOAT16),
+        ],
+        [init("zero", np.array([0], np.int64)), init("minus_one", np.array([-1], np.int64))],
+    )
+
+
+def _names(model, op_type):
+    return {n.name or n.output[0] for n in model.graph.node if n.op_type == op_type}
+
+
+def test_shape_arithmetic_nonzero_and_missing_kernels_are_found():
+    model = _shape_logic_model()
+    for k, n in enumerate(model.graph.node):
+        n.name = f"n{k}_{n.op_type}"
+    found = place(model)
+    assert found.nodes == 7
+    assert set(found.no_kernel) == {"n6_EyeLike"} and "float16" in found.no_kernel["n6_EyeLike"]
+    # Gather and Concat compute Reshape's shape from Shape's host output: the CPU provider runs them
+    assert set(found.on_cpu) == {"n1_Gather", "n2_Concat", "n6_EyeLike"}
+    # NonZero waits for its count; EyeLike on CPU reads a device tensor; the shape logic reads host ones
+    assert set(found.host_syncs) == {"n4_NonZero", "n6_EyeLike"}
+    assert found.update_nodes == 0
+    assert found.summary() == "step-report: 7 nodes, 1 without a CUDA kernel, 2 host syncs, 0 update nodes"
+    assert set(low_without_kernel(model)) == {"n6_EyeLike"}
+
+
+def test_shape_logic_fed_by_a_device_tensor_stays_on_the_device():
+    model = _shape_logic_model()
+    model.graph.node[0].op_type, model.graph.node[0].input[:] = "Cast", ["x"]  # no longer a host shape
+    model.graph.node[0].attribute.add().CopyFrom(helper.make_attribute("to", TensorProto.INT64))
+    assert not {n for n in place(model).on_cpu if "Gather" in n or "Concat" in n}
+
+
+def test_the_cuda_step_of_an_mlp_counts_its_update_nodes(tmp_path):
+    tool = load_tool("step_report")
+    step = tool.build_step(mlp((4, 8, 3)), "cross_entropy", "float16", "cuda")
+    found = place(step.model)
+    opt = sum(1 for n in step.model.graph.node if n.name.startswith(("opt/", "scale/")))
+    inner = sum(
+        len(a.g.node)
+        for n in step.model.graph.node
+        if n.op_type == "If"
+        for a in n.attribute
+        if a.HasField("g")
+    )
+    assert found.update_nodes == opt + inner > 0
+    assert found.no_kernel == {} and low_without_kernel(step.model) == {}
+    assert any(
+        "If" in name for name in found.host_syncs
+    )  # the If(all_finite) gate reads its flag on the host
+
+
+def test_step_report_prints_the_summary_last_and_refuses_a_bad_path(tmp_path, capsys):
+    import onnx
+
+    tool = load_tool("step_report")
+    path = tmp_path / "mlp.onnx"
+    onnx.save(mlp((4, 8, 3)), path)
+    assert tool.main([str(path), "--device", "cuda", "--precision", "float16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("nodes: ") and lines[-1].startswith("step-report: ")
+    assert ", 0 without a CUDA kernel, " in lines[-1]
+    assert tool.main([str(tmp_path / "missing.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing.onnx" in err
+
+
+def test_the_bert_export_has_a_kernel_for_every_node_and_its_nonzeros_are_host_syncs():
+    pytest.importorskip("transformers", reason="the BERT export needs transformers")
+    pytest.importorskip("sklearn", reason="its batches come from scikit-learn")
+    import exported_training
+
+    model, _, _ = exported_training.export_bert()
+    step = load_tool("step_report").build_step(model, "cross_entropy", "float16", "cuda")
+    found = place(step.model)
+    assert found.no_kernel == {}
+    nonzeros = {n.name for n in step.model.graph.node if n.op_type == "NonZero"}
+    assert nonzeros <= set(found.host_syncs)
