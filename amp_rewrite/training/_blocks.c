@@ -165,7 +165,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
         Py_buffer *view = &views[held++];
         const Py_ssize_t needed = kinds[s] == KIND_ARRAY ? size : 1;
         if (view->itemsize != 4 || !view->format || view->format[0] != 'f' || view->format[1] ||
-            view->len < needed * 4)
+            view->len / 4 < needed)
             problem = "an operand is not float32 of the chain's size";
         base[s] = (float *)view->buf;
     }

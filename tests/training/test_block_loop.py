@@ -129,8 +129,10 @@ def _raw(rows, operands, kinds, size=SIZE):
         ),
         _raw([(6, 1, 0, -1)], [np.ones(SIZE, np.float32)] * 2, [0]),  # a kind short
         _raw([(6, 1, 0, -1)], [np.ones(SIZE, np.float32)] * 2, [0, 5]),  # no such kind
+        # 4 * size wraps to 16 bytes in 64 bits: a length check that multiplies lets it through
+        _raw([(6, 1, 0, -1)], [np.ones(4, np.float32)] * 2, [0, 0], size=2**62 + 4),
     ],
-    ids="slot unary-add opcode to-scalar float64 short strided read-only kinds kind-5".split(),
+    ids="slot unary-add opcode to-scalar float64 short strided read-only kinds kind-5 size-overflow".split(),
 )
 def test_a_malformed_program_is_refused(case):
     with pytest.raises(ValueError):
