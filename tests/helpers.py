@@ -207,3 +207,23 @@ def deny_chain_model():
         node("MatMul", ["s", "W2"], ["y"], name="m2"),
     ]
     return make_model(nodes, [tensor("x", [4, 16])], [tensor("y", [4, 8])], inits)
+
+
+def loaded_provider() -> str:
+    """The provider a "cuda"/"auto" deployment really runs on here (CUDA where it loads, else CPU):
+    expectations that depend on the device follow it, so the suite holds on CPU and on a GPU."""
+    from amp_rewrite import runtime
+
+    return runtime.CUDA if runtime.cuda_loads() else runtime.CPU
+
+
+def on_cuda() -> bool:
+    """Whether CUDA loads: float32 matrix products then run TF32 (ORT's CUDA default, ~1e-3 relative)
+    and float16 ops compute in float16, not float32 as on CPU."""
+    from amp_rewrite import runtime
+
+    return loaded_provider() == runtime.CUDA
+
+
+# float32 matmul-heavy figures on CUDA: TF32 (10-bit mantissa products) is on by default there
+TF32_RTOL = 1e-3

@@ -9,7 +9,18 @@ import onnx
 import pytest
 
 from amp_rewrite import cli, rewrite
-from helpers import ROOT, assert_close, init, load_tool, make_model, node, run_ort, run_reference, tensor
+from helpers import (
+    ROOT,
+    assert_close,
+    init,
+    load_tool,
+    loaded_provider,
+    make_model,
+    node,
+    run_ort,
+    run_reference,
+    tensor,
+)
 from kernel_facts import uncovered_low_nodes
 
 
@@ -132,7 +143,7 @@ def test_cli_provider_colours_and_validates(tmp_path, capsys):
         == 0
     )
     data = json.loads(report.read_text())
-    assert data["summary"]["kernel_blocked"] == 0 and data["validation"]["provider"] == "CPUExecutionProvider"
+    assert data["summary"]["kernel_blocked"] == 0 and data["validation"]["provider"] == loaded_provider()
 
 
 CORPUS = ["examples/tiny_cnn.onnx", "examples/tiny_transformer.onnx", "synthetic", "mobilenet11"]
