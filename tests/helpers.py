@@ -227,3 +227,12 @@ def on_cuda() -> bool:
 
 # float32 matmul-heavy figures on CUDA: TF32 (10-bit mantissa products) is on by default there
 TF32_RTOL = 1e-3
+
+
+def run_loaded(model, feeds):
+    """`model` run on the provider the checks (validate, fallback) use here: a test judging a
+    rewrite as they do must see the numbers they see (float16 computed in float16 on CUDA)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    providers = [loaded_provider(), "CPUExecutionProvider"]
+    return ort.InferenceSession(model.SerializeToString(), options, providers=providers).run(None, feeds)

@@ -12,7 +12,7 @@ from amp_rewrite import rewrite
 from amp_rewrite.checks import calibrate, validate
 from amp_rewrite.checks import fallback as accuracy
 from amp_rewrite.cli import main
-from helpers import assert_close, init, make_model, node, run_ort, run_reference, tensor, weights
+from helpers import assert_close, init, make_model, node, run_loaded, run_ort, run_reference, tensor, weights
 
 RTOL, ATOL = 1e-2, 1e-2
 
@@ -76,7 +76,8 @@ def test_fallback_search_reaches_every_node_when_errors_are_diffuse():
     fb = accuracy.fit(model, samples, rtol=0.0, atol=1e-6, max_runs=6, reference=False)
     assert fb.passed, fb.history
     assert len(fb.pinned) > 31 and fb.runs <= 6
-    assert_close(run_ort(fb.result.model, samples[0]), run_ort(model, samples[0]), rtol=0.0, atol=1e-6)
+    # on the provider the fallback judged on (CUDA's float32 runs TF32: CPU's numbers differ by more)
+    assert_close(run_loaded(fb.result.model, samples[0]), run_loaded(model, samples[0]), rtol=0.0, atol=1e-6)
 
 
 def test_fallback_pins_only_the_part_of_the_last_batch_it_needs():
@@ -89,7 +90,8 @@ def test_fallback_pins_only_the_part_of_the_last_batch_it_needs():
     assert fb.passed, fb.history
     passes = [h["pinned"] for h in fb.history if h["passed"] and not h.get("final")]
     assert passes[0] > len(fb.pinned) == min(passes), fb.history
-    assert_close(run_ort(fb.result.model, samples[0]), run_ort(model, samples[0]), rtol=0.0, atol=1e-3)
+    # on the provider the fallback judged on (CUDA's float32 runs TF32: CPU's numbers differ by more)
+    assert_close(run_loaded(fb.result.model, samples[0]), run_loaded(model, samples[0]), rtol=0.0, atol=1e-3)
 
 
 def test_rewrites_of_one_loaded_model_match_fresh_ones():
