@@ -151,7 +151,8 @@ def open_session(
     except RuntimeUnavailableError:
         raise
     except Exception as exc:  # ORT raises its own untyped errors for invalid graphs
-        raise error(f"ONNX Runtime refused {what}: {str(exc).strip().splitlines()[0]}") from None
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise error(f"ONNX Runtime refused {what}: {first.strip()}") from None  # an empty message too
     sess._amp_keep_alive = keep_alive  # external data lives as long as the session
     return sess, used
 

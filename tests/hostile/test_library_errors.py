@@ -14,10 +14,11 @@ from helpers import mlp
 UNDECODABLE = (
     UnicodeDecodeError("utf-8", b"\xc8\x01node", 0, 1, "invalid continuation byte"),
     RuntimeError("[ONNXRuntimeError] : 1 : FAIL : node \udcc8\udc01 \x07 refused\n==> details"),
+    RuntimeError(""),  # an empty message: its first line was an IndexError
 )
 
 
-@pytest.fixture(params=range(len(UNDECODABLE)), ids=["decode-error", "surrogates"])
+@pytest.fixture(params=range(len(UNDECODABLE)), ids=["decode-error", "surrogates", "empty"])
 def refusing_runtime(request, monkeypatch):
     """Every session ONNX Runtime's Python class creates fails as a truncated, mutated model made
     it fail: its CUDA attempt (printing "EP Error ..." and falling back) and the CPU retry."""
