@@ -11,6 +11,15 @@ training, in one vocabulary:
     dims      {symbolic dim: size}: size estimates and synthesised samples
 
 The device is resolved once per process against what ONNX Runtime actually loads (`runtime`).
+
+One word per idea, and where each is read:
+    provider  what the user asked for (the CLI's --provider, `rewrite(provider=)`, `Trainer(provider=)`)
+    kernels   whose kernel table the colouring respects (`Deployment.kernels`: "cuda", "cpu", None)
+    device    where sessions run here (`Deployment.device`: "cuda" or "cpu")
+    ORT's provider names ("CUDAExecutionProvider", ...): `runtime`'s session factory, from `device`.
+Training's `precision` ("float16", "bfloat16" or "float32") is the rewrite's `target`; "float32"
+means no rewrite (training.step_graph.precision_options: `target=precision`, and provider "cuda"
+on a CUDA device, else "any": the CPU probe of training.kernels replaces the kernel table there).
 """
 
 from __future__ import annotations
