@@ -19,7 +19,7 @@ One word per idea, and where each is read:
     ORT's provider names ("CUDAExecutionProvider", ...): `runtime`'s session factory, from `device`.
 Training's `precision` ("float16", "bfloat16" or "float32") is the rewrite's `target`; "float32"
 means no rewrite (training.step_graph.precision_options: `target=precision`, and provider "cuda"
-on a CUDA device, else "any": the CPU probe of training.kernels replaces the kernel table there).
+on a CUDA device, else "any": the CPU probe of training.cpu_refusals replaces the kernel table there).
 """
 
 from __future__ import annotations
