@@ -46,4 +46,4 @@ def _even_if_worse(request, monkeypatch):
     if request.node.get_closest_marker("even_if_worse"):
         from amp_rewrite.analysis import paint
 
-        monkeypatch.setattr(paint, "never_worse", lambda cg, plan, low_io=frozenset(): (plan, None))
+        monkeypatch.setattr(paint, "never_worse", lambda cg, plan, low_io=frozenset(): (plan, None, None))

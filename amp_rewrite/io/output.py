@@ -160,10 +160,12 @@ def _sync_folder(folder: Path) -> None:
 
 def _ours(path: Path, name: str) -> bool:
     """A data file name this module gives the output `path`: `<name>.data` or `<name>.<run>.data`."""
-    return (
-        name == f"{path.name}.data"
-        or re.fullmatch(re.escape(path.name) + r"\.[0-9a-f]{8}\.data", name) is not None
-    )
+    return name == f"{path.name}.data" or _run_named(path, name)
+
+
+def _run_named(path: Path, name: str) -> bool:
+    """`<name>.<run>.data`: the name `OutputPair` gives one run's data, and only it."""
+    return re.fullmatch(re.escape(path.name) + r"\.[0-9a-f]{8}\.data", name) is not None
 
 
 def old_data_files(path: Path) -> list[Path]:
@@ -193,12 +195,11 @@ def orphan_data_files(path: Path, named: list[Path]) -> list[Path]:
     the folder's lock held, when no other run can be between those two steps. `named`: the data
     files the model names."""
     named = {p.name for p in named}
-    pattern = re.compile(re.escape(path.name) + r"\.[0-9a-f]{8}\.data")
     try:
         names = os.listdir(path.parent or ".")
     except OSError:
         return []
-    return [path.parent / n for n in sorted(names) if pattern.fullmatch(n) and n not in named]
+    return [path.parent / n for n in sorted(names) if _run_named(path, n) and n not in named]
 
 
 @contextlib.contextmanager
@@ -207,20 +208,22 @@ def _folder_lock(folder: Path):
     that concurrent runs writing one output take turns: each removes exactly the data of the model
     it replaced, and none removes what the current model names. Held for milliseconds (the data
     was written before); released by the kernel if the process dies. No lock where the platform
-    or file system has none (the renames are still atomic; only a stale file may be left)."""
+    or file system has none (the renames are still atomic; only a stale file may be left). Yields
+    whether the lock is held: orphans may be removed only then."""
     try:
         import fcntl
 
         fd = os.open(folder if str(folder) else ".", os.O_RDONLY)
     except (ImportError, OSError):
-        yield
+        yield False
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
         except OSError:
-            pass
-        yield
+            locked = False
+        yield locked
     finally:
         os.close(fd)  # closing releases the lock
 
@@ -299,13 +302,14 @@ class OutputPair:
         """Write the model, then, holding the folder's lock, put the data then the model in place
         and remove the replaced model's data and any orphan of a killed run."""
         model_tmp = write_tmp(self.path, write_model)
-        with _folder_lock(self.path.parent):
-            self._replace(model_tmp)
+        with _folder_lock(self.path.parent) as locked:
+            self._replace(model_tmp, locked)
 
-    def _replace(self, model_tmp: str) -> None:
+    def _replace(self, model_tmp: str, locked: bool) -> None:
         try:
             old = old_data_files(self.path)
-            old += orphan_data_files(self.path, old)
+            if locked:  # without the lock another run may be between its renames: its data is not an orphan
+                old += orphan_data_files(self.path, old)
             interrupt_hook("rename")
             if self._data_tmp is not None:
                 if self.fixed_name:

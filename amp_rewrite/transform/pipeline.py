@@ -61,6 +61,7 @@ class Work:
     materialised: materialise_mod.Materialised = None
     result: RewriteResult = None
     range_note: str | None = None  # what the range check of cost placement measured (analysis.evidence)
+    moved: tuple | None = None  # bytes moved in float32 and as coloured, where colour estimated them
 
 
 def take_working_copy(w: Work) -> None:
@@ -165,10 +166,11 @@ def colour(w: Work) -> None:
         largest = functools.partial(range_run.largest_values, source, types=w.types, dims=w.options.dims)
         budget = range_run.over_budget(w.scopes, w.bytes_before, w.loaded.lazy)
         plan, w.range_note = evidence.settle(w.cg, run, largest, budget, w.low_io)
-        if w.options.never_worse:
-            plan, note = paint.never_worse(w.cg, plan, w.low_io)
-            w.range_note = "; ".join(filter(None, [w.range_note, note])) or None
-    w.plan = colour_as.follow(w.cg, plan, w.options.colour_as)
+    plan = colour_as.follow(w.cg, plan, w.options.colour_as)
+    if w.options.placement == "cost" and w.options.calibration is None and w.options.never_worse:
+        plan, note, w.moved = paint.never_worse(w.cg, plan, w.low_io)
+        w.range_note = "; ".join(filter(None, [w.range_note, note])) or None
+    w.plan = plan
 
 
 def estimate_flops(w: Work) -> None:
@@ -213,7 +215,7 @@ def report(w: Work) -> None:
         weights_before=w.weights_before,
         weights_after=w.weights_before + delta,
         node_flops=w.flops,
-        moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model), w.low_io),
+        moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model), w.low_io, w.moved),
     )
     rep.notes.extend(w.loaded.notes)
     if w.options.dims and not sizes_dims(w.model):
@@ -287,7 +289,7 @@ STAGES = (
     Stage(
         colour,
         "cg low_io options loaded borrowed model types scopes bytes_before",
-        "plan range_note",
+        "plan range_note moved",
         "analysis.paint, analysis.placement, analysis.evidence, transform.range_run",
     ),
     Stage(estimate_flops, "cg weights_before", "flops weights_before", "report.node_flops, flops"),
@@ -297,7 +299,7 @@ STAGES = (
     Stage(
         report,
         "cg plan materialised bytes_before started weights_before flops options model low_io loaded "
-        "range_note scaling kernel_check",
+        "range_note scaling kernel_check moved",
         "result",
         "report.report",
     ),

@@ -38,17 +38,20 @@ class RewriteResult:
 
 
 def bytes_moved(
-    cg, plan, options: RewriteOptions, dims_used: bool = True, low_io: frozenset = frozenset()
+    cg, plan, options: RewriteOptions, dims_used: bool = True, low_io: frozenset = frozenset(), figures=None
 ) -> dict:
     """Estimated bytes moved (analysis.placement.estimate) all in float32 and as coloured, for the
-    report, with the symbolic dims the sizes used (`dims`: empty when none were)."""
+    report, with the symbolic dims the sizes used (`dims`: empty when none were); `figures`: the
+    two, where the colouring already estimated them (paint.never_worse)."""
     from amp_rewrite.analysis import placement
 
-    low = {v for v, c in plan.colour.items() if c == paint.LOW}
+    if figures is None:
+        low = {v for v, c in plan.colour.items() if c == paint.LOW}
+        figures = placement.estimate(cg, set(), low_io), placement.estimate(cg, low, low_io)
     return {
         "placement": options.placement,
-        "bytes_moved_float32": placement.estimate(cg, set(), low_io),
-        "bytes_moved": placement.estimate(cg, low, low_io),
+        "bytes_moved_float32": figures[0],
+        "bytes_moved": figures[1],
         "dims": dict(options.dims) if dims_used else {},
     }
 

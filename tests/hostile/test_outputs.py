@@ -473,3 +473,25 @@ def test_validating_on_no_samples_is_a_usage_error():
         validate.validate(model, model, [])
     with pytest.raises(errors.UsageError, match="no samples"):
         driver.check(model, samples=[], validate=True)
+
+
+def test_without_the_folder_lock_no_run_named_file_is_taken_for_an_orphan(tmp_path, monkeypatch):
+    """Where flock is not to be had, another run may be between its renames: its placed data must
+    not be removed as an orphan (only the data of the replaced model goes)."""
+    import contextlib
+
+    from amp_rewrite.io import output
+
+    out = tmp_path / "out.onnx"
+    model_io.save(_big_model(), out, external_data=True)
+    in_flight = tmp_path / "out.onnx.0123abcd.data"  # another run's, placed, its model not yet renamed
+    in_flight.write_bytes(b"another run's weights")
+    monkeypatch.setattr(output, "_folder_lock", lambda folder: contextlib.nullcontext(False))
+    model_io.save(_big_model(seed=2), out, external_data=True)
+    assert in_flight.exists()
+    _check_pair(out, _big_model(seed=2))
+    monkeypatch.undo()
+    model_io.save(_big_model(seed=3), out, external_data=True)  # with the lock: an orphan, removed
+    assert not in_flight.exists()
+    assert len(list(tmp_path.glob("out.onnx.*.data"))) == 1
+    _check_pair(out, _big_model(seed=3))
