@@ -240,12 +240,11 @@ def never_worse(cg: ColouringGraph, plan, low_io: frozenset = frozenset()):
     float32. The cut places the free ops; allow ops are low whatever they cost (TF's rule), and
     where their casts outweigh what they save (a QDQ model's small MatMuls between its
     DequantizeLinear nodes) the model stays float32, with the figures in the reasons and a note.
-    The figures are the report's too (each estimate is a pass over every use: 0.75 s at 100k)."""
-    from amp_rewrite.analysis.placement import estimate
+    The figures are the report's too (both from one pass over every use)."""
+    from amp_rewrite.analysis.placement import estimates
 
     low = {v for v, c in plan.colour.items() if c == LOW}
-    before = estimate(cg, set(), low_io)
-    after = estimate(cg, low, low_io) if low else before
+    before, after = estimates(cg, (set(), low), low_io)
     if after <= before:
         return plan, None, (before, after)
     why = (

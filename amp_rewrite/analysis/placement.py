@@ -109,18 +109,25 @@ def vertex_elements(cg: ColouringGraph, v: int, cache: dict) -> int:
 
 def estimate(cg: ColouringGraph, low, low_io: frozenset = frozenset()) -> int:
     """Bytes moved under a colouring (`low`: the set of low-precision vertices; `low_io`: the main
-    graph's inputs and outputs in the target type): every group's reads and writes plus every cast.
-    One pass over vertices and uses: linear."""
+    graph's inputs and outputs in the target type): every group's reads and writes plus every cast."""
+    return estimates(cg, (low,), low_io)[0]
+
+
+def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) -> tuple:
+    """`estimate` of each colouring in `lows`, in one pass over vertices and uses (the pass, not
+    the colourings, is what costs: 0.7 s at 100k nodes): linear."""
     cache = sizes(cg)
-    total = sum(
-        vertex_elements(cg, v, cache) * (LOW_BYTES if v in low else FP32_BYTES)
-        for v in range(len(cg.vertices))
-    )
+    totals = [0] * len(lows)
+    for v in range(len(cg.vertices)):
+        size = vertex_elements(cg, v, cache)
+        for i, low in enumerate(lows):
+            totals[i] += size * (LOW_BYTES if v in low else FP32_BYTES)
     for key in cg.uses:
         term = _term(cg, key, low_io, cache)
         if term is not None:
-            total += _cast_bytes(term, low)
-    return total
+            for i, low in enumerate(lows):
+                totals[i] += _cast_bytes(term, low)
+    return tuple(totals)
 
 
 def _cast_bytes(term: Term, low) -> int:

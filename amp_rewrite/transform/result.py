@@ -47,7 +47,7 @@ def bytes_moved(
 
     if figures is None:
         low = {v for v, c in plan.colour.items() if c == paint.LOW}
-        figures = placement.estimate(cg, set(), low_io), placement.estimate(cg, low, low_io)
+        figures = placement.estimates(cg, (set(), low), low_io)
     return {
         "placement": options.placement,
         "bytes_moved_float32": figures[0],
