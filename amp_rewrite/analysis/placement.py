@@ -43,59 +43,6 @@ def elements(cg: ColouringGraph, name: str, cache: dict) -> int:
     return size
 
 
-@dataclass(slots=True)
-class Term:
-    """One float tensor: its size, where its type comes from, and who reads it."""
-
-    size: int
-    producer: int | None  # the producing vertex; None: a fixed source (graph input, non-vertex op)
-    readers: tuple  # reader vertices
-    fp32_reader: bool  # a reader that needs float32 whatever the colouring (graph output, fixed slot)
-    low_source: bool = False  # a main-graph input in the target type (`low_io`)
-    low_reader: bool = False  # a main-graph output in the target type (`low_io`)
-
-
-def _term(cg: ColouringGraph, key, low_io: frozenset, cache: dict) -> Term | None:
-    """The tensor `key` = (def scope, name), or None when it costs no cast (constants, non-float)."""
-    s, name = key
-    if cg.types.get(name) != FLOAT:
-        return None
-    kind, n, slot = cg.scopes[s].defs[name]
-    producer = cg.carried_in.get(key) if kind == "input" and s > 0 else None  # a loop-carried body input
-    if kind == "initializer":
-        return None
-    if kind == "node":
-        row = cg.writes[s][n]
-        producer = row[slot] if row else None
-        if producer is None and (s, n) in cg.constant_nodes:
-            return None
-    readers, fp32_reader, low_reader = set(), False, False
-    for use_scope, node, use_slot in cg.uses.get(key, ()):
-        if node < 0:
-            carried = cg.carried_out.get((use_scope, use_slot)) if use_scope > 0 else None
-            if carried is not None:
-                readers.add(carried)
-            elif use_scope == 0 and name in low_io:
-                low_reader = True
-            else:
-                fp32_reader = True
-            continue
-        row = cg.reads[use_scope][node]
-        v = row[use_slot] if row else None
-        if v is None:
-            fp32_reader = True
-        else:
-            readers.add(v)
-    return Term(
-        elements(cg, name, cache),
-        producer,
-        tuple(readers),
-        fp32_reader,
-        kind == "input" and s == 0 and name in low_io,
-        low_reader,
-    )
-
-
 def vertex_elements(cg: ColouringGraph, v: int, cache: dict) -> int:
     """Elements the vertex's type group reads and writes."""
     vertex = cg.vertices[v]
@@ -115,29 +62,55 @@ def estimate(cg: ColouringGraph, low, low_io: frozenset = frozenset()) -> int:
 
 def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) -> tuple:
     """`estimate` of each colouring in `lows`, in one pass over vertices and uses (the pass, not
-    the colourings, is what costs: 0.7 s at 100k nodes): linear."""
+    the colourings, is what costs: 0.7 s at 100k nodes; `_term`, inlined): linear."""
     cache = sizes(cg)
-    totals = [0] * len(lows)
-    for v in range(len(cg.vertices)):
-        size = vertex_elements(cg, v, cache)
+    vertex_sizes = [vertex_elements(cg, v, cache) for v in range(len(cg.vertices))]
+    everything = sum(vertex_sizes) * FP32_BYTES
+    totals = [everything - sum(vertex_sizes[v] for v in low) * (FP32_BYTES - LOW_BYTES) for low in lows]
+    types_get, scopes, writes, reads = cg.types.get, cg.scopes, cg.writes, cg.reads
+    carried_in, carried_out, constant_nodes = cg.carried_in, cg.carried_out, cg.constant_nodes
+    for key, tensor_uses in cg.uses.items():
+        s, name = key
+        if types_get(name) != FLOAT:
+            continue
+        kind, n, slot = scopes[s].defs[name]
+        if kind == "initializer":
+            continue
+        producer = carried_in.get(key) if kind == "input" and s > 0 else None
+        if kind == "node":
+            row = writes[s][n]
+            producer = row[slot] if row else None
+            if producer is None and (s, n) in constant_nodes:
+                continue
+        readers, fp32_reader, low_reader = set(), False, False
+        for use_scope, node, use_slot in tensor_uses:
+            if node < 0:
+                carried = carried_out.get((use_scope, use_slot)) if use_scope > 0 else None
+                if carried is not None:
+                    readers.add(carried)
+                elif use_scope == 0 and name in low_io:
+                    low_reader = True
+                else:
+                    fp32_reader = True
+                continue
+            row = reads[use_scope][node]
+            v = row[use_slot] if row else None
+            if v is None:
+                fp32_reader = True
+            else:
+                readers.add(v)
+        low_source = kind == "input" and s == 0 and name in low_io
+        cost = elements(cg, name, cache) * CAST_BYTES
         for i, low in enumerate(lows):
-            totals[i] += size * (LOW_BYTES if v in low else FP32_BYTES)
-    for key in cg.uses:
-        term = _term(cg, key, low_io, cache)
-        if term is not None:
-            for i, low in enumerate(lows):
-                totals[i] += _cast_bytes(term, low)
+            source_low = low_source or (producer is not None and producer in low)
+            needs = {r in low for r in readers}
+            if fp32_reader:
+                needs.add(False)
+            if low_reader:
+                needs.add(True)
+            needs.discard(source_low)
+            totals[i] += cost * len(needs)
     return tuple(totals)
-
-
-def _cast_bytes(term: Term, low) -> int:
-    source_low = term.low_source or (term.producer is not None and term.producer in low)
-    needs = {r in low for r in term.readers}
-    if term.fp32_reader:
-        needs.add(False)
-    if term.low_reader:
-        needs.add(True)
-    return term.size * CAST_BYTES * len(needs - {source_low})
 
 
 @dataclass
@@ -179,8 +152,8 @@ def _build(
 
     A tensor's casts: a cast up (some reader low, the producer float32) and a cast down (the
     reverse) are each paid once per tensor, whatever the number of readers: an auxiliary vertex
-    per tensor and direction; the source side of the cut is low precision. This is `_term`'s
-    reading of the uses, inlined, with the edges added in place (a call per edge cost more than
+    per tensor and direction; the source side of the cut is low precision. This is `estimates`'s
+    reading of the uses, with the edges added in place (a call per edge cost more than
     the edge): it runs once per tensor next to a free vertex, 100k times at 100k nodes."""
     saving = FP32_BYTES - LOW_BYTES
     vertices, scopes, writes, reads = cg.vertices, cg.scopes, cg.writes, cg.reads

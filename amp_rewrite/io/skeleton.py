@@ -96,8 +96,39 @@ def byte_size(model: onnx.ModelProto, data: int | None = None) -> int:
     `data`, when the caller knows it, saves a walk over every tensor."""
     data = data_size(model) if data is None else data
     if data < CHECK_IN_FULL_LIMIT:
-        return model.ByteSize()
+        return _serialised_size(model)
     return data + 64 * (len(model.graph.node) + len(model.graph.initializer))  # subgraphs: small, left out
+
+
+def _serialised_size(model: onnx.ModelProto) -> int:
+    """model.ByteSize(), exactly, summed over the main graph's nodes and initializers one by one:
+    upb serialises to size, and 50 MB at once costs 70 ms, its tensors one at a time 7 ms."""
+    graph = model.graph
+    rest = onnx.GraphProto()
+    for field, value in graph.ListFields():
+        if field.name not in ("node", "initializer"):
+            _set(rest, field, value)
+    inner = rest.ByteSize() + sum(_framed(x.ByteSize()) for x in (*graph.node, *graph.initializer))
+    outer = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _set(outer, field, value)
+    return outer.ByteSize() + _framed(inner)
+
+
+def _framed(size: int) -> int:
+    """A length-delimited field of GraphProto or ModelProto numbered below 16: tag, length, bytes."""
+    return 1 + max(1, (size.bit_length() + 6) // 7) + size
+
+
+def _set(message, field, value) -> None:
+    repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(message, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(message, field.name).CopyFrom(value)
+    else:
+        setattr(message, field.name, value)
 
 
 def checker_target(
