@@ -155,7 +155,7 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
         from amp_rewrite.analysis import placement as cost
 
         low, kept = cost.colour_free(cg, m, allow, deny, low_io)
-        kept.update(drop_regions_without_allow(cg, m, low, low_io))
+        kept.update(drop_regions_without_allow(cg, m, low, low_io, cast_sharing=True))
         graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
         return _freeze(cg, low, {**m.pinned, **deny, **kept, **low})
@@ -172,45 +172,68 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
 
 
 def drop_regions_without_allow(
-    cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset()
+    cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset(), cast_sharing: bool = False
 ) -> dict:
     """Regions of low vertices (joined by edges, the groups of one node, ties) with no allow op in
     them go back to float32, in place: casts pay off only around an allow op (TF: no allow op,
-    nothing to do). Returns their reasons. One walk over the low vertices."""
+    nothing to do). Returns their reasons. One walk over the low vertices, from the ones that keep
+    their region (allow ops, and those touching the user's low-precision inputs and outputs).
+    `cast_sharing` (cost placement): low readers of one computed tensor are one region too, as the
+    cut counted them: they share its one Cast (a Cast's input group, low beside the Add that reads
+    the same input, costs nothing more; dropped alone, it left the cut's choice worse than TF's)."""
     of_node: dict = {}
+    vertices = cg.vertices
+    for v in low:
+        vertex = vertices[v]
+        of_node.setdefault((vertex.scope, vertex.node), []).append(v)
+    siblings = {v: group for group in of_node.values() if len(group) > 1 for v in group}
+    sharing = _readers_of_one_tensor(cg, low) if cast_sharing else {}
+    tied = {v: c for c in m.clusters for v in c.members}  # a sequence's ops are one region too
+    clusters_seen: set = set()  # each cluster's members once: linear however large it is
+    lists, succ, pred = m.lists, m.succ, m.pred
+    queue = [v for v in low if lists[v] == "allow" or (low_io and _touches(cg, v, low_io))]
+    kept = set(queue)
+    while queue:
+        v = queue.pop()
+        cluster = tied.get(v)
+        partners = () if cluster is None or id(cluster) in clusters_seen else cluster.members
+        if partners:
+            clusters_seen.add(id(cluster))
+        for neighbours in (succ[v], pred[v], siblings.get(v, ()), sharing.get(v, ()), partners):
+            for w in neighbours:
+                if w in low and w not in kept:
+                    kept.add(w)
+                    queue.append(w)
+    dropped = {}
+    if len(kept) < len(low):
+        reason = Reason(
+            Step.NOT_PAINTED, None, "a low-precision region without an allow op: its casts cannot pay off"
+        )
+        for v in [v for v in low if v not in kept]:
+            del low[v]
+            dropped[v] = reason
+    return dropped
+
+
+def _readers_of_one_tensor(cg: ColouringGraph, low: dict) -> dict:
+    """vertex -> low vertices it shares a computed float tensor's Cast with: each tensor's low
+    readers joined to the first (a star, so linear however many read it)."""
+    first: dict = {}
+    joined: dict = {}
     for v in low:
         vertex = cg.vertices[v]
-        of_node.setdefault((vertex.scope, vertex.node), []).append(v)
-    tied = {v: c for c in m.clusters for v in c.members}  # a sequence's ops are one region too
-    clusters_seen: set = set()
-    seen: set = set()
-    dropped = {}
-    for start in list(low):
-        if start in seen:
-            continue
-        seen.add(start)
-        members, queue = [], [start]
-        while queue:
-            v = queue.pop()
-            members.append(v)
-            vertex = cg.vertices[v]
-            cluster = tied.get(v)
-            partners = () if cluster is None or id(cluster) in clusters_seen else cluster.members
-            if partners:  # each cluster's members once: linear however large it is
-                clusters_seen.add(id(cluster))
-            for w in (*m.succ[v], *m.pred[v], *of_node[(vertex.scope, vertex.node)], *partners):
-                if w in low and w not in seen:
-                    seen.add(w)
-                    queue.append(w)
-        if not any(m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io)) for v in members):
-            for v in members:
-                del low[v]
-                dropped[v] = Reason(
-                    Step.NOT_PAINTED,
-                    None,
-                    "a low-precision region without an allow op: its casts cannot pay off",
-                )
-    return dropped
+        scope = cg.scopes[vertex.scope]
+        inputs = scope.io[vertex.node][0]
+        for i in vertex.group.inputs:
+            x = inputs[i]
+            found = scope.defs.get(x) if x else None
+            if found is None or found[0] == "initializer":
+                continue
+            u = first.setdefault(x, v)
+            if u != v:
+                joined.setdefault(u, []).append(v)
+                joined.setdefault(v, []).append(u)
+    return joined
 
 
 def _touches(cg: ColouringGraph, v: int, low_io: frozenset) -> bool:

@@ -108,13 +108,16 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
     if isinstance(source, onnx.ModelProto):
         if not source.HasField("graph"):
             raise ModelError("model has no graph")
-        if any(external.is_external(t) for t in external.model_tensors(source)):
+        sparse: list = []
+        walked = walk(source.graph, sparse)  # one walk, shared as for a file (0.15 s each at 100k nodes)
+        if any(external.is_external(t) for t in external.model_tensors(source, walked, sparse)):
             raise ModelError("model refers to external data but came in memory: pass its path instead")
         notes = ()
-        if _repeated_node_names(all_graphs(source.graph)):  # rare: renamed on a copy, the caller's stays
+        if _repeated_node_names(walked[0]):  # rare: renamed on a copy, the caller's stays
             source = _copied(source)
-            notes = (unique_node_names(all_graphs(source.graph)),)
-        found = validate(source, "model", in_memory=True, checker=checker)
+            walked = walk(source.graph)
+            notes = (unique_node_names(walked[0]),)
+        found = validate(source, "model", in_memory=True, checker=checker, walked=walked)
         return LoadedModel(
             source,
             None,
