@@ -82,8 +82,9 @@ def run(args) -> int:
         options=options,
         keep_original=bool(args.html),
         outputs=plan,
-        # only rewriting and saving: big external weights can stay on disk until written (memory)
-        lazy_weights=not (args.html or args.explain is not None),
+        # only rewriting and saving: big external weights can stay on disk until written (memory);
+        # --fuse's optimizer reads them
+        lazy_weights=not (args.html or args.explain is not None or options.fuse is not None),
     )
     loaded = checked.loaded
     result = checked.result

@@ -157,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         "opset (CUDA's float16 Clip from 12) then run in the target type; the summary says when it would help",
     )
     p.add_argument(
+        "--fuse",
+        nargs="?",
+        const="auto",
+        metavar="TYPE",
+        help="run ONNX Runtime's transformer optimizer first (its Python fusions: SkipLayerNormalization, "
+        "BiasGelu, Attention, ...), then colour the fused graph; TYPE is its model type (bert, gpt2, vit, ...), "
+        "auto (the default when TYPE is left out) reads it from the graph",
+    )
+    p.add_argument(
         "--dim",
         action="append",
         metavar="NAME=SIZE",

@@ -73,6 +73,7 @@ class RewriteOptions:
     fold_noop_casts: bool = True  # the model's own Casts that convert nothing in the result are removed
     never_worse: bool = True  # cost placement: a model its estimate says moves more bytes low stays float32
     opset: int | None = None  # convert the model to this default-domain opset first (onnx.version_converter)
+    fuse: str | None = None  # ORT's transformer optimizer first: "auto" or its model type (transform/fuse.py)
 
     def __post_init__(self):
         """Every way in (the constructor, `of`, `replace`, dataclasses.replace) is normalised and
@@ -124,6 +125,8 @@ class RewriteOptions:
             isinstance(self.opset, bool) or not isinstance(self.opset, int) or self.opset < 1
         ):
             raise UsageError(f"opset {self.opset!r} must be a whole number of at least 1")
+        if self.fuse is not None and not isinstance(self.fuse, str):
+            raise UsageError(f"fuse {self.fuse!r}: expected 'auto' or a model type such as 'bert'")
         for option in ("keep_fp32_nodes", "low_precision_io"):
             for pattern in getattr(self, option):
                 try:

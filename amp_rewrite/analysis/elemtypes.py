@@ -10,6 +10,8 @@ back to ONNX shape inference.
 
 from __future__ import annotations
 
+import logging
+
 import onnx
 from onnx import TensorProto
 
@@ -172,4 +174,28 @@ def tensor_types(model: onnx.ModelProto, *, shape_inference: bool | None = None,
     except Exception:
         return types, shapes
     _collect_value_infos(inferred.graph, types, shapes, replace=bool(dims))
+    contrib = _contrib_shapes(inferred)
+    if contrib is not None:
+        _collect_value_infos(contrib.graph, types, shapes)
     return types, shapes
+
+
+def _contrib_shapes(inferred: onnx.ModelProto) -> onnx.ModelProto | None:
+    """ONNX Runtime's symbolic shape inference over a model with com.microsoft ops, whose shapes
+    onnx's inference does not know (every size after a fused SkipLayerNormalization would count 1
+    in cost placement); None without such ops, without sympy (its optional dependency), or when
+    it fails."""
+    if not any(node.domain == "com.microsoft" for node in inferred.graph.node):
+        return None
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:
+        return None
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        return SymbolicShapeInference.infer_shapes(inferred, auto_merge=True)
+    except Exception:  # noqa: BLE001 - any failure: the shapes onnx's inference gave
+        return None
+    finally:
+        logging.disable(previous)

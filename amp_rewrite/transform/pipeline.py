@@ -23,13 +23,14 @@ from amp_rewrite.analysis import evidence, graph, paint, pointwise
 from amp_rewrite.analysis.elemtypes import SHAPE_INFERENCE_NODE_LIMIT, check_dims, sizes_dims, tensor_types
 from amp_rewrite.analysis.kernels import newer_opset_advice
 from amp_rewrite.analysis.oplists import check_named_ops
+from amp_rewrite.errors import UsageError
 from amp_rewrite.io import LoadedModel, byte_size, load, working_copy
 from amp_rewrite.onnx_facts import opsets
 from amp_rewrite.options import RewriteOptions
 from amp_rewrite.progress import Progress
 from amp_rewrite.report import node_flops as report_flops
 from amp_rewrite.report import report as report_mod
-from amp_rewrite.transform import colour_as, converters, range_run, weights
+from amp_rewrite.transform import colour_as, converters, fuse, range_run, weights
 from amp_rewrite.transform import materialise as materialise_mod
 from amp_rewrite.transform import scaling as scaling_mod
 from amp_rewrite.transform.result import RewriteResult, bytes_moved, check_valid
@@ -62,6 +63,7 @@ class Work:
     result: RewriteResult = None
     range_note: str | None = None  # what the range check of cost placement measured (analysis.evidence)
     moved: tuple | None = None  # bytes moved in float32 and as coloured, where colour estimated them
+    fuse_note: str | None = None  # what --fuse fused (transform.fuse)
 
 
 def take_working_copy(w: Work) -> None:
@@ -73,6 +75,12 @@ def take_working_copy(w: Work) -> None:
         w.model, w.borrowed = w.loaded.model, {}
     else:
         w.model, w.borrowed = working_copy(w.loaded.model)
+    if w.options.fuse is not None:
+        if w.loaded.lazy:
+            raise UsageError("fuse needs the model's weights in memory: load it without lazy_weights")
+        source = w.loaded.model if w.borrowed else w.model  # the optimizer reads the weights
+        w.model, w.fuse_note = fuse.fused(source, w.options.fuse)
+        w.borrowed = {}
     memo = w.loaded.memo
     if "bytes" not in memo:  # the input is never changed here: its size is the same every rewrite
         memo["bytes"] = byte_size(w.loaded.model, w.loaded.data_bytes)
@@ -218,6 +226,8 @@ def report(w: Work) -> None:
         moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model), w.low_io, w.moved),
     )
     rep.notes.extend(w.loaded.notes)
+    if w.fuse_note:
+        rep.notes.append(w.fuse_note)
     if w.options.dims and not sizes_dims(w.model):
         rep.notes.append(
             f"dims {_dims_text(w.options.dims)} not used: shape inference is skipped above "
@@ -266,8 +276,8 @@ STAGES = (
     Stage(
         take_working_copy,
         "loaded options",
-        "model borrowed bytes_before nested weights_before",
-        "io.working_copy, transform.converters (--opset)",
+        "model borrowed bytes_before nested weights_before fuse_note",
+        "io.working_copy, transform.converters (--opset), transform.fuse (--fuse)",
     ),
     Stage(choose_low_io, "model options", "low_io", "options (low_precision_io, keep_io_types)"),
     Stage(inline_local_functions, "model", "model nested weights_before", "transform.converters"),
@@ -299,7 +309,7 @@ STAGES = (
     Stage(
         report,
         "cg plan materialised bytes_before started weights_before flops options model low_io loaded "
-        "range_note scaling kernel_check moved",
+        "range_note scaling kernel_check moved fuse_note",
         "result",
         "report.report",
     ),
