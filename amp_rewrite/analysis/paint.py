@@ -187,23 +187,12 @@ def drop_regions_without_allow(
         vertex = vertices[v]
         of_node.setdefault((vertex.scope, vertex.node), []).append(v)
     siblings = {v: group for group in of_node.values() if len(group) > 1 for v in group}
-    sharing = _readers_of_one_tensor(cg, low) if cast_sharing else {}
     tied = {v: c for c in m.clusters for v in c.members}  # a sequence's ops are one region too
-    clusters_seen: set = set()  # each cluster's members once: linear however large it is
-    lists, succ, pred = m.lists, m.succ, m.pred
-    queue = [v for v in low if lists[v] == "allow" or (low_io and _touches(cg, v, low_io))]
-    kept = set(queue)
-    while queue:
-        v = queue.pop()
-        cluster = tied.get(v)
-        partners = () if cluster is None or id(cluster) in clusters_seen else cluster.members
-        if partners:
-            clusters_seen.add(id(cluster))
-        for neighbours in (succ[v], pred[v], siblings.get(v, ()), sharing.get(v, ()), partners):
-            for w in neighbours:
-                if w in low and w not in kept:
-                    kept.add(w)
-                    queue.append(w)
+    seeds = [v for v in low if m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io))]
+    kept = _reached(seeds, low, m, (siblings,), tied)
+    if cast_sharing and len(kept) < len(low):  # rare: the readers' links only where some would drop
+        sharing = _readers_of_one_tensor(cg, low)
+        kept = _reached(seeds, low, m, (siblings, sharing), tied)
     dropped = {}
     if len(kept) < len(low):
         reason = Reason(
@@ -213,6 +202,25 @@ def drop_regions_without_allow(
             del low[v]
             dropped[v] = reason
     return dropped
+
+
+def _reached(seeds: list, low: dict, m: _Masks, joins: tuple, tied: dict) -> set:
+    """The low vertices joined to a seed by edges, by `joins` (dicts: vertex -> vertices of its
+    region) and by ties (each cluster's members once): one walk."""
+    kept, queue, clusters_seen = set(seeds), list(seeds), set()
+    succ, pred = m.succ, m.pred
+    while queue:
+        v = queue.pop()
+        cluster = tied.get(v)
+        partners = () if cluster is None or id(cluster) in clusters_seen else cluster.members
+        if partners:
+            clusters_seen.add(id(cluster))
+        for neighbours in (succ[v], pred[v], partners, *(join.get(v, ()) for join in joins)):
+            for w in neighbours:
+                if w in low and w not in kept:
+                    kept.add(w)
+                    queue.append(w)
+    return kept
 
 
 def _readers_of_one_tensor(cg: ColouringGraph, low: dict) -> dict:
