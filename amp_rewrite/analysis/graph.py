@@ -78,6 +78,7 @@ class ColouringGraph:
     carried_out: dict = field(default_factory=dict)  # (body scope, body output slot) -> its carried vertex
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
+    elements: dict | None = field(default=None, repr=False)  # tensor -> elements (placement.sizes)
 
     @property
     def graph(self) -> nx.DiGraph:

@@ -29,8 +29,13 @@ CAST_BYTES = LOW_BYTES + FP32_BYTES  # a Cast reads one type and writes the othe
 
 
 def sizes(cg: ColouringGraph) -> dict:
-    """A cache of tensor elements, filled with the initializers' (their dims are always known)."""
-    return {name: math.prod(t.dims[:]) for scope in cg.scopes for name, t in scope.initializers.items()}
+    """The graph's cache of tensor elements, first filled with the initializers' (their dims are
+    always known); every cut and estimate of one rewrite shares it (shapes do not change)."""
+    if cg.elements is None:
+        cg.elements = {
+            name: math.prod(t.dims[:]) for scope in cg.scopes for name, t in scope.initializers.items()
+        }
+    return cg.elements
 
 
 def elements(cg: ColouringGraph, name: str, cache: dict) -> int:
