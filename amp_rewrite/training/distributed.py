@@ -50,10 +50,13 @@ ABORT_GRACE_S = 0.5  # seconds between our failure line and MPI's Abort
 
 
 def mpiexec_environment(env: dict | None = None) -> dict:
-    """The environment to start `mpiexec` with: `env` (default os.environ), plus, as root, the two
-    variables Open MPI's mpiexec needs to run as root at all (it refuses without them; MPICH's
-    ignores them), as in containers and CI."""
+    """The environment to start `mpiexec` with: `env` (default os.environ), plus what Open MPI's
+    mpiexec needs to do what MPICH's does by default (MPICH ignores them): as root, the two
+    variables without which it refuses to run at all (containers, CI); and more ranks than cores
+    (a 2-core CI machine, a laptop), which Open MPI 5 (PRRTE) and 4 refuse unless told."""
     env = dict(os.environ if env is None else env)
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
