@@ -184,7 +184,9 @@ def _contrib_shapes(inferred: onnx.ModelProto) -> onnx.ModelProto | None:
     """ONNX Runtime's symbolic shape inference over a model with com.microsoft ops, whose shapes
     onnx's inference does not know (every size after a fused SkipLayerNormalization would count 1
     in cost placement); None without such ops, without sympy (its optional dependency), or when
-    it fails."""
+    it fails. Its passes are run here, not through `SymbolicShapeInference.infer_shapes`, which
+    saves the model into the working directory when some shape stays unknown: what it found is
+    kept, and nothing is written."""
     if not any(node.domain == "com.microsoft" for node in inferred.graph.node):
         return None
     try:
@@ -194,7 +196,12 @@ def _contrib_shapes(inferred: onnx.ModelProto) -> onnx.ModelProto | None:
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        return SymbolicShapeInference.infer_shapes(inferred, auto_merge=True)
+        inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
+        inference._preprocess(inferred)
+        while inference.run_:
+            inference._infer_impl()
+        inference._update_output_from_vi()
+        return inference.out_mp_
     except Exception:  # noqa: BLE001 - any failure: the shapes onnx's inference gave
         return None
     finally:
