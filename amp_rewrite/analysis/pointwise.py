@@ -10,7 +10,9 @@ other inputs are one-element constants), there are only 63,490 float16 values `x
 in float16 (the most rounding any colouring can give it), in `onnx.reference`. If every output
 agrees within the tolerance below, the deny op is relaxed to infer with the figures in its
 reason; placement then colours it like any infer op. No data, no sampling: a proof by
-exhaustion for that chain. float16 only (bfloat16 keeps float32's range).
+exhaustion for that chain. bfloat16 keeps float32's range but denies powers and exponentials
+for precision: its 65,282 values are run the same way, in its own units, and the chain must also
+not magnify its input's rounding (`_verdict`): GPT-2's GELU passes, so its FFN runs in bfloat16.
 
 Agreement, per output value `e` (float32 chain) and `a` (float16 chain): |a - e| <= RTOL |e| +
 ATOL, or both NaN, or the same infinity; a finite `e` beyond float16's largest value fails (the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import heapq
 from functools import cache, lru_cache
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -35,7 +38,7 @@ from amp_rewrite.analysis.oplists import OpLists, shipped_table
 from amp_rewrite.io import tensordata
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT, constant_tensor
 
-RTOL, ATOL = 1e-2, 2.0**-10
+RTOL, ATOL = 1e-2, 2.0**-10  # float16's: ten units in its last place, its spacing at 1
 MAX_CHAIN = 64  # nodes; a longer pointwise chain is left to the lists
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -53,7 +56,7 @@ def _range_ops() -> frozenset:
 def relieved(scopes, lists: OpLists, types: dict, opsets: dict, borrowed=None) -> dict:
     """{node key: reason} for the deny nodes of range ops whose chain passes on every float16 value
     (node key: the node's name, else its first output, as `graph.build`'s `relax` expects)."""
-    if lists.target != "float16":
+    if lists.target not in _TYPES:
         return {}
     range_ops = [op for op in _range_ops() if (e := lists.classify("", op)) is not None and e.list == "deny"]
     if not range_ops:
@@ -69,7 +72,7 @@ def relieved(scopes, lists: OpLists, types: dict, opsets: dict, borrowed=None) -
         if candidates:
             read_inside = read_inside or _read_by_bodies(scopes)  # only where a chain is traced
             view = _ScopeView(scope, borrowed if s == 0 else None, read_inside[s])
-            found.update(_relieved_in(view, candidates, types, opsets))
+            found.update(_relieved_in(view, candidates, types, opsets, lists.target))
     return found
 
 
@@ -120,7 +123,7 @@ class _ScopeView:
         return tensor
 
 
-def _relieved_in(view: _ScopeView, candidates: list, types: dict, opsets: dict) -> dict:
+def _relieved_in(view: _ScopeView, candidates: list, types: dict, opsets: dict, target: str) -> dict:
     nodes, io = view.scope.graph.node, view.scope.io
     found, candidate_set = {}, set(candidates)
     for d in candidates:
@@ -138,14 +141,14 @@ def _relieved_in(view: _ScopeView, candidates: list, types: dict, opsets: dict) 
         compared = _compared(description, chain)
         if d not in compared:  # nothing the chain hands on depends on it: there is nothing to compare
             continue
-        ok, detail = _verdict(description, _opset_key(opsets))
+        ok, detail = _verdict(description, _opset_key(opsets), target)
         if ok:
             for (
                 n
             ) in chain:  # every range-deny op of the chain whose value was compared is proved by the same run
                 if n in candidate_set and n in compared:
                     found[nodes[n].name or io[n][1][0]] = (
-                        f"checked on every float16 value: the pointwise chain of {len(chain)} ops from "
+                        f"checked on every {target} value: the pointwise chain of {len(chain)} ops from "
                         f"'{dynamic[0]}' agrees with float32 ({detail})"
                     )
     return found
@@ -233,45 +236,70 @@ def _opset_key(opsets: dict) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def _verdict(description: tuple, opsets: tuple) -> tuple[bool, str]:
-    """(agrees, the figures): the chain run on every float16 value in both precisions."""
+def _verdict(description: tuple, opsets: tuple, target: str = "float16") -> tuple[bool, str]:
+    """(agrees, the figures): the chain run on every `target` value in both precisions. For
+    bfloat16, whose range is float32's, what must hold is precision: also that the chain does
+    not magnify a rounding of its input, the float32 chain at x moved half a unit either way
+    agreeing with it at x (a high power after a rounded product would magnify it)."""
     from onnx.reference import ReferenceEvaluator
 
-    x16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
-    x16 = x16[~np.isnan(x16)]
+    elem, dtype = _TYPES[target]
+    rtol, atol, largest = _tolerances(target)
+    x16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    x16 = x16[~np.isnan(x16.astype(np.float32))]
+    xs = x16.astype(np.float32)
+    if target == "bfloat16":
+        half_unit = float(ml_dtypes.finfo(dtype).eps) / 2
+        xs = np.concatenate([xs, xs * (1 + half_unit), xs * (1 - half_unit)])
     try:
         with np.errstate(all="ignore"):
-            e = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT)).run(
-                None, {"x": x16.astype(np.float32)}
-            )
-            a = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT16)).run(None, {"x": x16})
+            e = ReferenceEvaluator(_model(description, opsets, TensorProto.FLOAT)).run(None, {"x": xs})
+            a = ReferenceEvaluator(_model(description, opsets, elem)).run(None, {"x": x16})
     except _OutOfRange as exc:
         return False, str(exc)
     except Exception as exc:  # noqa: BLE001 - an op onnx.reference cannot run: the list decides
         return False, f"onnx.reference could not run it ({type(exc).__name__})"
     worst = 0.0
+    n = x16.size
     with np.errstate(all="ignore"):
         for e_out, a_out in zip(e, a):
-            ev, av, xs = e_out.astype(np.float32).reshape(-1), a_out.astype(np.float32).reshape(-1), x16
-            if ev.size != xs.size or av.size != xs.size:  # a constant broadcast it wider: not one value per x
+            ev, av = e_out.astype(np.float32).reshape(-1), a_out.astype(np.float32).reshape(-1)
+            if ev.size != xs.size or av.size != n:  # a constant broadcast it wider: not one value per x
                 return False, "its outputs are not one value per input value"
-            beyond = np.isfinite(ev) & (np.abs(ev) > FLOAT16_MAX)
+            ev, moved = ev[:n], ev[n:].reshape(-1, n)
+            beyond = np.isfinite(ev) & (np.abs(ev) > largest)
             if beyond.any():
                 i = int(np.argmax(beyond))
-                return False, f"float32 gives {ev[i]:.4g} at x = {float(xs[i]):.4g}, beyond float16's range"
-            allowed = RTOL * np.abs(ev) + ATOL
-            err = np.abs(av - ev)
-            agree = (err <= allowed) | (np.isnan(ev) & np.isnan(av)) | (np.isinf(ev) & (av == ev))
-            if not agree.all():
-                i = int(np.argmin(agree))
-                return (
-                    False,
-                    f"float16 gives {av[i]:.4g} where float32 gives {ev[i]:.4g} at x = {float(xs[i]):.4g}",
-                )
-            finite = np.isfinite(ev)
-            if finite.any():
-                worst = max(worst, float(np.max(err[finite] / allowed[finite])))
-    return True, f"worst error {worst:.2f} of |a-e| <= {RTOL:g}|e| + {ATOL:.3g}"
+                return False, f"float32 gives {ev[i]:.4g} at x = {float(x16[i]):.4g}, beyond {target}'s range"
+            allowed = rtol * np.abs(ev) + atol
+            for got, what in [(av, target), *((m, "float32 at x moved half a unit") for m in moved)]:
+                err = np.abs(got - ev)
+                agree = (err <= allowed) | (np.isnan(ev) & np.isnan(got)) | (np.isinf(ev) & (got == ev))
+                if not agree.all():
+                    i = int(np.argmin(agree))
+                    return (
+                        False,
+                        f"{what} gives {got[i]:.4g} where float32 gives {ev[i]:.4g} at x = {float(x16[i]):.4g}",
+                    )
+                finite = np.isfinite(ev)
+                if finite.any():
+                    worst = max(worst, float(np.max(err[finite] / allowed[finite])))
+    return True, f"worst error {worst:.2f} of |a-e| <= {rtol:.3g}|e| + {atol:.3g}"
+
+
+_TYPES = {
+    "float16": (TensorProto.FLOAT16, np.float16),
+    "bfloat16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16),
+}
+
+
+def _tolerances(target: str) -> tuple:
+    """(rtol, atol, largest value) of the agreement rule: float16's RTOL and ATOL, and for bfloat16
+    the same in its own units (eight times coarser: 7 stored mantissa bits, not 10)."""
+    if target == "float16":
+        return RTOL, ATOL, FLOAT16_MAX
+    scale = float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps / np.finfo(np.float16).eps)
+    return RTOL * scale, ATOL * scale, float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
 class _OutOfRange(ValueError):
@@ -316,7 +344,8 @@ def _constant(name: str, key: tuple, elem: int) -> onnx.TensorProto:
     data_type, dims, data = key
     values = np.frombuffer(data, dtype=helper.tensor_dtype_to_np_dtype(data_type)).reshape(dims)
     if data_type == FLOAT and elem != FLOAT:
-        if np.any(np.abs(values) > FLOAT16_MAX):
-            raise _OutOfRange(f"constant {float(values.reshape(-1)[0]):.4g} is beyond float16's range")
-        values = values.astype(np.float16)
+        low = helper.tensor_dtype_to_np_dtype(elem)
+        if np.any(np.abs(values) > float(ml_dtypes.finfo(low).max)):
+            raise _OutOfRange(f"constant {float(values.reshape(-1)[0]):.4g} is beyond its type's range")
+        values = values.astype(low)
     return numpy_helper.from_array(values, name)

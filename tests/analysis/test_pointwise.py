@@ -257,13 +257,34 @@ def test_the_check_fails_where_float16_disagrees_and_says_where():
     assert pointwise.relieved(scopes, RewriteOptions.of().lists(), types, opsets(model)) == {}
 
 
-def test_bfloat16_keeps_the_lists():
-    """bfloat16 has float32's range: the check is float16's; the lists decide there."""
+def test_bfloat16_proves_the_chain_on_every_bfloat16_value():
+    """bfloat16 keeps Pow deny for precision, not range (op_lists/bfloat16.yaml): the same
+    exhaustion over its 65,282 values, in its own units, relaxes GPT-2's GELU (its FFN then runs
+    in bfloat16, as in float16: issue 40's bfloat16 gap) and refuses a high power, whose
+    rounding the exponent multiplies."""
     model = gelu_tanh()
     result = rewrite(model, target="bfloat16")
-    assert "relaxed" not in _entry(result, "pow")
+    pow_entry = _entry(result, "pow")
+    assert pow_entry["precision"] == "bfloat16"
+    assert pow_entry["relaxed"].startswith("checked on every bfloat16 value: the pointwise chain of 8 ops")
+    assert _casts(result.model) == 2
     feeds = random_feeds(model)  # ORT's CPU provider has no bfloat16 MatMul: onnx.reference computes it
     assert_close(run_reference(result.model, feeds), run_ort(model, feeds), 5e-2, 5e-2)
+
+    high = _between_matmuls(  # x exactly a bfloat16 value is rounded once; 1.1 x, rounded, x 64 in the power
+        [
+            node("Mul", ["h", "a"], ["ha"], "scale"),
+            node("Pow", ["ha", "p"], ["hp"], "pow"),
+            node("Mul", ["hp", "tiny"], ["g"], "tiny"),
+        ],
+        extra_inits=[_scalar("a", 1.1), _scalar("p", 64.0), _scalar("tiny", 2.0**-100)],
+    )
+    scopes = ir.read_scopes(high.graph)
+    view = pointwise._ScopeView(scopes[0], None, set())
+    described = pointwise._describe(view, "h", pointwise._chain(view, "h"))
+    ok, detail = pointwise._verdict(described, pointwise._opset_key(opsets(high)), "bfloat16")
+    assert not ok and detail.startswith("bfloat16 gives"), detail
+    assert _entry(rewrite(high, target="bfloat16"), "pow")["precision"] == "float32"
 
 
 def test_cli_checks_by_default_and_can_leave_it_to_the_lists(tmp_path):

@@ -186,8 +186,7 @@ def test_com_microsoft_transformer_ops(target):
     for name in ("fmm", "attn"):
         assert report.node(name)["list"] == "allow" and report.node(name)["precision"] == target
     assert report.node("bgelu")["list"] == "infer"
-    expected = "deny" if target == "float16" else "infer"
-    assert report.node("sln")["list"] == expected
+    assert report.node("sln")["list"] == "infer"  # float16 too: CUDA's kernel overflows past an RMS of 256
     onnx.checker.check_model(result.model, full_check=True)
     feeds = {"x": weights(rng, 1, 4, 8, scale=1.0)}
     if target == "float16":  # ORT CPU runs these in float16 or inserts casts where it has no kernel
