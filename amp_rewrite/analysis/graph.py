@@ -76,6 +76,9 @@ class ColouringGraph:
         default_factory=dict
     )  # (body scope, body input name) -> its Loop/Scan's carried vertex
     carried_out: dict = field(default_factory=dict)  # (body scope, body output slot) -> its carried vertex
+    # (def scope, name) -> largest |value| of a float32 constant whose values are all finite: what
+    # the constant scan (transform.weights) read, so a big table's reach is known without a reread
+    constant_reach: dict = field(default_factory=dict)
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
 

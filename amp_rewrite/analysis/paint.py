@@ -153,9 +153,10 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
     ties.spread_deny_and_allow(m.clusters, allow, deny)
     if placement == "cost":
         from amp_rewrite.analysis import placement as cost
+        from amp_rewrite.analysis import resident
 
         low, kept = cost.colour_free(cg, m, allow, deny, low_io)
-        kept.update(drop_regions_without_allow(cg, m, low, low_io))
+        kept.update(drop_regions_without_allow(cg, m, low, low_io, resident.region_pays))
         graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
         return _freeze(cg, low, {**m.pinned, **deny, **kept, **low})
@@ -172,11 +173,13 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
 
 
 def drop_regions_without_allow(
-    cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset()
+    cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset(), pays=None
 ) -> dict:
     """Regions of low vertices (joined by edges, the groups of one node, ties) with no allow op in
     them go back to float32, in place: casts pay off only around an allow op (TF: no allow op,
-    nothing to do). Returns their reasons. One walk over the low vertices."""
+    nothing to do), or, under cost placement, where `pays(cg, members, low)` says the weights the
+    region holds shrink by more bytes than its casts move (analysis.resident). Returns their
+    reasons. One walk over the low vertices."""
     of_node: dict = {}
     for v in low:
         vertex = cg.vertices[v]
@@ -202,7 +205,9 @@ def drop_regions_without_allow(
                 if w in low and w not in seen:
                     seen.add(w)
                     queue.append(w)
-        if not any(m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io)) for v in members):
+        if not any(m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io)) for v in members) and not (
+            pays and pays(cg, members, low)
+        ):
             for v in members:
                 del low[v]
                 dropped[v] = Reason(
