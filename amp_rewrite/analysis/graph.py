@@ -280,6 +280,11 @@ def build(
                     refused = schemas.rejects(sig, nodes[n], opsets, in_types, group, LOW_ELEM[target])
                     if refused:
                         blocked = f"schema {key[1]}-{sig.since_version} inference refuses {target}: {refused}"
+                if blocked is None and kernel_check is not None and op_list != "deny":
+                    if f"{sig.domain}:{key[1]}" in kernel_check.by_attributes:  # its attributes matter
+                        blocked = kernel_check.refuses(
+                            sig.domain, key[1], opsets[sig.domain], nodes[n], group.type_param
+                        )
                 v = len(vertices)
                 vertices.append(
                     Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed)
