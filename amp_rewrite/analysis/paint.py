@@ -19,9 +19,15 @@ from __future__ import annotations
 from collections import deque
 from types import MappingProxyType
 
+import numpy as np
+from onnx import numpy_helper
+
 from amp_rewrite.analysis import ties
 from amp_rewrite.analysis.graph import ColouringGraph
+from amp_rewrite.onnx_facts import FLOAT as FLOAT_ELEM
 from amp_rewrite.plan import FP32, LOW, Plan, Reason, Step
+
+FILL_LIMITS = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
 
 
 def reach(adjacencies, roots, enter) -> dict:
@@ -115,13 +121,14 @@ def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny
 
 
 def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: set) -> dict:
-    """Output groups typed by an attribute (Cast) whose every consumer is low precision."""
+    """Output groups typed by an attribute (Cast's `to`, ConstantOfShape's `value`, which it
+    holds in float16 when it fits) whose every consumer is low precision."""
     painted = {}
     for v, vertex in enumerate(cg.vertices):
         if not vertex.group.output_only or vertex.blocked is not None or vertex.op_list is None:
             continue
         node = cg.node(vertex.scope, vertex.node)
-        if not any(a.name in ("to", "dtype") for a in node.attribute):
+        if not (any(a.name in ("to", "dtype") for a in node.attribute) or fill_fits(node, cg.target)):
             continue
         if any((vertex.scope, node.output[i]) in graph_outputs for i in vertex.group.outputs):
             continue
@@ -129,6 +136,20 @@ def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: 
         if consumers and all(c in low for c in consumers) and _only_vertex_uses(cg, vertex, node):
             painted[v] = Reason(Step.ALL_CONSUMERS_LOW, consumers[0])
     return painted
+
+
+def fill_fits(node, target: str) -> bool:
+    """A ConstantOfShape whose fill (its `value`, 0.0 float32 when absent) is float32 and finite
+    within the target's range: retyped, it fills the same value (transform.retype)."""
+    if node.op_type != "ConstantOfShape":
+        return False
+    value = next((a.t for a in node.attribute if a.name == "value"), None)
+    if value is None:
+        return True
+    if value.data_type != FLOAT_ELEM:
+        return False
+    fill = numpy_helper.to_array(value).reshape(-1)
+    return fill.size == 1 and bool(np.isfinite(fill).all()) and abs(float(fill[0])) <= FILL_LIMITS[target]
 
 
 def _only_vertex_uses(cg: ColouringGraph, vertex, node) -> bool:
