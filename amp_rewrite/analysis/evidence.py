@@ -136,8 +136,18 @@ class Bounds:
         if kind == "normalised":  # the data input's values do not matter: scale and bias do
             float_inputs = [y for y in inputs[1:3] if y and cg.types.get(y) == FLOAT]
         out = None
-        if kind is not None and not all(
-            row[slot] in self.tf_low for slot, y in enumerate(outputs) if y and row[slot] is not None
+        # a bound that needs no input's but constants' (a unit or normalised op, an op of
+        # constants: TorchScript's Identity of a shared LayerNorm weight) is worked out even where
+        # TF's rule holds the op low: an absolute bound is more than one unit of "accepted" reach
+        # (a residual Add of a LayerNorm and a MatMul is then bounded)
+        absolute = kind in ("unit", "normalised") or (
+            kind is not None and bool(float_inputs) and all(_is_constant(cg, p, y) for y in float_inputs)
+        )
+        if kind is not None and (
+            absolute
+            or not all(
+                row[slot] in self.tf_low for slot, y in enumerate(outputs) if y and row[slot] is not None
+            )
         ):
             pending = [(p, y) for y in float_inputs if y not in self.bound]
             if pending:  # (a graph is acyclic: each is evaluated once)
@@ -151,7 +161,10 @@ class Bounds:
                 out = _combine(kind, [self.bound[y] for y in float_inputs], divisor)
         for slot, y in enumerate(outputs):
             if y and row[slot] is not None:
-                self.bound[y] = ACCEPTED if row[slot] in self.tf_low else out
+                if row[slot] not in self.tf_low:
+                    self.bound[y] = out
+                else:
+                    self.bound[y] = out if absolute and _bounded(out) and out[1] == 0 else ACCEPTED
         return []
 
     def _constant(self, found, name: str):

@@ -131,3 +131,43 @@ def test_a_region_without_an_allow_op_stays_low_when_its_table_pays():
     small = rewrite(model)
     assert small.report.node("gather")["precision"] == "float32"
     check_both(model, small.model, {**feeds, "ids": np.array([0, 1, 1, 0], np.int64)})
+
+
+def _post_ln_block():
+    """BERT's last block end: MatMul -> LayerNorm (its weight through an Identity, as TorchScript
+    shares equal parameters) -> MatMul -> bias Add -> residual Add -> LayerNorm -> output."""
+    rng = np.random.default_rng(0)
+    return make_model(
+        [
+            node("MatMul", ["x", "W1"], ["h"], "mm1"),
+            node("Identity", ["gamma"], ["gamma1"], "shared_gamma"),
+            node("LayerNormalization", ["h", "gamma1", "beta"], ["n1"], "ln1", axis=-1),
+            node("MatMul", ["n1", "W2"], ["d"], "mm2"),
+            node("Add", ["d", "bias"], ["db"], "bias_add"),
+            node("Add", ["db", "n1"], ["r"], "residual"),
+            node("LayerNormalization", ["r", "gamma", "beta"], ["y"], "ln2", axis=-1),
+        ],
+        [tensor("x", ["batch", 64])],
+        [tensor("y", ["batch", 64])],
+        [
+            init("W1", (rng.standard_normal((64, 64)) * 0.1).astype(np.float32)),
+            init("W2", (rng.standard_normal((64, 64)) * 0.1).astype(np.float32)),
+            init("gamma", np.ones(64, np.float32)),
+            init("beta", np.zeros(64, np.float32)),
+            init("bias", np.full(64, 0.1, np.float32)),
+        ],
+    )
+
+
+def test_a_residual_add_of_a_layer_norm_is_bounded(over_budget):
+    """The residual Add reads a MatMul's output (one unit of accepted reach) and ln1's, which TF's
+    rule holds low but whose values are bounded (sqrt(63) x 1 + 0): the Add and the last LayerNorm
+    are proven, so the only casts are the model's input and output (onnxconverter-common's two)."""
+    model = _post_ln_block()
+    result = rewrite(model)
+    assert {
+        n["name"]: n["precision"] for n in result.report.nodes if n["name"] != "shared_gamma"
+    } == dict.fromkeys(["mm1", "ln1", "mm2", "bias_add", "residual", "ln2"], "float16")
+    theirs = float16.convert_float_to_float16(model, keep_io_types=True)
+    assert _casts(result.model) == _casts(theirs) == 2
+    check_both(model, result.model)
