@@ -138,3 +138,33 @@ def test_scatter_add_coloured_for_cuda_is_float16_and_says_so():
     anywhere = rewrite(model, provider="any", **AS_ALLOW)
     assert anywhere.report.summary["coloured_for"] is None
     assert "coloured without a kernel check" in anywhere.report.to_text()
+
+
+def test_checks_where_the_provider_refuses_a_node_say_so_in_one_line(tmp_path, capsys):
+    """Coloured for CUDA and validated on ORT's CPU provider (where CUDA does not load), the
+    ScatterElements(add) would fail mid-run ("internal error"): a UsageError naming it instead.
+    Coloured for CPU it validates there."""
+    from amp_rewrite import cli, driver
+    from amp_rewrite.errors import UsageError
+    from helpers import on_cuda
+
+    model = _scatter("add")
+    if on_cuda():
+        assert driver.check(model, validate=True, **AS_ALLOW).passed
+    else:
+        with pytest.raises(UsageError, match="coloured for CUDA's kernels: ScatterElements 'scatter'"):
+            driver.check(model, validate=True, **AS_ALLOW)
+        path = tmp_path / "m.onnx"
+        onnx.save(model, path)
+        out = str(tmp_path / "out.onnx")
+        assert (
+            cli.main([str(path), "-o", out, "--validate", "--allow", "ScatterElements", "--even-if-worse"])
+            == 2
+        )
+        error = capsys.readouterr().err
+        assert "error: ONNX Runtime's CPU provider" in error and "ScatterElements 'scatter'" in error
+        assert (
+            "internal error" not in error and len(error.strip().splitlines()) <= 2
+        )  # the CPU notice, then it
+    checked = driver.check(model, validate=True, provider="cpu", **AS_ALLOW)
+    assert checked.passed and checked.result.report.node("scatter")["precision"] == "float32"
