@@ -177,7 +177,7 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
         from amp_rewrite.analysis import resident
 
         low, kept = cost.colour_free(cg, m, allow, deny, low_io)
-        kept.update(drop_regions_without_allow(cg, m, low, low_io, resident.region_pays))
+        kept.update(drop_regions_without_allow(cg, m, low, low_io, resident.payer(cg)))
         graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
         return _freeze(cg, low, {**m.pinned, **deny, **kept, **low})

@@ -11,15 +11,25 @@ types (transform.constants duplicates it): its low copy adds bytes instead.
 
 from __future__ import annotations
 
+import math
+
 from amp_rewrite.analysis.graph import FLOAT, ColouringGraph
-from amp_rewrite.analysis.placement import CAST_BYTES, FP32_BYTES, LOW_BYTES, elements, sizes
+from amp_rewrite.analysis.placement import CAST_BYTES, FP32_BYTES, LOW_BYTES, elements
+from amp_rewrite.onnx_facts import constant_tensor
 
 
-def region_pays(cg: ColouringGraph, members: list, low) -> bool:
+def payer(cg: ColouringGraph):
+    """`pays(cg, members, low)` for paint.drop_regions_without_allow, sharing one size cache over
+    the regions of one colouring (no pass over every initializer per region)."""
+    cache: dict = {}
+    return lambda cg, members, low: region_pays(cg, members, low, cache)
+
+
+def region_pays(cg: ColouringGraph, members: list, low, cache: dict | None = None) -> bool:
     """Whether the low region `members` (its vertices; `low`: every low vertex) saves more weight
     bytes than its casts move. One visit of each member's tensors."""
     inside = set(members)
-    cache = sizes(cg)
+    cache = {} if cache is None else cache
     weights: dict = {}  # (def scope, name) -> elements
     crossing: dict = {}  # (def scope, name) -> elements of a tensor cast at the region's edge
     for v in members:
@@ -34,8 +44,12 @@ def region_pays(cg: ColouringGraph, members: list, low) -> bool:
                 continue
             kind, n, slot = found.definition
             key = (found.scope, x)
-            if kind == "initializer" or (kind == "node" and (found.scope, n) in cg.constant_nodes):
-                weights[key] = elements(cg, x, cache)
+            if kind == "initializer":
+                weights[key] = math.prod(cg.scopes[found.scope].initializers[x].dims)
+                continue
+            if kind == "node" and (found.scope, n) in cg.constant_nodes:
+                tensor = constant_tensor(cg.node(found.scope, n))
+                weights[key] = math.prod(tensor.dims) if tensor is not None else 1
                 continue
             row = cg.writes[found.scope][n] if kind == "node" else None
             if (row[slot] if row else None) not in inside:  # made outside: a cast up
