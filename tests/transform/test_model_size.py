@@ -171,3 +171,22 @@ def test_a_residual_add_of_a_layer_norm_is_bounded(over_budget):
     theirs = float16.convert_float_to_float16(model, keep_io_types=True)
     assert _casts(result.model) == _casts(theirs) == 2
     check_both(model, result.model)
+
+
+def test_tables_left_on_disk_are_bounded_too(synthetic, tmp_path):
+    """The CLI reads big weights lazily (never measured: over the budget by definition): a table
+    on disk has its reach from the scan's pieces, and the GPT-2-like model's tied table is written
+    once, in float16."""
+    from amp_rewrite import cli
+
+    model = synthetic.language_model("gpt2", vocab=5000)  # 1.3 MB: over io.loader's LAZY_MIN_BYTES
+    path, out = tmp_path / "lm.onnx", tmp_path / "lm16.onnx"
+    stored = onnx.ModelProto()
+    stored.CopyFrom(model)  # onnx.save turns the weights it writes out into references
+    onnx.save(stored, path, save_as_external_data=True, location="lm.onnx.data", size_threshold=1024)
+    assert cli.main([str(path), "-o", str(out), "--quiet"]) == 0
+    result = onnx.load(str(out))
+    tables = [t for t in result.graph.initializer if list(t.dims) == [5000, 64]]
+    assert [(t.name, t.data_type) for t in tables] == [("wte", TensorProto.FLOAT16)]
+    assert _casts(result) <= _casts(float16.convert_float_to_float16(model, keep_io_types=True))
+    check_both(model, result, synthetic.language_feeds(model))
