@@ -28,9 +28,15 @@ import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import onnx
+from onnx import TensorProto
+
 from amp_rewrite import runtime
+from amp_rewrite.analysis import kernels
+from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.analysis.oplists import TARGETS
 from amp_rewrite.errors import UsageError
+from amp_rewrite.onnx_facts import all_graphs, opsets
 
 PROVIDERS = ("auto", "cuda", "cpu", "any")
 _KERNELS = {"auto": "cuda", "cuda": "cuda", "cpu": "cpu", "any": None}
@@ -98,6 +104,42 @@ class Deployment:
             f"model {coloured}: use --provider cpu (provider='cpu'; ops without a CPU {self.target} "
             f"kernel stay float32), or run the checks where CUDA loads"
         )
+
+    def check_runs_here(self, model) -> None:
+        """A rewritten `model` the device here refuses when a node runs, though it loads (coloured
+        for CUDA's kernels, run on ORT's CPU provider: ScatterElements reduction='add' in float16,
+        op_lists/kernel_attributes.yaml) is a UsageError naming the node, before any run."""
+        device = self.device
+        rules = kernels.attribute_rules(device)
+        if self.kernels == device or not rules:
+            return
+        found = [n for g in all_graphs(model.graph) for n in g.node if f"{_domain(n)}:{n.op_type}" in rules]
+        if not found:
+            return
+        types, _ = tensor_types(model, shape_inference=False)
+        check, versions = kernels.KernelCheck(device, self.target), opsets(model)
+        for node in found:
+            domain = _domain(node)
+            opset = versions.get(domain, 0)
+            formals = onnx.defs.get_schema(node.op_type, opset, domain).inputs
+            for slot, formal in enumerate(formals[: len(node.input)]):
+                if _LOW.get(types.get(node.input[slot])) != self.target:
+                    continue
+                why = check.refuses(domain, node.op_type, opset, node, formal.type_str)
+                if why:
+                    raise UsageError(
+                        f"ONNX Runtime's {_NAMES[device]} provider (the one that loads here) cannot run this "
+                        f"{self.target} model coloured for {_NAMES.get(self.kernels, 'no provider')}'s "
+                        f"kernels: {node.op_type} {node.name or node.output[0]!r}: {why}; use --provider "
+                        f"{device} (provider='{device}'), or run the checks where it was coloured for"
+                    )
+
+
+_LOW = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+
+
+def _domain(node) -> str:
+    return "" if node.domain == "ai.onnx" else node.domain
 
 
 DEFAULT = Deployment()

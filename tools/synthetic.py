@@ -138,6 +138,67 @@ def transformer_stack(num_nodes: int, hidden: int = 64, heads: int = 4, seed: in
     )
 
 
+def language_model(
+    kind: str, vocab: int = 2000, hidden: int = 64, heads: int = 4, layers: int = 2, seed: int = 0
+) -> onnx.ModelProto:
+    """A transformer over token embeddings, its weights mostly embedding tables (as in BERT-base
+    and GPT-2, whose tables hold a fifth and a third of their weights). `kind` "bert": word,
+    position and token-type tables Gathered and summed, LayerNorm, the blocks, hidden states out;
+    "gpt2": word and position tables, the blocks, a final LayerNorm and the LM head reading the
+    word table again (tied, through a Transpose), logits out. Inputs input_ids, position_ids
+    (and token_type_ids) int64 [batch, seq] and the additive mask [batch, 1, 1, seq]."""
+    if kind not in ("bert", "gpt2"):
+        raise ValueError(f"kind {kind!r}: bert or gpt2")
+    b = _Builder(np.random.default_rng(seed))
+    b.const("shape/heads", np.array([0, 0, heads, hidden // heads], np.int64))
+    b.const("shape/merge", np.array([0, 0, hidden], np.int64))
+    ids = ["input_ids", "position_ids"] + (["token_type_ids"] if kind == "bert" else [])
+    rows = {"input_ids": vocab, "position_ids": 64, "token_type_ids": 2}
+    tables = {"input_ids": "wte", "position_ids": "wpe", "token_type_ids": "wtt"}
+    x = None
+    for name in ids:  # N(0, 0.02) like both models' initialisation
+        table = b.const(tables[name], (b.rng.standard_normal((rows[name], hidden)) * 0.02).astype(np.float32))
+        looked_up = b.op("Gather", [table, name], f"embed/{tables[name]}")
+        x = looked_up if x is None else b.op("Add", [x, looked_up], f"embed/add_{tables[name]}")
+    if kind == "bert":
+        x = _layer_norm(b, x, "embed/ln", hidden)
+    for index in range(layers):
+        x = _block(b, x, index, hidden, heads)
+    x = _layer_norm(b, x, "final", hidden)
+    if kind == "gpt2":
+        head = b.op("Transpose", ["wte"], "lm_head/transpose", perm=[1, 0])
+        x = b.op("MatMul", [x, head], "lm_head/matmul")
+    b.nodes[-1].output[0] = "y"
+    int64 = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in ids]
+    mask = helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", 1, 1, "seq"])
+    out = helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, ["batch", "seq", vocab if kind == "gpt2" else hidden]
+    )
+    graph = helper.make_graph(b.nodes, f"{kind}_like", [*int64, mask], [out], b.initializers)
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name="amp-rewrite tools/synthetic.py",
+    )
+
+
+def language_feeds(model: onnx.ModelProto, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
+    """Inputs for a model from `language_model`: random tokens, positions 0..seq-1, the last
+    position masked out."""
+    rng = np.random.default_rng(seed)
+    vocab = next(t.dims[0] for t in model.graph.initializer if t.name == "wte")
+    feeds = {
+        "input_ids": rng.integers(0, vocab, (batch, seq), dtype=np.int64),
+        "position_ids": np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy(),
+        "mask": np.zeros((batch, 1, 1, seq), np.float32),
+    }
+    feeds["mask"][..., -1] = -10000.0
+    if any(i.name == "token_type_ids" for i in model.graph.input):
+        feeds["token_type_ids"] = (np.arange(seq) >= seq // 2).astype(np.int64)[None].repeat(batch, 0)
+    return feeds
+
+
 def sample_feeds(model: onnx.ModelProto, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
     """Inputs for a stack from `transformer_stack`: unit-normal x, last position masked out."""
     hidden = model.graph.input[0].type.tensor_type.shape.dim[2].dim_value

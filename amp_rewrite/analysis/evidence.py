@@ -32,14 +32,32 @@ SENTINEL = float(np.finfo(np.float32).max)
 SAFETY = 4.0  # a data-free bound must stay this far inside (as calibration's default safety)
 MEASURED_LIMIT = 512.0  # AutoCast's data_max: synthesised inputs are not the real ones
 MAX_ROUNDS = 8
-MAX_CONSTANT = 4096  # elements: a larger constant is not read for its bound
+MAX_CONSTANT = 4096  # elements: a larger constant is not read here (the constant scan read its reach)
 ACCEPTED = (0.0, 1.0)
 
 
 @cache
 def _rules() -> dict:
     table = shipped_table("range_bounds.yaml")
-    return {op: kind for kind in ("unit", "preserving", "sum", "product", "quotient") for op in table[kind]}
+    kinds = ("unit", "preserving", "sum", "product", "quotient", "normalised")
+    return {op: kind for kind in kinds for op in table[kind]}
+
+
+def _normalised(cg, s: int, n: int, bounds: list):
+    """A normalisation's output bound: sqrt(count - 1) x |scale| + |bias| (None: unknown), the
+    count of the elements normalised over from its input's known shape and `axis` (default -1)."""
+    node = cg.node(s, n)
+    shape = cg.shapes.get(node.input[0])
+    if shape is None or not bounds or any(b is None for b in bounds):
+        return None
+    dims = [d.dim_value for d in shape.dim]
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+    normalised = dims[axis:] if -len(dims) <= axis < len(dims) else None
+    if not normalised or any(d <= 0 for d in normalised):
+        return None
+    spread = float(np.sqrt(max(int(np.prod(normalised)) - 1, 0)))
+    bias = bounds[1] if len(bounds) > 1 else (0.0, 0.0)
+    return (spread * bounds[0][0] + bias[0], spread * bounds[0][1] + bias[1])
 
 
 def _combine(kind: str, bounds: list, divisor_min):
@@ -115,9 +133,21 @@ class Bounds:
             return []
         kind = _rules().get(scope.op_types[n]) if scope.domains[n] in ("", "ai.onnx") else None
         float_inputs = [y for y in inputs if y and cg.types.get(y) == FLOAT]
+        if kind == "normalised":  # the data input's values do not matter: scale and bias do
+            float_inputs = [y for y in inputs[1:3] if y and cg.types.get(y) == FLOAT]
         out = None
-        if kind is not None and not all(
-            row[slot] in self.tf_low for slot, y in enumerate(outputs) if y and row[slot] is not None
+        # a bound that needs no input's but constants' (a unit or normalised op, an op of
+        # constants: TorchScript's Identity of a shared LayerNorm weight) is worked out even where
+        # TF's rule holds the op low: an absolute bound is more than one unit of "accepted" reach
+        # (a residual Add of a LayerNorm and a MatMul is then bounded)
+        absolute = kind in ("unit", "normalised") or (
+            kind is not None and bool(float_inputs) and all(_is_constant(cg, p, y) for y in float_inputs)
+        )
+        if kind is not None and (
+            absolute
+            or not all(
+                row[slot] in self.tf_low for slot, y in enumerate(outputs) if y and row[slot] is not None
+            )
         ):
             pending = [(p, y) for y in float_inputs if y not in self.bound]
             if pending:  # (a graph is acyclic: each is evaluated once)
@@ -125,10 +155,16 @@ class Bounds:
             divisor = None
             if kind == "quotient" and len(float_inputs) == 2:
                 divisor = self.smallest.get(float_inputs[1])
-            out = _combine(kind, [self.bound[y] for y in float_inputs], divisor)
+            if kind == "normalised":
+                out = _normalised(cg, p, n, [self.bound[y] for y in float_inputs])
+            else:
+                out = _combine(kind, [self.bound[y] for y in float_inputs], divisor)
         for slot, y in enumerate(outputs):
             if y and row[slot] is not None:
-                self.bound[y] = ACCEPTED if row[slot] in self.tf_low else out
+                if row[slot] not in self.tf_low:
+                    self.bound[y] = out
+                else:
+                    self.bound[y] = out if absolute and _bounded(out) and out[1] == 0 else ACCEPTED
         return []
 
     def _constant(self, found, name: str):
@@ -146,8 +182,11 @@ class Bounds:
             )
         elif kind == "node" and scope.op_types[n] == "Constant":
             tensor = constant_tensor(scope.graph.node[n])
-        if tensor is None or tensor.data_type != FLOAT or int(np.prod(tensor.dims)) > MAX_CONSTANT:
+        if tensor is None or tensor.data_type != FLOAT:
             return None
+        if int(np.prod(tensor.dims)) > MAX_CONSTANT:  # a table: the constant scan read its reach
+            reach = self.cg.constant_reach.get((found.scope, name))
+            return None if reach is None else (reach, 0.0)
         values = np.abs(tensordata.float_values(tensor))
         if not (values.size and np.isfinite(values).all()):
             return None

@@ -76,6 +76,9 @@ class ColouringGraph:
         default_factory=dict
     )  # (body scope, body input name) -> its Loop/Scan's carried vertex
     carried_out: dict = field(default_factory=dict)  # (body scope, body output slot) -> its carried vertex
+    # (def scope, name) -> largest |value| of a float32 constant whose values are all finite: what
+    # the constant scan (transform.weights) read, so a big table's reach is known without a reread
+    constant_reach: dict = field(default_factory=dict)
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
     elements: dict | None = field(default=None, repr=False)  # tensor -> elements (placement.sizes)
@@ -278,6 +281,11 @@ def build(
                     refused = schemas.rejects(sig, nodes[n], opsets, in_types, group, LOW_ELEM[target])
                     if refused:
                         blocked = f"schema {key[1]}-{sig.since_version} inference refuses {target}: {refused}"
+                if blocked is None and kernel_check is not None and op_list != "deny":
+                    if f"{sig.domain}:{key[1]}" in kernel_check.by_attributes:  # its attributes matter
+                        blocked = kernel_check.refuses(
+                            sig.domain, key[1], opsets[sig.domain], nodes[n], group.type_param
+                        )
                 v = len(vertices)
                 vertices.append(
                     Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed)

@@ -11,6 +11,11 @@ Per group (op, opset, type parameter):
   target type: blocked, "no float16 kernel on CUDA at opset N";
 - the row declares no types, or not this parameter: unknown, no change, one report note.
 
+Per node, attributes too: a kernel registered for the type may refuse some attribute values when
+it runs (the CPU provider's ScatterElements with reduction="add" in float16).
+`op_lists/kernel_attributes.yaml` says which, with ORT's message; such a group is blocked, "no
+float16 kernel on CPU for ScatterElements reduction='add'".
+
 Which table: `Deployment.kernels` ("cuda", "cpu", or None for no check), passed in by options.
 """
 
@@ -18,10 +23,14 @@ from __future__ import annotations
 
 import functools
 
+import onnx
+from onnx import helper
+
 from amp_rewrite.analysis.oplists import shipped_table
 
 _NAMES = {"cuda": "CUDA", "cpu": "CPU"}
 REASON_PREFIX = "no {target} kernel on "
+REFUSED_WHEN_RUN = "ONNX Runtime refuses it when it runs"  # an attribute rule's reason says so
 
 
 @functools.cache
@@ -32,6 +41,45 @@ def table(provider: str) -> dict:
         key: [(since, until, {p: frozenset(t) for p, t in types.items()}) for since, until, types in rows]
         for key, rows in raw.items()
     }
+
+
+@functools.cache
+def attribute_rules(provider: str) -> dict:
+    """'domain:op' -> [(attribute, values refused, type param, types refused, reason)]."""
+    raw = shipped_table("kernel_attributes.yaml").get(provider) or {}
+    return {
+        (op if ":" in op else f":{op}"): [
+            (r["attribute"], frozenset(r["values"]), r["param"], frozenset(r["types"]), r["reason"])
+            for r in rules
+        ]
+        for op, rules in raw.items()
+    }
+
+
+def _attribute_value(node, name: str, schema_default):
+    """A node's attribute `name` as a Python value (strings decoded), else the schema's default."""
+    found = next((a for a in node.attribute if a.name == name), None)
+    if found is None:
+        return schema_default
+    value = helper.get_attribute_value(found)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@functools.cache
+def _default(domain: str, op_type: str, opset: int, name: str):
+    try:
+        attribute = onnx.defs.get_schema(op_type, opset, domain).attributes[name].default_value
+    except (onnx.defs.SchemaError, KeyError):
+        return None
+    if attribute.type == onnx.AttributeProto.UNDEFINED:
+        return None
+    value = helper.get_attribute_value(attribute)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def provider_name(provider: str | None) -> str | None:
+    """ORT's short name of a kernel table's provider ("cuda" -> "CUDA"), None for no check."""
+    return None if provider is None else _NAMES[provider]
 
 
 def is_kernel_reason(text: str | None) -> bool:
@@ -45,7 +93,22 @@ class KernelCheck:
     def __init__(self, provider: str, target: str):
         self.provider, self.target = provider, target
         self.kernels = table(provider)
+        self.by_attributes = attribute_rules(provider)  # 'domain:op' -> rules: a node's attributes matter
         self._noted: set = set()
+
+    def refuses(self, domain: str, op_type: str, opset: int, node, type_param: str) -> str | None:
+        """Why the provider's kernel refuses `node` (its attributes) with `type_param` in the target
+        type, or None. Read only for ops kernel_attributes.yaml names."""
+        for attribute, values, param, types, why in self.by_attributes.get(f"{domain}:{op_type}", ()):
+            if self.target not in types or param not in type_param.split("+"):
+                continue
+            value = _attribute_value(node, attribute, _default(domain, op_type, opset, attribute))
+            if value in values:
+                return (
+                    f"no {self.target} kernel on {_NAMES[self.provider]} for {op_type} "
+                    f"{attribute}={value!r}: {REFUSED_WHEN_RUN} ({why})"
+                )
+        return None
 
     def for_op(self, domain: str, op_type: str, opset: int, notes: list):
         """type param -> blocked reason or None; an unknown answer adds one note per op to `notes`."""
@@ -96,16 +159,15 @@ def newer_opset_advice(cg, check: KernelCheck, opsets: dict) -> list[str]:
     """One line per op type whose nodes stay float32 only because the provider has no target-type
     kernel at the model's opset, naming the first newer opset whose kernel runs them ("18 Clip
     nodes stay float32 at opset 11: --opset 12 runs them in float16"). One pass over the vertices."""
-    import onnx.defs
-
     from amp_rewrite.analysis import schemas
 
     latest = onnx.defs.onnx_opset_version()
     blocked: dict = {}  # op type -> set of nodes
     for vertex in cg.vertices:
-        if is_kernel_reason(vertex.blocked) and cg.scopes[vertex.scope].domains[vertex.node] in (
-            "",
-            "ai.onnx",
+        if (
+            is_kernel_reason(vertex.blocked)
+            and cg.scopes[vertex.scope].domains[vertex.node] in ("", "ai.onnx")
+            and REFUSED_WHEN_RUN not in vertex.blocked  # an attribute's refusal: no opset lifts it
         ):
             blocked.setdefault(vertex.op_type, set()).add((vertex.scope, vertex.node))
     here = opsets.get("", 0)

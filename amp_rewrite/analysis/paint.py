@@ -19,9 +19,15 @@ from __future__ import annotations
 from collections import deque
 from types import MappingProxyType
 
+import numpy as np
+from onnx import numpy_helper
+
 from amp_rewrite.analysis import ties
 from amp_rewrite.analysis.graph import ColouringGraph
+from amp_rewrite.onnx_facts import FLOAT as FLOAT_ELEM
 from amp_rewrite.plan import FP32, LOW, Plan, Reason, Step
+
+FILL_LIMITS = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
 
 
 def reach(adjacencies, roots, enter) -> dict:
@@ -115,13 +121,14 @@ def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny
 
 
 def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: set) -> dict:
-    """Output groups typed by an attribute (Cast) whose every consumer is low precision."""
+    """Output groups typed by an attribute (Cast's `to`, ConstantOfShape's `value`, which it
+    holds in float16 when it fits) whose every consumer is low precision."""
     painted = {}
     for v, vertex in enumerate(cg.vertices):
         if not vertex.group.output_only or vertex.blocked is not None or vertex.op_list is None:
             continue
         node = cg.node(vertex.scope, vertex.node)
-        if not any(a.name in ("to", "dtype") for a in node.attribute):
+        if not (any(a.name in ("to", "dtype") for a in node.attribute) or fill_fits(node, cg.target)):
             continue
         if any((vertex.scope, node.output[i]) in graph_outputs for i in vertex.group.outputs):
             continue
@@ -129,6 +136,20 @@ def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: 
         if consumers and all(c in low for c in consumers) and _only_vertex_uses(cg, vertex, node):
             painted[v] = Reason(Step.ALL_CONSUMERS_LOW, consumers[0])
     return painted
+
+
+def fill_fits(node, target: str) -> bool:
+    """A ConstantOfShape whose fill (its `value`, 0.0 float32 when absent) is float32 and finite
+    within the target's range: retyped, it fills the same value (transform.retype)."""
+    if node.op_type != "ConstantOfShape":
+        return False
+    value = next((a.t for a in node.attribute if a.name == "value"), None)
+    if value is None:
+        return True
+    if value.data_type != FLOAT_ELEM:
+        return False
+    fill = numpy_helper.to_array(value).reshape(-1)
+    return fill.size == 1 and bool(np.isfinite(fill).all()) and abs(float(fill[0])) <= FILL_LIMITS[target]
 
 
 def _only_vertex_uses(cg: ColouringGraph, vertex, node) -> bool:
@@ -153,9 +174,10 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
     ties.spread_deny_and_allow(m.clusters, allow, deny)
     if placement == "cost":
         from amp_rewrite.analysis import placement as cost
+        from amp_rewrite.analysis import resident
 
         low, kept = cost.colour_free(cg, m, allow, deny, low_io)
-        kept.update(drop_regions_without_allow(cg, m, low, low_io, cast_sharing=True))
+        kept.update(drop_regions_without_allow(cg, m, low, low_io, resident.payer(cg), cast_sharing=True))
         graph_outputs = _typed_output_keys(cg, low_io)
         low.update(paint_attribute_typed_outputs(cg, low, graph_outputs))
         return _freeze(cg, low, {**m.pinned, **deny, **kept, **low})
@@ -172,12 +194,19 @@ def colour(cg: ColouringGraph, *, low_io: frozenset = frozenset(), placement: st
 
 
 def drop_regions_without_allow(
-    cg: ColouringGraph, m: _Masks, low: dict, low_io: frozenset = frozenset(), cast_sharing: bool = False
+    cg: ColouringGraph,
+    m: _Masks,
+    low: dict,
+    low_io: frozenset = frozenset(),
+    pays=None,
+    cast_sharing: bool = False,
 ) -> dict:
     """Regions of low vertices (joined by edges, the groups of one node, ties) with no allow op in
     them go back to float32, in place: casts pay off only around an allow op (TF: no allow op,
-    nothing to do). Returns their reasons. One walk over the low vertices, from the ones that keep
-    their region (allow ops, and those touching the user's low-precision inputs and outputs).
+    nothing to do), or, under cost placement, where `pays(cg, members, low)` says the weights the
+    region holds shrink by more bytes than its casts move (analysis.resident). Returns their
+    reasons. One walk over the low vertices, from the ones that keep their region (allow ops, and
+    those touching the user's low-precision inputs and outputs), then one over each region left.
     `cast_sharing` (cost placement): low readers of one computed tensor are one region too, as the
     cut counted them: they share its one Cast (a Cast's input group, low beside the Add that reads
     the same input, costs nothing more; dropped alone, it left the cut's choice worse than TF's)."""
@@ -189,16 +218,23 @@ def drop_regions_without_allow(
     siblings = {v: group for group in of_node.values() if len(group) > 1 for v in group}
     tied = {v: c for c in m.clusters for v in c.members}  # a sequence's ops are one region too
     seeds = [v for v in low if m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io))]
-    kept = _reached(seeds, low, m, (siblings,), tied)
+    joins = (siblings,)
+    kept = _reached(seeds, low, m, joins, tied)
     if cast_sharing and len(kept) < len(low):  # rare: the readers' links only where some would drop
-        sharing = _readers_of_one_tensor(cg, low)
-        kept = _reached(seeds, low, m, (siblings, sharing), tied)
+        joins = (siblings, _readers_of_one_tensor(cg, low))
+        kept = _reached(seeds, low, m, joins, tied)
     dropped = {}
-    if len(kept) < len(low):
-        reason = Reason(
-            Step.NOT_PAINTED, None, "a low-precision region without an allow op: its casts cannot pay off"
-        )
-        for v in [v for v in low if v not in kept]:
+    reason = Reason(
+        Step.NOT_PAINTED, None, "a low-precision region without an allow op: its casts cannot pay off"
+    )
+    for start in [v for v in low if v not in kept]:
+        if start in kept or start in dropped:
+            continue
+        members = _reached([start], low, m, joins, tied)
+        if pays and pays(cg, list(members), low):
+            kept.update(members)
+            continue
+        for v in members:
             del low[v]
             dropped[v] = reason
     return dropped

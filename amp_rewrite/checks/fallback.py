@@ -154,9 +154,7 @@ def _evaluate(
     """{run name: [outputs per sample]}, {run name: {tensor: [array per sample]}}. `opening`: the
     sessions' `tf32` and `cache`, the last candidate's piece sessions (those whose bytes no pin
     changed are reused)."""
-    samples = val.as_declared(
-        candidate, samples
-    )  # low-precision inputs (--no-keep-io-types) read them rounded
+    samples = val.as_declared(candidate, samples)  # low inputs (--no-keep-io-types): read rounded
     exposed = val.expose(candidate, measured)
     sess, used = open_checked(exposed, device, progress=progress, label="fallback: validate", **opening)
     available = {o.name for o in sess.get_outputs()}
@@ -262,6 +260,7 @@ def fit(
         """One run of the rewrite with `pins`, every tensor exposed for the ranking: (result, passed, tensors)."""
         nonlocal runs
         candidate = rewritten(pins)
+        deployment.check_runs_here(candidate.model)  # a node the device refuses by its attributes: one line
         outputs, tensors = _evaluate(
             candidate.model, samples, names, measured_names, device, reference, progress, opening
         )

@@ -245,6 +245,7 @@ def validate(
     if floors is not None:
         result.notes.append("TF32: float32's own error on CUDA (the original run in TF32) is allowed for")
     samples = as_declared(rewritten, samples)  # float16 inputs (low_precision_io, keep_io_types=False)
+    deployment.check_runs_here(rewritten)  # a node the device here refuses by its attributes: one line
     sess, used_new = open_checked(
         rewritten, deployment.device, progress=progress, label="validate: rewritten", tf32=checks.tf32
     )

@@ -113,6 +113,12 @@ class Report:
         lines = [
             f"target {self.target}: {s['nodes_low']} of {s['nodes_float']} float nodes in {self.target}"
             f" ({s['nodes_mixed']} mixed), {s['groups_low']} of {s['groups']} type groups",
+            (
+                f"coloured for ONNX Runtime's {s['coloured_for']} provider: ops its {self.target} "
+                "kernels cannot run (by type or by attribute) stay float32"
+                if s.get("coloured_for")
+                else "coloured without a kernel check (provider any): it may need casts where it runs"
+            ),
             f"casts inserted: {s['casts_inserted']}"
             + (
                 f", the model's own removed (converting nothing): {s['casts_removed']}"
@@ -260,9 +266,11 @@ def build(
     weights_after: int | None = None,
     node_flops: dict | None = None,
     moved=None,
+    coloured_for: str | None = None,
 ) -> Report:
     """The report of one rewrite. Its figures and per-node entries are worked out on first use:
-    a caller that wants only the model (an export pipeline) does not pay for them."""
+    a caller that wants only the model (an export pipeline) does not pay for them. `coloured_for`:
+    the provider whose kernels the colouring respected ("cuda", "cpu"; None: no kernel check)."""
 
     @functools.cache
     def grouped():
@@ -320,6 +328,7 @@ def build(
             }
         )
         summary = {
+            "coloured_for": kernels.provider_name(coloured_for),
             "groups": len(cg.vertices),
             "groups_low": sum(1 for c in plan.colour.values() if c == LOW),
             "nodes_float": len(by_node) - len(gone),

@@ -224,6 +224,7 @@ def report(w: Work) -> None:
         weights_after=w.weights_before + delta,
         node_flops=w.flops,
         moved=functools.partial(bytes_moved, w.cg, w.plan, w.options, sizes_dims(w.model), w.low_io, w.moved),
+        coloured_for=w.kernel_check.provider if w.kernel_check is not None else None,
     )
     rep.notes.extend(w.loaded.notes)
     if w.fuse_note:

@@ -5,6 +5,10 @@ their tensors' new types.
 
 from __future__ import annotations
 
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from amp_rewrite.io.tensordata import cast_values
 from amp_rewrite.onnx_facts import FLOAT
 from amp_rewrite.transform.state import Materialisation, source_elem
 
@@ -16,6 +20,20 @@ def retarget_attribute_typed_outputs(m: Materialisation) -> None:
             for attr in node.attribute:
                 if attr.name in ("to", "dtype"):
                     attr.i = m.low
+            if node.op_type == "ConstantOfShape":  # its fill in the target (paint.fill_fits checked it)
+                _refill(node, m.low)
+
+
+def _refill(node, elem: int) -> None:
+    """ConstantOfShape's `value` (0.0 float32 when absent) as one `elem` value."""
+    found = next((a for a in node.attribute if a.name == "value"), None)
+    fill = numpy_helper.to_array(found.t).reshape(-1) if found is not None else np.zeros(1, np.float32)
+    data = cast_values(fill.astype(np.float32), elem).tobytes()
+    value = TensorProto(data_type=elem, dims=[1], raw_data=data)
+    if found is None:
+        node.attribute.append(helper.make_attribute("value", value))
+    else:
+        found.t.CopyFrom(value)
 
 
 def retype_io_and_value_info(m: Materialisation) -> None:

@@ -48,6 +48,7 @@ class Scan:
         default_factory=dict
     )  # weights left on disk -> (tensordata conversion mode, values clamped)
     sentinels: dict = field(default_factory=dict)  # -> how many +-SENTINEL values became the target's largest
+    reach: dict = field(default_factory=dict)  # -> largest |value|, where every value is finite
 
     def take(self, key) -> tuple | None:
         """The converted bytes of `key`, once, or None."""
@@ -142,9 +143,13 @@ def _scan_on_disk(key, tensor, limit: float, clamp: bool, converting: bool, resu
     `_scan_chunk`, and, instead of converting it ahead, the conversion its save will do
     (`Scan.deferred`): memory stays one piece, whatever the weight's size."""
     largest, sentinels, clamped, only_sentinels = 0.0, 0, 0, True
+    reach: float | None = 0.0  # None once a value is not finite
     for data in tensordata.chunks(tensor):
         part = np.frombuffer(data, "<f4")
         big = largest_finite(part)
+        if reach is not None and part.size:
+            low, high = float(part.min()), float(part.max())
+            reach = max(reach, high, -low) if math.isfinite(low) and math.isfinite(high) else None
         if big <= limit:
             continue
         beyond = np.abs(part[np.isfinite(part)])
@@ -155,6 +160,8 @@ def _scan_on_disk(key, tensor, limit: float, clamp: bool, converting: bool, resu
             sentinels + int(beyond.size),
         )
         only_sentinels = only_sentinels and bool(np.all(beyond == SENTINEL))
+    if reach is not None:
+        result.reach[key] = reach
     if largest > limit and not clamp:
         if not only_sentinels:
             result.out_of_range[key] = largest
@@ -165,12 +172,27 @@ def _scan_on_disk(key, tensor, limit: float, clamp: bool, converting: bool, resu
         result.deferred[key] = (mode, clamped if clamp else 0)
 
 
+def _reach(chunk: list, bounds: list, whole: np.ndarray, result: Scan) -> float:
+    """Each tensor's largest |value| into `result.reach` (where all are finite), from one min and one
+    max per tensor (reduceat: the pass the whole chunk's min/max was); the chunk's largest finite."""
+    filled = [(key, start) for (key, _), start, end in zip(chunk, bounds, bounds[1:]) if end > start]
+    if not filled:
+        return 0.0
+    starts = [start for _, start in filled]
+    lows, highs = np.minimum.reduceat(whole, starts), np.maximum.reduceat(whole, starts)
+    finite = np.isfinite(lows) & np.isfinite(highs)
+    reach = np.maximum(highs, -lows)
+    result.reach.update((key, float(r)) for (key, _), r, f in zip(filled, reach.tolist(), finite) if f)
+    return float(reach.max()) if finite.all() else largest_finite(whole)
+
+
 def _scan_chunk(chunk: list, limit: float, clamp: bool, convert_to: int | None, result: Scan) -> None:
     """One chunk of (key, float32 bytes): joined into one array, checked, converted, split."""
     whole = np.frombuffer(b"".join(data for _, data in chunk), "<f4")
     bounds = np.cumsum([0] + [len(data) // 4 for _, data in chunk]).tolist()
     sentinels = False
-    if not clamp and largest_finite(whole) > limit:  # rare: name the tensors over the limit
+    largest = _reach(chunk, bounds, whole, result)
+    if not clamp and largest > limit:  # rare: name the tensors over the limit
         for (key, _), start, end in zip(chunk, bounds, bounds[1:]):
             part = whole[start:end]
             if (largest := largest_finite(part)) > limit:
@@ -212,6 +234,7 @@ def scan_constants(cg: ColouringGraph, clamp: bool) -> Scan:
         convert_to=LOW_ELEM[cg.target] if may_go_low else None,
         constant_nodes=cg.has_constant_nodes,
     )
+    cg.constant_reach = found.reach  # a big table's reach, for cost placement's range evidence
     for key, count in found.sentinels.items():
         said = (
             f"its {count} value(s) +-{SENTINEL:.4g} (float32's largest, a mask sentinel) become "

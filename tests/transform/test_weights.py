@@ -107,6 +107,28 @@ def test_range_check_by_chunks_names_exactly_the_tensors_out_of_range():
     assert np.frombuffer(clamped.converted[(0, "w400")][0], np.float16)[17] == np.float16(-65504)
 
 
+def test_scan_notes_each_constants_reach_where_every_value_is_finite():
+    """The reach of each float32 constant (its largest |value|) comes from the same read as the
+    range check, chunk by chunk: what the range evidence bounds a big table's Gather by."""
+    from amp_rewrite import ir
+    from amp_rewrite.transform import weights
+
+    rng = np.random.default_rng(2)
+    arrays = {
+        f"w{i}": rng.standard_normal(1000).astype(np.float32) * (i + 1) for i in range(600)
+    }  # ~3 chunks
+    arrays["empty"] = np.zeros(0, np.float32)
+    arrays["w5"][3], arrays["w9"][4], arrays["w11"][5] = np.inf, np.nan, -7e4
+    g = helper.make_graph([], "g", [], [], [init(name, a) for name, a in arrays.items()])
+    for clamp in (False, True):
+        scan = weights.scan(ir.read_scopes(g), {}, "float16", clamp=clamp, convert_to=F16)
+        expected = {
+            (0, name): float(np.abs(a).max()) for name, a in arrays.items() if a.size and np.isfinite(a).all()
+        }
+        assert scan.reach == expected  # not w5 (inf), w9 (nan), nor the empty one
+        assert scan.reach[(0, "w11")] == 7e4
+
+
 def test_weights_over_many_chunks_convert_once_and_run_the_same():
     """4 MB of weights (several scan chunks), one bias out of range in a late chunk: its reader
     stays float32, every other weight is converted once, and both models agree in ONNX Runtime."""
