@@ -69,3 +69,24 @@ def warning_text(skipped: int, bad: list[str]) -> str:
     return (
         f"amp-rewrite: {skipped} steps in a row skipped: the gradients of {shown}{more} are not finite{hint}"
     )
+
+
+class Watch:
+    """The Trainer's count of skips in a row, and its one warning: after PATIENCE skips in a row
+    (or a skip at the scale's floor), one diagnostic run of the batch that failed (a skipped step
+    left weights and slots as they were) names the tensors whose gradients are not finite."""
+
+    def __init__(self, floor: float | None):
+        self.floor, self.in_row, self.warned = floor, 0, False
+
+    def due(self, skipped: bool, scale: float) -> bool:
+        self.in_row = self.in_row + 1 if skipped else 0
+        at_floor = skipped and self.floor is not None and scale <= self.floor and self.in_row > 1
+        if self.warned or not (self.in_row >= PATIENCE or at_floor):
+            return False
+        self.warned = True
+        return True
+
+    def warn(self, step, feeds: dict, device: str) -> None:
+        bad = nonfinite_tensors(step.model, step.loss_output, step.gradients, feeds, device)
+        log.warning(warning_text(self.in_row, bad))

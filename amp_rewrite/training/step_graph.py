@@ -327,10 +327,11 @@ def _autodiff_builder():
     return build_gradient_graph
 
 
-def apply_precision(step: StepGraph, precision: str, device: str = "cpu") -> StepGraph:
+def apply_precision(step: StepGraph, precision: str, device: str = "cpu", keep_float32=None) -> StepGraph:
     """The step graph's one mixed-precision rewrite, for the device it runs on: the training region
     pinned float32, recomputed copies coloured as their originals, and on CPU the nodes the
-    provider refuses in `precision` (probed on the float32 graph first) kept float32."""
+    provider refuses in `precision` (probed on the float32 graph first) kept float32; so are
+    `keep_float32` ({node: reason}: what the Trainer's range guard found, training/range_guard.py)."""
     if precision == "float32":
         return step
     from amp_rewrite.api import rewrite
@@ -339,6 +340,7 @@ def apply_precision(step: StepGraph, precision: str, device: str = "cpu") -> Ste
     from amp_rewrite.training.step_placement import low_without_kernel
 
     forced = refused_in(step.model, precision) if device == "cpu" else {}
+    forced = {**forced, **(keep_float32 or {})}
     result = rewrite(step.model, precision_options(precision, forced, device, copies(step.model)))
     # CUDA: a low node the kernel table has no kernel for (the rewrite's own check should prevent
     # it) is kept float32 by name, rather than left for ONNX Runtime to run on CPU

@@ -9,7 +9,6 @@ the state out only when asked (`state`, `save`, `export`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 
 import numpy as np
@@ -20,11 +19,16 @@ from amp_rewrite.api import rewrite
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.io import atomic_write
 from amp_rewrite.progress import Progress
-from amp_rewrite.training import arguments, parameters, skips
+from amp_rewrite.training import arguments, parameters, range_guard, skips
 from amp_rewrite.training import feeds as feed_checks
 from amp_rewrite.training import precision as precision_line
 from amp_rewrite.training.checkpoint import checkpoint_meta, read_checkpoint, write_checkpoint
-from amp_rewrite.training.loss_scale import SCALE_STATE, DynamicLossScale, resolve_loss_scale
+from amp_rewrite.training.loss_scale import (
+    SCALE_STATE,
+    DynamicLossScale,
+    initial_scale_state,
+    resolve_loss_scale,
+)
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
 from amp_rewrite.training.runner import SessionRunner
@@ -121,6 +125,7 @@ class Trainer:
         self.step_graph = dataclasses.replace(self.step_graph, initial_state={})
         _drop_weight_data(self._model, set(step.weights))
         del step
+        self._guard = None
         if distributed is None:
             # On CPU the step runs in two halves, the update on the host (split_runner.py)
             single = SplitRunner if device == "cpu" else SessionRunner
@@ -133,6 +138,17 @@ class Trainer:
                 threads=threads,
                 tf32=tf32,
             )
+            float_step = dataclasses.replace(self.step_graph, model=self._float_step)
+
+            def rebuild(kept: dict) -> None:  # the step again, `kept` float32, around the same state
+                state, lr = self.state() | initial_scale_state(self.loss_scale_policy), self.lr
+                self.step_graph = apply_precision(float_step, self.precision, device, kept)
+                self.runner = single(
+                    self.step_graph, state, lr, provider, self.precision, threads=threads, tf32=tf32
+                )
+
+            if self.precision != "float32":
+                self._guard = range_guard.RangeGuard(rebuild, self.precision, say)
         else:
             from amp_rewrite.training.distributed import MpiRunner
 
@@ -151,7 +167,9 @@ class Trainer:
         self.device = self.runner.device
         precision_line.announce(self.step_graph.model, self.precision, self.device, say)
         self._specs = self.runner.state.specs()
-        self._skips_in_row, self._warned = 0, False
+        self._watch = skips.Watch(getattr(self.loss_scale_policy, "min_scale", None))
+        self._backs_off = isinstance(self.loss_scale_policy, DynamicLossScale)
+        self._found_scale = False  # no finite step yet: skip mode retries at the backed-off scale
         say(
             f"amp-rewrite: {parameters.summary(list(self.step_graph.weights), sizes, len(floats) - len(sizes))}"
         )
@@ -160,15 +178,29 @@ class Trainer:
 
     def step(self, feeds: dict) -> StepResult:
         """One optimizer step on a batch. In retry mode a non-finite batch is recomputed at the
-        backed-off scale until finite or the scale used was the floor (TF's LossScaleGradientTape)."""
-        if self.on_nonfinite == "skip":
+        backed-off scale until finite or the scale used was the floor (TF's LossScaleGradientTape).
+        Until a first step is finite, skip mode retries too: the initial scale (2^16) is a guess,
+        and a model whose gradients need 2^4 would otherwise skip its first twelve steps (magika
+        v3.3 skipped 6 of 6); from the first finite step on, a skip is a skip (torch's GradScaler)."""
+        if self.on_nonfinite == "skip" and (self._found_scale or not self._backs_off):
             return self._run(feeds, retries=0)
         scale_used = self.loss_scale  # an extra host read, only in retry mode
         result = self._run(feeds, retries=0)
         while result.skipped and scale_used > self.loss_scale_policy.min_scale:
             scale_used = result.loss_scale
             result = self._run(feeds, retries=result.retries + 1)
+        self._found_scale = self._found_scale or not result.skipped
+        if result.skipped and not self._found_scale and self._guard_range(feeds):
+            return self.step(feeds)  # the rebuilt step, from the initial scale again
         return result
+
+    def _guard_range(self, feeds: dict) -> bool:
+        """No loss scale stepped this batch: range_guard keeps float32 what was not finite and the
+        step is rebuilt around the same state, the scale searched for again (False: nothing to do)."""
+        if self._guard is None:
+            return False
+        probe = self.state() | {LR_INPUT: np.array(self.lr, np.float32), **self._feed_check.check(feeds)}
+        return self._guard.attempt(self.step_graph.model, probe, self.device)
 
     def fit(self, batches, epochs: int = 1, progress: bool | None = None) -> list[float]:
         """Train for `epochs` over `batches` (a list, or a callable epoch -> iterable of feed dicts);
@@ -207,26 +239,15 @@ class Trainer:
         except Exception as error:  # ONNX Runtime's errors never reach the user raw
             raise feed_checks.run_failure(error, self.precision) from None
         result = StepResult(loss, self.loss_scale, skipped, retries)
-        self._watch_skips(result, batch)
+        if self._watch.due(result.skipped, result.loss_scale):
+            feeds = self.state() | {LR_INPUT: np.array(self.lr, np.float32), **batch}
+            self._watch.warn(self.step_graph, feeds, self.device)
         return result
 
-    def _watch_skips(self, result: StepResult, batch: dict) -> None:
-        """After PATIENCE skips in a row (or a skip at the scale's floor), warn once, naming the
-        tensors whose gradients are not finite (one diagnostic run of the batch that failed; a
-        skipped step left weights and slots as they were)."""
-        self._skips_in_row = self._skips_in_row + 1 if result.skipped else 0
-        floor = getattr(self.loss_scale_policy, "min_scale", None)
-        at_floor = (
-            result.skipped and floor is not None and result.loss_scale <= floor and self._skips_in_row > 1
-        )
-        if self._warned or not (self._skips_in_row >= skips.PATIENCE or at_floor):
-            return
-        self._warned = True
-        feeds = self.state() | {LR_INPUT: np.array(self.lr, np.float32), **batch}
-        bad = skips.nonfinite_tensors(
-            self.step_graph.model, self.step_graph.loss_output, self.step_graph.gradients, feeds, self.device
-        )
-        logging.getLogger("amp_rewrite.training").warning(skips.warning_text(self._skips_in_row, bad))
+    @property
+    def kept_for_range(self) -> dict[str, str]:
+        """{node: why}: what the range guard kept float32 (training/range_guard.py)."""
+        return dict(self._guard.kept) if self._guard is not None else {}
 
     @property
     def trainable(self) -> list[str]:

@@ -47,10 +47,23 @@ def test_nonfinite_step_is_skipped_with_state_bit_identical_and_scale_halved(val
 
 def test_overflowing_scaled_gradient_is_skipped_although_the_loss_is_finite():
     trainer = make_trainer(loss_scale=DynamicLossScale(initial=2.0**24))
+    first, batch = classification_batches(count=2)
+    assert not trainer.step(first).skipped  # from the first finite step on, a skip is a skip
+    scale = trainer.loss_scale
+    batch = dict(batch, x=batch["x"] * np.float32(1e32))
+    result = trainer.step(batch)
+    assert np.isfinite(result.loss) and result.skipped and result.loss_scale == scale / 2
+
+
+def test_until_a_first_step_is_finite_skip_mode_searches_for_the_scale():
+    """The initial scale is a guess: the first batch is retried at the backed-off scale at once
+    (magika v3.3 skipped its first 6 steps of 6), not skipped step after step."""
+    trainer = make_trainer(loss_scale=DynamicLossScale(initial=2.0**24))
     batch = classification_batches(count=1)[0]
     batch = dict(batch, x=batch["x"] * np.float32(1e32))
     result = trainer.step(batch)
-    assert np.isfinite(result.loss) and result.skipped and result.loss_scale == 2.0**23
+    assert not result.skipped and result.retries >= 1 and trainer.step_count == 1
+    assert result.loss_scale == 2.0**24 / 2**result.retries
 
 
 def test_retry_recomputes_the_batch_at_a_lower_scale_until_it_is_finite():

@@ -312,10 +312,14 @@ def clip_grad(ctx):
 
 
 def select_grads(ctx: GradContext):
-    """Min/Max: each input gets dY where it equals the result, split evenly between ties."""
+    """Min/Max: each input gets dY where it equals the result, split evenly between ties. The
+    count is at least 1: a mixed-precision step may compare a float32 input with the result its
+    float16 op rounded, match nothing, and would divide by zero (magika's step: NaN at every
+    loss scale); the gradient there is then 0, not NaN."""
     e, y = ctx.emit, ctx.y()
     hits = [e.op("Cast", [e.op("Equal", [x, y])], to=ctx.dtype(y)) for x in ctx.node.input]
     count = hits[0] if len(hits) == 1 else e.op("Sum", hits)
+    count = e.op("Max", [count, ctx.const(1, y)])
     share = e.op("Div", [ctx.dy(), count])
     return [
         unbroadcast(ctx, e.op("Mul", [share, hit]), x, ctx.dims(y)) if ctx.needs(i) else None

@@ -95,11 +95,13 @@ def reduce_prod_grad(ctx, e, x, y):
 
 
 def select_reduce_grad(ctx):
-    """dY to the elements equal to the extreme, split evenly between ties."""
+    """dY to the elements equal to the extreme, split evenly between ties (at least 1: see
+    elementwise.select_grads)."""
     e, x = ctx.emit, ctx.x(0)
     hit = e.cast(e.op("Equal", [x, reduced_with_keepdims(ctx, ctx.y(), x)]), ctx.dtype(x))
     axes = reduce_axes(ctx)
     count = e.op("ReduceSum", [hit], keepdims=1) if axes is None else e.reduce_sum(hit, axes, keepdims=True)
+    count = e.op("Max", [count, ctx.const(1, x)])
     return [e.op("Mul", [_expanded(ctx), e.op("Div", [hit, count])])]
 
 
