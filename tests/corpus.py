@@ -105,6 +105,13 @@ PACKAGED = [
         {"input1": (1, 1, 64, 64)},
     ),
     _pypi(
+        "magika",
+        "magika==1.0.3",
+        "magika/models/standard_v3_3/model.onnx",
+        "file-type classifier (jax2tf): LayerNorm written out, Max reductions, int32 byte input, opset 15",
+        {"bytes": (2, 2048)},
+    ),
+    _pypi(
         "ddddocr-det",
         "ddddocr==1.6.1",
         "ddddocr/common_det.onnx",
