@@ -155,9 +155,16 @@ def check_for(provider: str | None, target: str) -> KernelCheck | None:
     return None if provider is None else KernelCheck(provider, target)
 
 
+def _schema_refuses(text: str | None, target: str) -> bool:
+    """A group blocked because its schema at the model's opset does not allow the target
+    (analysis.optemplates' reason)."""
+    return bool(text) and text.startswith("schema ") and f"does not allow {target}" in text
+
+
 def newer_opset_advice(cg, check: KernelCheck, opsets: dict) -> list[str]:
     """One line per op type whose nodes stay float32 only because the provider has no target-type
-    kernel at the model's opset, naming the first newer opset whose kernel runs them ("18 Clip
+    kernel at the model's opset, or its schema there does not allow the target (Conv takes
+    bfloat16 from opset 22), naming the first newer opset whose schema and kernel run them ("18 Clip
     nodes stay float32 at opset 11: --opset 12 runs them in float16"). One pass over the vertices."""
     from amp_rewrite.analysis import schemas
 
@@ -165,7 +172,7 @@ def newer_opset_advice(cg, check: KernelCheck, opsets: dict) -> list[str]:
     blocked: dict = {}  # op type -> set of nodes
     for vertex in cg.vertices:
         if (
-            is_kernel_reason(vertex.blocked)
+            (is_kernel_reason(vertex.blocked) or _schema_refuses(vertex.blocked, check.target))
             and cg.scopes[vertex.scope].domains[vertex.node] in ("", "ai.onnx")
             and REFUSED_WHEN_RUN not in vertex.blocked  # an attribute's refusal: no opset lifts it
         ):
