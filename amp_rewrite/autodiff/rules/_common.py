@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from onnx import TensorProto
+
 from amp_rewrite.autodiff.context import GradContext
 
 
@@ -40,11 +42,22 @@ def unbroadcast(
 
 
 def _sum_where_x_is_one(ctx: GradContext, g: str, x: str) -> str:
-    """ReduceSum over the axes where Shape(x) is 1, computed at run time (same rank as x)."""
+    """ReduceSum over the axes where x is 1 (g has x's rank), with no data-dependent shape: g is
+    reshaped to [g0/x0, x0, g1/x1, x1, ...] and summed over the even axes, each of size 1 (a no-op)
+    where x's size is g's and g's size where x is 1. Its shapes follow from shapes alone (Shape,
+    Div, Concat: host values), so no NonZero waits for the device (a host sync on CUDA)."""
     e = ctx.emit
-    is_one = e.op("Equal", [e.shape(x), e.ints([1])])
-    axes = e.op("Reshape", [e.op("NonZero", [is_one]), e.ints([-1])])
-    return e.reduce_sum(g, axes, keepdims=True)
+    x_shape = e.shape(x)
+    ratio = e.op("Div", [e.shape(g), e.op("Max", [x_shape, e.ints([1])])])  # x's 0-sized axes: g's 0
+    pairs = e.op("Concat", [e.unsqueeze(ratio, [1]), e.unsqueeze(x_shape, [1])], axis=1)
+    split = e.op("Reshape", [g, e.op("Reshape", [pairs, e.ints([-1])])])
+    dims = ctx.dims(x)
+    if dims is not None:
+        axes = e.ints(range(0, 2 * len(dims), 2))
+    else:
+        twice = e.op("Mul", [e.op("Size", [x_shape]), e.const(2, TensorProto.INT64)])
+        axes = e.op("Range", [e.const(0, TensorProto.INT64), twice, e.const(2, TensorProto.INT64)])
+    return e.reduce_sum(split, axes, keepdims=False)
 
 
 def unbroadcast_at_runtime(ctx: GradContext, g: str, x: str) -> str:
