@@ -1,0 +1,94 @@
+"""The update over flat buffers, CUDA's step: a constant number of kernels for any number of weights.
+
+A per-tensor update launches a chain of kernels per weight (AdamW: 13, plus the unscale's Mul and
+the finite check's ReduceSum): about 1,200 nodes on a small BERT, and most of a CUDA step's time
+(issue 38). Here the gradients, the weights and each optimizer slot are flattened (Reshape to
+[-1]: an alias in ONNX Runtime, no kernel) and concatenated into one buffer per kind, all in one
+order; the unscale, the finite check (one ReduceSum), a global-norm clip and the optimizer's chain
+run once over those buffers, and `Where(all_finite, new, old)` keeps the old values on a skipped
+step, bit for bit, without the `If` whose condition ONNX Runtime reads on the host (a sync every
+step). One Split per kind and a Reshape per tensor give each state output its shape back: the
+step's inputs and outputs, and so the Trainer's state and checkpoints, are the per-tensor step's.
+
+Every op of an update is elementwise with scalar operands, so each element goes through the
+per-tensor update's operations in the same order: the same values (a global-norm clip's sum of
+squares is taken in another order, within float32 rounding). The split step (CPU, data parallel)
+keeps the per-tensor update (step_graph.py): its host update runs each chain from cache, block by
+block, where concatenating and splitting would add two passes over the state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.training.loss_scale import INVERSE_SCALE, SCALE_STATE, FixedLossScale, emit_all_finite
+from amp_rewrite.training.optimizers import (
+    STEP_STATE,
+    Optimizer,
+    emit_clip_by_global_norm,
+    emit_step_count,
+)
+
+FLAT_GRADIENTS = "scale/flat_gradients"  # every weight's (scaled) gradient, flat, in the weights' order
+SPLIT_SINCE = 13  # Split's sizes are an input from opset 13, an attribute before
+
+
+def emit_flat_update(
+    e: Emitter,
+    optimizer: Optimizer,
+    loss_scale,
+    loss_name: str,
+    grads: dict[str, str],
+    shapes: dict[str, tuple],
+    slot_name,
+) -> tuple[str, dict[str, str]]:
+    """(all_finite, next_state) for the weights, their slots (`slot_name(weight, slot)`) and the
+    step count; `shapes` gives each weight's shape, in the order of `grads`."""
+    weights = list(grads)
+    sizes = [int(np.prod(shapes[w], dtype=np.int64)) for w in weights]
+    inverse_scale = e.op("Reciprocal", [SCALE_STATE], out=INVERSE_SCALE)
+    flat_grads = concat_flat(e, [grads[w] for w in weights], sizes, out=FLAT_GRADIENTS)
+    if loss_scale == FixedLossScale(1.0):  # g * 1 is g, bit for bit: no pass over the gradients
+        unscaled = flat_grads
+    else:
+        unscaled = e.op("Mul", [flat_grads, inverse_scale], "flat_unscaled")
+    all_finite = emit_all_finite(e, [loss_name, unscaled])
+
+    o = e.scoped("opt")
+    if optimizer.max_grad_norm is not None:
+        (unscaled,) = emit_clip_by_global_norm(o, [unscaled], optimizer.max_grad_norm)
+    next_step, step_float, lr = emit_step_count(o, optimizer)
+    kinds = {None: weights, **{s: [slot_name(w, s) for w in weights] for s in optimizer.slots}}
+    old = {kind: concat_flat(o, states, sizes, f"flat_{kind or 'weights'}") for kind, states in kinds.items()}
+    new_weights, new_slots = optimizer.emit_update(
+        o.scoped("opt/flat"), old[None], unscaled, {s: old[s] for s in optimizer.slots}, lr, step_float
+    )
+    new = {None: new_weights, **new_slots}
+    next_state = {}
+    for kind, states in kinds.items():
+        kept = o.where(all_finite, new[kind], old[kind], f"gated_{kind or 'weights'}")
+        for weight, state, part in zip(weights, states, split_flat(o, kept, sizes)):
+            next_state[state] = o.op("Reshape", [part, o.ints(shapes[weight])], out=f"{state}/next")
+    next_state[STEP_STATE] = o.op("Where", [all_finite, next_step, STEP_STATE], out=f"{STEP_STATE}/next")
+    return all_finite, next_state
+
+
+def concat_flat(
+    e: Emitter, tensors: list[str], sizes: list[int], hint: str = "flat", out: str | None = None
+) -> str:
+    """The tensors (of `sizes` elements) flattened and concatenated, in their order (one tensor:
+    flattened only). The sizes are written out, so shape inference knows every flat buffer's."""
+    flat = [e.op("Reshape", [t, e.ints([size])], "flattened") for t, size in zip(tensors, sizes)]
+    if len(flat) == 1:
+        return e.op("Identity", flat, out=out) if out else flat[0]
+    return e.op("Concat", flat, hint, out=out, axis=0)
+
+
+def split_flat(e: Emitter, flat: str, sizes: list[int]) -> list[str]:
+    """`flat` cut into pieces of `sizes` elements, in order."""
+    if len(sizes) == 1:
+        return [flat]
+    if e.opset >= SPLIT_SINCE:
+        return e.op("Split", [flat, e.ints(sizes)], len(sizes), axis=0)
+    return e.op("Split", [flat], len(sizes), axis=0, split=sizes)
