@@ -20,8 +20,12 @@ block, where concatenating and splitting would add two passes over the state.
 from __future__ import annotations
 
 import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
 
+from amp_rewrite.analysis.elemtypes import tensor_types
 from amp_rewrite.autodiff.emitter import Emitter
+from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.training.loss_scale import INVERSE_SCALE, SCALE_STATE, FixedLossScale, emit_all_finite
 from amp_rewrite.training.optimizers import (
     STEP_STATE,
@@ -31,6 +35,9 @@ from amp_rewrite.training.optimizers import (
 )
 
 FLAT_GRADIENTS = "scale/flat_gradients"  # every weight's (scaled) gradient, flat, in the weights' order
+STATE_BUFFERS = "opt/flat_state_"  # + kind: the old weights and slots, flat (Concat outputs)
+GATED_BUFFERS = "opt/gated_"  # + kind: the next weights and slots, flat, before their Split
+_LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 SPLIT_SINCE = 13  # Split's sizes are an input from opset 13, an attribute before
 
 
@@ -60,14 +67,19 @@ def emit_flat_update(
         (unscaled,) = emit_clip_by_global_norm(o, [unscaled], optimizer.max_grad_norm)
     next_step, step_float, lr = emit_step_count(o, optimizer)
     kinds = {None: weights, **{s: [slot_name(w, s) for w in weights] for s in optimizer.slots}}
-    old = {kind: concat_flat(o, states, sizes, f"flat_{kind or 'weights'}") for kind, states in kinds.items()}
+    old = {
+        kind: concat_flat(o, states, sizes, out=o.fresh(f"{STATE_BUFFERS}{kind or 'weights'}"))
+        for kind, states in kinds.items()
+    }
     new_weights, new_slots = optimizer.emit_update(
         o.scoped("opt/flat"), old[None], unscaled, {s: old[s] for s in optimizer.slots}, lr, step_float
     )
     new = {None: new_weights, **new_slots}
     next_state = {}
     for kind, states in kinds.items():
-        kept = o.where(all_finite, new[kind], old[kind], f"gated_{kind or 'weights'}")
+        kept = o.op(
+            "Where", [all_finite, new[kind], old[kind]], out=o.fresh(f"{GATED_BUFFERS}{kind or 'weights'}")
+        )
         for weight, state, part in zip(weights, states, split_flat(o, kept, sizes)):
             next_state[state] = o.op("Reshape", [part, o.ints(shapes[weight])], out=f"{state}/next")
     next_state[STEP_STATE] = o.op("Where", [all_finite, next_step, STEP_STATE], out=f"{STEP_STATE}/next")
@@ -92,3 +104,76 @@ def split_flat(e: Emitter, flat: str, sizes: list[int]) -> list[str]:
     if e.opset >= SPLIT_SINCE:
         return e.op("Split", [flat, e.ints(sizes)], len(sizes), axis=0)
     return e.op("Split", [flat], len(sizes), axis=0, split=sizes)
+
+
+def group_low_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
+    """After the precision rewrite: the gradients computed low reach the float32 flat buffer through
+    a Cast each (a kernel per weight). Those weights move to the front of every flat buffer, in
+    their order (each buffer and Split alike: the update is elementwise, so the same values), and
+    their gradients are concatenated low and cast once. The model unchanged when fewer than two are
+    low or the flat update is not found as flat_update writes it; else changed in place."""
+    graph = model.graph
+    nodes = list(graph.node)
+    producers = {out: node for node in nodes for out in node.output if out}
+    concat = producers.get(FLAT_GRADIENTS)
+    if concat is None or concat.op_type != "Concat":
+        return model
+    types, _ = tensor_types(model, shape_inference=False)
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    low = {}  # position -> (its flattening Reshape, the Cast of a low gradient before it)
+    for k, piece in enumerate(concat.input):
+        reshape = producers.get(piece)
+        cast = producers.get(reshape.input[0]) if reshape is not None else None
+        if cast is not None and cast.op_type == "Cast" and readers.get(cast.output[0]) == 1:
+            if types.get(cast.input[0]) in _LOW:
+                low[k] = (reshape, cast)
+    if low:  # one step has one low type; any other stays as it is
+        dtype = types[next(iter(low.values()))[1].input[0]]
+        low = {k: pair for k, pair in low.items() if types[pair[1].input[0]] == dtype}
+    count = len(concat.input)
+    state = [n for n in nodes if n.op_type == "Concat" and n.output[0].startswith(STATE_BUFFERS)]
+    splits = [n for n in nodes if n.op_type == "Split" and n.input[0].startswith(GATED_BUFFERS)]
+    if (
+        len(low) < 2
+        or any(len(n.input) != count for n in state)
+        or any(len(n.output) != count for n in splits)
+    ):
+        return model
+    order = [*low, *(k for k in range(count) if k not in low)]
+    for node in state:
+        node.input[:] = [node.input[k] for k in order]
+    initializers = {t.name: t for t in graph.initializer}
+    e = Emitter([], graph.initializer, default_opset(model), names_in(graph), scope="scale")
+    for split in splits:
+        split.output[:] = [split.output[k] for k in order]
+        if len(split.input) > 1:
+            sizes = numpy_helper.to_array(initializers[split.input[1]]).tolist()
+            readers[split.input[1]] -= 1
+            split.input[1] = e.ints([sizes[k] for k in order])
+        else:
+            attribute = next(a for a in split.attribute if a.name == "split")
+            attribute.ints[:] = [attribute.ints[k] for k in order]
+    unused = [t for t in graph.initializer if readers.get(t.name, 1) == 0]  # the sizes before
+    for tensor in unused:
+        graph.initializer.remove(tensor)
+    for reshape, cast in low.values():  # the flattening reads the low gradient itself
+        reshape.input[0] = cast.input[0]
+    retyped = {reshape.output[0] for reshape, _ in low.values()}
+    declared = [v for v in graph.value_info if v.name not in retyped]
+    del graph.value_info[:]
+    graph.value_info.extend(declared)
+    flat_low = e.op("Concat", [concat.input[k] for k in low], "flat_low_gradients", axis=0)
+    widened = e.op("Cast", [flat_low], "flat_low_gradients_fp32", to=TensorProto.FLOAT)
+    concat.input[:] = [widened, *(concat.input[k] for k in order[len(low) :])]
+    dropped = {id(cast) for _, cast in low.values()}
+    at = nodes.index(concat)
+    kept = [n for n in nodes[:at] if id(n) not in dropped] + e.nodes + nodes[at:]
+    copies = [onnx.NodeProto() for _ in kept]
+    for copy, node in zip(copies, kept):
+        copy.CopyFrom(node)  # before the field lets go of them
+    del graph.node[:]
+    graph.node.extend(copies)
+    return model

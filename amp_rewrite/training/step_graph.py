@@ -23,7 +23,7 @@ from amp_rewrite.errors import TrainingError
 from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.report.regions import declare as declare_regions
 from amp_rewrite.training.chunked_loss import order_chunks
-from amp_rewrite.training.flat_update import FLAT_GRADIENTS, emit_flat_update
+from amp_rewrite.training.flat_update import FLAT_GRADIENTS, emit_flat_update, group_low_gradients
 from amp_rewrite.training.loss_scale import (
     GOOD_STEPS_STATE,
     INVERSE_SCALE,
@@ -362,7 +362,8 @@ def apply_precision(step: StepGraph, precision: str, device: str = "cpu") -> Ste
     section = report_section(step.model)
     if section:
         result.report.sections["recompute"] = section
-    return dataclasses.replace(step, model=result.model, report=result.report)
+    model = group_low_gradients(result.model) if step.flat else result.model  # one Cast, not one each
+    return dataclasses.replace(step, model=model, report=result.report)
 
 
 def precision_options(

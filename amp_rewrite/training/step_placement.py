@@ -9,7 +9,8 @@ things break that, and each is read here from data, not from a run:
   when all their inputs are host tensors already (Shape's output, initializers, graph inputs);
 - a host sync: a CPU node reading a device tensor, a data-dependent output shape (NonZero), a
   control-flow condition (If). Host-memory slots: `op_lists/cuda_host_memory.json`.
-The update nodes (optimizer, finite check, loss scale: `opt/`, `scale/`, an If's branches too) are
+The update nodes (optimizer, finite check, loss scale: `opt/`, `scale/`, an If's branches too, and
+the Casts only they read) are
 counted by what they cost: the kernels over the weights' elements (O(1) in the number of weights
 when the update runs over flat buffers, flat_update.py), apart from the nodes on one element and
 the Reshapes (aliases, no kernel).
@@ -69,6 +70,7 @@ def place(model: onnx.ModelProto) -> Placement:
     on_cpu.update(_shape_logic(model.graph, types, set(no_kernel)))
     syncs = _host_syncs(nodes, on_cpu, _host_tensors(model.graph, nodes, on_cpu))
     update = [node for node in model.graph.node if _name(node).startswith(UPDATE_PREFIXES)]
+    update += _casts_into(model.graph, update)
     update = [inner for node in update for inner in _with_branches(node)]  # an If's: the update it gates
     aliases = [node for node in update if node.op_type in ALIASES]
     sizes = _sizes(model.graph, shapes)
@@ -190,6 +192,23 @@ def _host_syncs(nodes: list, on_cpu: dict, host: set[str]) -> dict[str, str]:
         ):
             syncs[name] = f"{node.op_type} reads its condition from the device on the host"
     return syncs
+
+
+def _casts_into(graph: onnx.GraphProto, update: list) -> list:
+    """The Casts (the precision rewrite's, a low gradient to float32) read only by update nodes:
+    kernels of the update too."""
+    chosen = {id(node) for node in update}
+    inside = {name for node in update for name in node.input}
+    outside = {name for node in graph.node if id(node) not in chosen for name in node.input}
+    outside |= {o.name for o in graph.output}
+    return [
+        node
+        for node in graph.node
+        if node.op_type == "Cast"
+        and id(node) not in chosen
+        and node.output[0] in inside
+        and node.output[0] not in outside
+    ]
 
 
 def _with_branches(node: onnx.NodeProto) -> list:

@@ -84,15 +84,79 @@ def _update_nodes(sizes):
 
 
 def test_the_update_has_as_many_kernels_for_two_weights_as_for_twelve():
-    small, small_nodes, small_weights = _update_nodes((8, 3))
+    small, small_nodes, small_weights = _update_nodes((8, 5, 3))
     big, big_nodes, big_weights = _update_nodes((8, 7, 6, 5, 4, 5, 3))
-    assert (small_weights, big_weights) == (2, 12)
-    assert 0 < small.update_nodes == big.update_nodes <= 25
+    assert (small_weights, big_weights) == (4, 12)
+    # AdamW's 13 ops; the unscale, the finite check; a Concat, Where and Split per kind; one Concat
+    # and one Cast of the float16 gradients
+    assert small.update_nodes == big.update_nodes == 27
     # what grows with the weights is one Reshape per tensor and kind (an alias: no kernel)
     ops = {n.op_type for n in big_nodes}
     grown = [op for op in ops if _count(big_nodes, op) != _count(small_nodes, op)]
     assert grown == ["Reshape"]
     assert not big.host_syncs and not big.no_kernel
+
+
+def _count(nodes, op_type):
+    return sum(n.op_type == op_type for n in nodes)
+
+
+def test_low_gradients_are_concatenated_low_and_cast_once(monkeypatch):
+    """The CUDA float16 step: the Gemm weights' gradients are float16, the biases' float32. Grouped,
+    the low ones come first in every flat buffer and reach float32 through one Cast, not one each;
+    the state is the ungrouped step's, bit for bit (run here on ONNX Runtime's CPU provider with its
+    graph optimisations off: they would drop the ungrouped step's float16 rounding of a gradient
+    between two Casts, which the CUDA provider keeps)."""
+    from amp_rewrite.training import flat_update, step_graph
+
+    def cuda_step():
+        step = build_step_graph(
+            mlp(SIZES), "cross_entropy", AdamW(0.01), DynamicLossScale(), flat_update=True
+        )
+        return apply_precision(step, "float16", "cuda")
+
+    grouped = cuda_step()
+    with monkeypatch.context() as patch:
+        patch.setattr(step_graph, "group_low_gradients", lambda model: model)
+        plain = cuda_step()
+
+    def casts_into_the_update(model):
+        update = [n for n in model.graph.node if n.name.startswith("scale/")]
+        return [
+            n.name
+            for n in model.graph.node
+            if n.op_type == "Cast" and any(n.output[0] in r.input for r in update)
+        ]
+
+    assert len(casts_into_the_update(plain.model)) == 3  # w0, w1, w2
+    assert casts_into_the_update(grouped.model) == ["scale/Cast"]
+    concat = next(n for n in grouped.model.graph.node if n.output[0] == flat_update.FLAT_GRADIENTS)
+    assert len(concat.input) == 1 + 3  # the low gradients' one Cast, then the biases'
+    states = {id(step): dict(step.initial_state) for step in (grouped, plain)}
+    for batch in _batches():
+        outputs = {id(step): _run_unoptimised(step, states[id(step)], batch) for step in (grouped, plain)}
+        mine, theirs = outputs[id(grouped)], outputs[id(plain)]
+        assert mine["scale/skipped"] == theirs["scale/skipped"]
+        for state in plain.next_state:
+            assert mine[state].tobytes() == theirs[state].tobytes(), state
+        assert len(grouped.next_state) == len(plain.next_state) == 3 * 6 + 3
+
+
+def _run_unoptimised(step, state: dict, batch: dict) -> dict:
+    """One step with ONNX Runtime's graph optimisations off; `state` takes the next values.
+    Returns them by state name, with the skip flag."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        step.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    feeds = {**state, "opt/lr": np.array(0.01, np.float32), **batch}
+    names = ["scale/skipped", *step.next_state.values()]
+    values = dict(zip(names, session.run(names, {i.name: feeds[i.name] for i in session.get_inputs()})))
+    state.update({name: values[out] for name, out in step.next_state.items()})
+    return {"scale/skipped": values["scale/skipped"], **{name: state[name] for name in step.next_state}}
 
 
 def _count(nodes, op_type):
