@@ -161,3 +161,25 @@ def _run_unoptimised(step, state: dict, batch: dict) -> dict:
 
 def _count(nodes, op_type):
     return sum(n.op_type == op_type for n in nodes)
+
+
+def test_a_step_over_named_dims_has_no_nonzero_and_no_host_sync():
+    """y = x @ W + s * v, x [N, 4], s [M, 3] (M is 1 or N, known only at run time): the gradient
+    reaching s * v is summed over the rows without a NonZero, and the CUDA step waits for no host."""
+    from helpers import init, make_model, node, tensor
+
+    rng = np.random.default_rng(0)
+    model = make_model(
+        [
+            node("MatMul", ["x", "W"], ["h"]),
+            node("Mul", ["s", "v"], ["sv"]),
+            node("Add", ["h", "sv"], ["y"]),
+        ],
+        [tensor("x", ["N", 4]), tensor("s", ["M", 3])],
+        [tensor("y", ["N", 3])],
+        [init("W", rng.standard_normal((4, 3)).astype(np.float32)), init("v", np.ones(3, np.float32))],
+    )
+    step = build_step_graph(model, "mse", AdamW(1e-3), DynamicLossScale(), flat_update=True)
+    step = apply_precision(step, "float16", "cuda")
+    assert not [n for n in step.model.graph.node if n.op_type in ("NonZero", "If")]
+    assert place(step.model).host_syncs == {}
