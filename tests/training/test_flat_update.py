@@ -29,8 +29,8 @@ def _batches():
     return batches
 
 
-def _runner(optimizer, loss_scale, flat, precision="float32"):
-    step = build_step_graph(mlp(SIZES), "cross_entropy", optimizer, loss_scale, flat_update=flat)
+def _runner(optimizer, loss_scale, flat, precision="float32", trainable=None):
+    step = build_step_graph(mlp(SIZES), "cross_entropy", optimizer, loss_scale, trainable, flat_update=flat)
     step = apply_precision(step, precision)
     return step, SessionRunner(step, step.initial_state, optimizer.lr, "cpu", precision, threads=1)
 
@@ -58,6 +58,17 @@ def test_the_flat_update_is_the_per_tensor_update(name, loss_scale):
             else:
                 np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-7, err_msg=state)
     assert skipped_steps == [False, False, False, True, False, False]
+
+
+def test_one_weight_is_its_own_flat_buffer():
+    flat_step, flat = _runner(Adam(0.01), DynamicLossScale(2.0**8), flat=True, trainable=["w1"])
+    _, per_tensor = _runner(Adam(0.01), DynamicLossScale(2.0**8), flat=False, trainable=["w1"])
+    assert flat_step.weights == ("w1",)
+    assert not [n for n in flat_step.model.graph.node if n.op_type in ("Concat", "Split", "If")]
+    for batch in _batches():
+        assert flat.run(batch)[1] == per_tensor.run(batch)[1]
+        for state in per_tensor.state.values:
+            assert flat.state.read(state).tobytes() == per_tensor.state.read(state).tobytes(), state
 
 
 def test_a_skipped_step_keeps_every_state_bit_for_bit():
