@@ -2,8 +2,8 @@
 
 A per-tensor update launches a chain of kernels per weight (AdamW: 13, plus the unscale's Mul and
 the finite check's ReduceSum): about 1,200 nodes on a small BERT, and most of a CUDA step's time
-(issue 38). Here the gradients, the weights and each optimizer slot are flattened (Reshape to
-[-1]: an alias in ONNX Runtime, no kernel) and concatenated into one buffer per kind, all in one
+(issue 38). Here the gradients, the weights and each optimizer slot are flattened (a Reshape to
+their size: an alias in ONNX Runtime, no kernel) and concatenated into one buffer per kind, all in one
 order; the unscale, the finite check (one ReduceSum), a global-norm clip and the optimizer's chain
 run once over those buffers, and `Where(all_finite, new, old)` keeps the old values on a skipped
 step, bit for bit, without the `If` whose condition ONNX Runtime reads on the host (a sync every
@@ -15,6 +15,10 @@ per-tensor update's operations in the same order: the same values (a global-norm
 squares is taken in another order, within float32 rounding). The split step (CPU, data parallel)
 keeps the per-tensor update (step_graph.py): its host update runs each chain from cache, block by
 block, where concatenating and splitting would add two passes over the state.
+
+The price is memory at the update: the Concats, the chain's intermediates, the Where and the
+Split's outputs are each as large as all the weights together, where the per-tensor chain's were
+as large as one weight (not yet measured on a GPU).
 """
 
 from __future__ import annotations
