@@ -6,7 +6,8 @@
 Builds the step graph the Trainer would build for the device (forward, loss, backward, finite
 check, update, the precision rewrite with the CUDA kernel table) and prints its node count, the
 nodes without a CUDA kernel, the nodes ONNX Runtime would place on the CPU, the host syncs and the
-update/finite-check nodes; the last line is the summary
+update/finite-check nodes (those running over the weights' elements; the scalar ones and the
+Reshapes apart); the last line is the summary
 `step-report: N nodes, K without a CUDA kernel, S host syncs, U update nodes`.
 """
 
@@ -32,7 +33,8 @@ def build_step(model, loss: str = "cross_entropy", precision: str = "float16", d
     prepared, found = prepare(arguments.load_model(model, lambda line: None), lambda line: None)
     floats = [t.name for t in prepared.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     scale = resolve_loss_scale(1.0 if precision == "float32" else "dynamic")
-    step = build_step_graph(prepared, loss, AdamW(1e-3), scale, parameters.select(found, floats))
+    trainable = parameters.select(found, floats)
+    step = build_step_graph(prepared, loss, AdamW(1e-3), scale, trainable, flat_update=device == "cuda")
     return apply_precision(step, precision, device)
 
 
@@ -60,7 +62,10 @@ def main(argv=None) -> int:
         print(f"{title}: {len(found)}")
         for name, reason in list(found.items())[: args.list]:
             print(f"  {name}: {reason}")
-    print(f"update/finite-check nodes: {placement.update_nodes}")
+    print(
+        f"update/finite-check nodes: {placement.update_nodes} over the weights' elements "
+        f"({placement.update_scalars} more on one element, {placement.update_aliases} Reshapes: no kernel)"
+    )
     print(placement.summary())
     return 0
 

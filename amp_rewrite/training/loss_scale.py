@@ -18,6 +18,8 @@ from amp_rewrite.errors import TrainingError
 
 SCALE_STATE = "scale/loss_scale"
 GOOD_STEPS_STATE = "scale/good_steps"
+SKIPPED_OUTPUT = "scale/skipped"
+INVERSE_SCALE = "scale/inverse_scale"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,3 +94,14 @@ def emit_scale_update(e: Emitter, policy, all_finite: str) -> tuple[str, str]:
     finite_steps = e.where(grow, zero_steps, counted, "finite_good_steps")
     next_steps = e.where(all_finite, finite_steps, zero_steps, "next_good_steps")
     return next_scale, next_steps
+
+
+def emit_all_finite(e: Emitter, tensors: list[str]) -> str:
+    """One flag for all tensors, one read of each: any Inf/NaN makes the total of all sums Inf or
+    NaN, and total - total is then NaN (0 otherwise). Finite unscaled gradients large enough to
+    overflow that float32 sum (> 3e38) would also count as non-finite, which they practically are.
+    Writes SKIPPED_OUTPUT; returns the flag's negation, all_finite."""
+    sums = [e.reduce("ReduceSum", t, None, keepdims=0, hint="sum") for t in tensors]
+    total = sums[0] if len(sums) == 1 else e.op("Sum", sums, "total")
+    e.op("IsNaN", [e.op("Sub", [total, total], "residue")], out=SKIPPED_OUTPUT)
+    return e.op("Not", [SKIPPED_OUTPUT], "all_finite")

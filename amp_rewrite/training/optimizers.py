@@ -18,9 +18,13 @@ import abc
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from amp_rewrite.autodiff.emitter import Emitter
 from amp_rewrite.errors import TrainingError
+
+LR_INPUT = "opt/lr"
+STEP_STATE = "opt/step"
 
 
 class Optimizer(abc.ABC):
@@ -175,6 +179,15 @@ def _adam_update(e: Emitter, weight, grad, slots, lr, step, betas, eps):
     denom = e.op("Add", [e.op("Sqrt", [exp_avg_sq], "v_sqrt"), eps_scaled], "denom")
     delta = e.op("Mul", [e.op("Div", [exp_avg, denom], "direction"), step_size], "delta")
     return e.op("Sub", [weight, delta], "weight"), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def emit_step_count(e: Emitter, optimizer: Optimizer) -> tuple[str, str, str]:
+    """(next step count, it as float32, the rate at that step): the scalars every update reads."""
+    next_step = e.op("Add", [STEP_STATE, e.const(1, np.int64, "one")], "next_step")
+    step_float = e.op("Cast", [next_step], "step_float", to=TensorProto.FLOAT)
+    if not optimizer.warmup_steps:
+        return next_step, step_float, LR_INPUT
+    return next_step, step_float, emit_warmup(e, LR_INPUT, step_float, optimizer.warmup_steps)
 
 
 def emit_warmup(e: Emitter, lr: str, step: str, warmup_steps: int) -> str:

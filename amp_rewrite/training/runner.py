@@ -5,7 +5,8 @@ on the session's device, bound with IOBinding as the step's input *and* as the o
 next value, so the step updates it in place: one copy of the state, no host copies, nothing but the
 batch in and the loss and skip flag out per step. That is safe because every node that reads a
 state tensor runs before the node that writes it (`check_in_place`, checked once per graph); the
-writers are elementwise or the update's `If`, whose branches are checked alike. `read`/`write` copy a tensor out or in on demand
+writers are the flat update's Reshapes (flat_update.py), elementwise ops or the update's `If`,
+whose branches are checked alike. `read`/`write` copy a tensor out or in on demand
 (checkpoints, export, the skip diagnostic).
 
 On CPU the Trainer runs the step split in two instead (`split_runner.SplitRunner`: a gradient

@@ -40,6 +40,8 @@ def split_step_graph(step: StepGraph, loss_share: float = 1.0) -> SplitStep:
     """Cut `step` at its unscaled gradients and skip flag. `loss_share` multiplies the backward
     seed (the loss scale), i.e. the loss is pre-scaled by it before backward: 1/N for a mean loss
     over N ranks, so that the sum of the ranks' gradients is the gradient of the global mean."""
+    if step.flat:  # our own bug: the Trainer builds the split step per tensor
+        raise RuntimeError("a step with a flat update has no per-weight gradients to split at")
     graph = step.model.graph
     grads = {w: UNSCALED_PREFIX + w for w in step.weights}
     producers = ir.producers(n.output for n in graph.node)

@@ -4,8 +4,10 @@ gated optimizer update and loss-scale update.
 Inputs are the batch feeds plus every piece of state (float32 master weights, optimizer slots,
 step count, loss scale, good-step counter) and the learning rate; outputs are the loss, the
 skipped flag and the next value of every state input. The caller binds each state output back to
-its input, so state never leaves the device. The update is one `If(all_finite)`: a skipped step
-computes no update and passes the old state through bit for bit.
+its input, so state never leaves the device. A skipped step passes the old state through bit for
+bit: per tensor, the update is one `If(all_finite)` and a skipped step computes none of it (the
+split step's: CPU and data parallel); flat (CUDA's one session), each kind of state is one buffer
+and `Where(all_finite, new, old)` keeps the old values without a host round trip (flat_update.py).
 """
 
 from __future__ import annotations
@@ -21,20 +23,27 @@ from amp_rewrite.errors import TrainingError
 from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.report.regions import declare as declare_regions
 from amp_rewrite.training.chunked_loss import order_chunks
+from amp_rewrite.training.flat_update import FLAT_GRADIENTS, emit_flat_update, group_low_gradients
 from amp_rewrite.training.loss_scale import (
     GOOD_STEPS_STATE,
+    INVERSE_SCALE,
     SCALE_STATE,
+    SKIPPED_OUTPUT,
     FixedLossScale,
+    emit_all_finite,
     emit_scale_update,
     initial_scale_state,
 )
 from amp_rewrite.training.losses import attach_loss
-from amp_rewrite.training.optimizers import Optimizer, emit_clip_by_global_norm, emit_warmup, zero_slots
+from amp_rewrite.training.optimizers import (
+    LR_INPUT,
+    STEP_STATE,
+    Optimizer,
+    emit_clip_by_global_norm,
+    emit_step_count,
+    zero_slots,
+)
 
-LR_INPUT = "opt/lr"
-STEP_STATE = "opt/step"
-SKIPPED_OUTPUT = "scale/skipped"
-INVERSE_SCALE = "scale/inverse_scale"
 UNSCALED_PREFIX = "scale/unscaled/"  # + weight name: the unscaled gradient (data-parallel split point)
 # The loss, its backward (autodiff names it grad/<forward node>/...), the seed, loss scaling,
 # finite check and optimizer stay float32: the loss is scaled and gradients unscaled in float32.
@@ -62,6 +71,7 @@ class StepGraph:
     initial_state: dict[str, np.ndarray]
     gradients: dict[str, str] = dataclasses.field(default_factory=dict)  # weight -> its (scaled) gradient
     report: object = None  # the mixed-precision rewrite's report (None in float32)
+    flat: bool = False  # the update over flat buffers, gated by Where (flat_update.py), not an If
 
 
 def build_step_graph(
@@ -72,9 +82,12 @@ def build_step_graph(
     trainable: list[str] | None = None,
     gradient_builder=None,
     recompute=None,
+    flat_update: bool = False,
 ) -> StepGraph:
     """The float32 step graph for `model` trained on `loss` with `optimizer` and a loss-scale policy;
-    `recompute` is passed to the gradient builder (see `amp_rewrite.autodiff.recompute`)."""
+    `recompute` is passed to the gradient builder (see `amp_rewrite.autodiff.recompute`).
+    `flat_update`: the update over flat buffers gated by Where (CUDA's one-session step,
+    flat_update.py), else a chain per weight in one `If` (the split step's, CPU and data parallel)."""
     forward = onnx.ModelProto()
     forward.CopyFrom(model)
     opset = default_opset(forward)
@@ -106,10 +119,14 @@ def build_step_graph(
     nodes: list = []
     initializers: list = []
     emitter = Emitter(nodes, initializers, opset, names_in(graph), scope="scale")
-    state_inputs, next_state = _emit_update(emitter, optimizer, loss_scale, loss_name, grads)
+    shapes = {w: initial_weights[w].shape for w in weights} if flat_update else None
+    state_inputs, next_state = _emit_update(emitter, optimizer, loss_scale, loss_name, grads, shapes)
 
     graph.node.extend(nodes)
     graph.initializer.extend(initializers)
+    if flat_update:  # declared: shape inference may not know every gradient's shape (a chunked loss's)
+        size = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
+        graph.value_info.append(helper.make_tensor_value_info(FLAT_GRADIENTS, TensorProto.FLOAT, [size]))
     _ensure_scale_input(graph)
     graph.input.extend(
         _value_infos(state_inputs, initial_weights, optimizer, exclude={i.name for i in graph.input})
@@ -134,7 +151,9 @@ def build_step_graph(
     batch_inputs = tuple(i.name for i in graph.input if i.name not in non_batch)
     declare_regions(with_grads, PARTS)
     onnx.checker.check_model(with_grads)
-    return StepGraph(with_grads, loss_name, weights, batch_inputs, next_state, initial_state, grads)
+    return StepGraph(
+        with_grads, loss_name, weights, batch_inputs, next_state, initial_state, grads, flat=flat_update
+    )
 
 
 def _unreachable(forward: onnx.ModelProto, loss: str, loss_name: str, trainable, stops) -> str:
@@ -156,30 +175,38 @@ def slot_name(weight: str, slot: str) -> str:
     return f"opt/{weight}/{slot}"
 
 
-def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, grads: dict[str, str]):
-    """Unscale, finite check, then one `If` on the flag: its then-branch clips and updates every
-    weight and slot and counts the step, its else-branch passes the old values through; then the
-    scale update. Returns (state inputs, next_state)."""
+def _emit_update(
+    e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, grads: dict[str, str], flat=None
+):
+    """Unscale, finite check, the gated update, then the scale update. Per tensor (flat=None): one
+    `If` on the flag, its then-branch clipping and updating every weight and slot and counting the
+    step, its else-branch passing the old values through. Flat ({weight: shape}): over one buffer
+    per kind, gated by Where (flat_update.py). Returns (state inputs, next_state)."""
     e.reserve([SCALE_STATE, GOOD_STEPS_STATE, STEP_STATE, LR_INPUT])
     e.reserve(slot_name(w, s) for w in grads for s in optimizer.slots)
+    if flat is not None:
+        all_finite, next_state = emit_flat_update(e, optimizer, loss_scale, loss_name, grads, flat, slot_name)
+    else:
+        all_finite, next_state = _emit_per_tensor(e, optimizer, loss_scale, loss_name, grads)
+    next_scale, next_good_steps = emit_scale_update(e, loss_scale, all_finite)
+    next_state[SCALE_STATE] = e.op("Identity", [next_scale], out=f"{SCALE_STATE}/next")
+    next_state[GOOD_STEPS_STATE] = e.op("Identity", [next_good_steps], out=f"{GOOD_STEPS_STATE}/next")
+    return list(next_state), next_state
+
+
+def _emit_per_tensor(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, grads: dict[str, str]):
+    """A chain per weight, in one `If(all_finite)`: (all_finite, next_state)."""
     inverse_scale = e.op("Reciprocal", [SCALE_STATE], out=INVERSE_SCALE)
     if loss_scale == FixedLossScale(1.0):  # g * 1 is g, bit for bit: no pass over the gradients
         unscaled = [e.op("Identity", [g], out=UNSCALED_PREFIX + w) for w, g in grads.items()]
     else:
         unscaled = [e.op("Mul", [g, inverse_scale], out=UNSCALED_PREFIX + w) for w, g in grads.items()]
-    all_finite = _emit_all_finite(e, [loss_name, *unscaled])
+    all_finite = emit_all_finite(e, [loss_name, *unscaled])
 
-    body = Emitter([], e.initializers, e.opset, e.names, "opt")  # constants stay in the outer graph
-    body._constants = e._constants
+    body = e.body("opt")  # its own node list; constants stay in the outer graph
     if optimizer.max_grad_norm is not None:
         unscaled = emit_clip_by_global_norm(body, unscaled, optimizer.max_grad_norm)
-    next_step = body.op("Add", [STEP_STATE, body.const(1, np.int64, "one")], "next_step")
-    step_float = body.op("Cast", [next_step], "step_float", to=TensorProto.FLOAT)
-    lr = (
-        emit_warmup(body, LR_INPUT, step_float, optimizer.warmup_steps)
-        if optimizer.warmup_steps
-        else LR_INPUT
-    )
+    next_step, step_float, lr = emit_step_count(body, optimizer)
     updated = {}
     for (weight, _), grad in zip(grads.items(), unscaled):
         slots = {s: slot_name(weight, s) for s in optimizer.slots}
@@ -189,12 +216,7 @@ def _emit_update(e: Emitter, optimizer: Optimizer, loss_scale, loss_name: str, g
         updated[weight] = new_weight
         updated.update({slots[slot]: new_value for slot, new_value in new_slots.items()})
     updated[STEP_STATE] = next_step
-    next_state = _emit_gated(e, all_finite, updated, body.nodes)
-
-    next_scale, next_good_steps = emit_scale_update(e, loss_scale, all_finite)
-    next_state[SCALE_STATE] = e.op("Identity", [next_scale], out=f"{SCALE_STATE}/next")
-    next_state[GOOD_STEPS_STATE] = e.op("Identity", [next_good_steps], out=f"{GOOD_STEPS_STATE}/next")
-    return list(next_state), next_state
+    return all_finite, _emit_gated(e, all_finite, updated, body.nodes)
 
 
 def _emit_gated(e: Emitter, all_finite: str, updated: dict[str, str], update_nodes: list) -> dict[str, str]:
@@ -240,16 +262,6 @@ def _emit_gated(e: Emitter, all_finite: str, updated: dict[str, str], update_nod
 def _append(nodes: list, op_type: str, inputs: list[str], output: str, e: Emitter) -> str:
     nodes.append(helper.make_node(op_type, inputs, [output], name=e.fresh(f"{output}/{op_type}")))
     return output
-
-
-def _emit_all_finite(e: Emitter, tensors: list[str]) -> str:
-    """One flag for all tensors, one read of each: any Inf/NaN makes the total of all sums Inf or
-    NaN, and total - total is then NaN (0 otherwise). Finite unscaled gradients large enough to
-    overflow that float32 sum (> 3e38) would also count as non-finite, which they practically are."""
-    sums = [e.reduce("ReduceSum", t, None, keepdims=0, hint="sum") for t in tensors]
-    total = sums[0] if len(sums) == 1 else e.op("Sum", sums, "total")
-    e.op("IsNaN", [e.op("Sub", [total, total], "residue")], out=SKIPPED_OUTPUT)
-    return e.op("Not", [SKIPPED_OUTPUT], "all_finite")
 
 
 def _gradient_outputs(model: onnx.ModelProto, loss_name: str) -> dict[str, str]:
@@ -352,7 +364,8 @@ def apply_precision(step: StepGraph, precision: str, device: str = "cpu", keep_f
     section = report_section(step.model)
     if section:
         result.report.sections["recompute"] = section
-    return dataclasses.replace(step, model=result.model, report=result.report)
+    model = group_low_gradients(result.model) if step.flat else result.model  # one Cast, not one each
+    return dataclasses.replace(step, model=model, report=result.report)
 
 
 def precision_options(

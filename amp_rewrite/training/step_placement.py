@@ -9,12 +9,18 @@ things break that, and each is read here from data, not from a run:
   when all their inputs are host tensors already (Shape's output, initializers, graph inputs);
 - a host sync: a CPU node reading a device tensor, a data-dependent output shape (NonZero), a
   control-flow condition (If). Host-memory slots: `op_lists/cuda_host_memory.json`.
+The update nodes (optimizer, finite check, loss scale: `opt/`, `scale/`, an If's branches too, and
+the Casts only they read) are
+counted by what they cost: the kernels over the weights' elements (O(1) in the number of weights
+when the update runs over flat buffers, flat_update.py), apart from the nodes on one element and
+the Reshapes (aliases, no kernel).
 Used by `tools/step_report.py` and by `step_graph.apply_precision` on CUDA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import onnx
 from onnx import TensorProto
@@ -25,6 +31,7 @@ from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.onnx_facts import all_graphs, default_opset
 
 UPDATE_PREFIXES = ("opt/", "scale/")  # the step's optimizer update, finite check and loss scale
+ALIASES = ("Reshape",)  # ONNX Runtime's kernel aliases its input: no copy, no launch
 _LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 FOLDED = ("Constant",)  # ONNX Runtime turns them into initializers when it loads the graph
 
@@ -37,7 +44,9 @@ class Placement:
     no_kernel: dict[str, str]
     on_cpu: dict[str, str]
     host_syncs: dict[str, str]
-    update_nodes: int
+    update_nodes: int  # update/finite-check nodes over the weights' elements: their kernels
+    update_scalars: int = 0  # update/finite-check nodes on one element (the rate, the scale's state)
+    update_aliases: int = 0  # their Reshapes (flat buffers <-> tensors): no kernel
 
     def summary(self) -> str:
         return (
@@ -48,7 +57,7 @@ class Placement:
 
 def place(model: onnx.ModelProto) -> Placement:
     """The CUDA provider's placement of `model` as far as its kernel table and host-memory slots tell."""
-    types, _ = tensor_types(model, shape_inference=True)
+    types, shapes = tensor_types(model, shape_inference=True)
     opset = default_opset(model) or 13
     graphs = all_graphs(model.graph)
     nodes = [node for graph in graphs for node in graph.node]
@@ -60,8 +69,14 @@ def place(model: onnx.ModelProto) -> Placement:
     on_cpu = dict(no_kernel)
     on_cpu.update(_shape_logic(model.graph, types, set(no_kernel)))
     syncs = _host_syncs(nodes, on_cpu, _host_tensors(model.graph, nodes, on_cpu))
-    updates = sum(_count(node) for node in model.graph.node if _name(node).startswith(UPDATE_PREFIXES))
-    return Placement(len(nodes), no_kernel, on_cpu, syncs, updates)
+    update = [node for node in model.graph.node if _name(node).startswith(UPDATE_PREFIXES)]
+    update += _casts_into(model.graph, update)
+    update = [inner for node in update for inner in _with_branches(node)]  # an If's: the update it gates
+    aliases = [node for node in update if node.op_type in ALIASES]
+    sizes = _sizes(model.graph, shapes)
+    scalars = [node for node in update if node.op_type not in ALIASES and _scalar(node, sizes)]
+    over_weights = len(update) - len(aliases) - len(scalars)
+    return Placement(len(nodes), no_kernel, on_cpu, syncs, over_weights, len(scalars), len(aliases))
 
 
 def low_without_kernel(model: onnx.ModelProto) -> dict[str, str]:
@@ -179,10 +194,44 @@ def _host_syncs(nodes: list, on_cpu: dict, host: set[str]) -> dict[str, str]:
     return syncs
 
 
-def _count(node: onnx.NodeProto) -> int:
-    """The node and every node of its subgraphs (an If's branches are the update it gates)."""
+def _casts_into(graph: onnx.GraphProto, update: list) -> list:
+    """The Casts (the precision rewrite's, a low gradient to float32) read only by update nodes:
+    kernels of the update too."""
+    chosen = {id(node) for node in update}
+    inside = {name for node in update for name in node.input}
+    outside = {name for node in graph.node if id(node) not in chosen for name in node.input}
+    outside |= {o.name for o in graph.output}
+    return [
+        node
+        for node in graph.node
+        if node.op_type == "Cast"
+        and id(node) not in chosen
+        and node.output[0] in inside
+        and node.output[0] not in outside
+    ]
+
+
+def _with_branches(node: onnx.NodeProto) -> list:
+    """The node and every node of its subgraphs."""
     inner = [g for a in node.attribute for g in ([a.g] if a.HasField("g") else list(a.graphs))]
-    return 1 + sum(_count(n) for g in inner for n in g.node)
+    return [node, *(n for g in inner for child in g.node for n in _with_branches(child))]
+
+
+def _scalar(node: onnx.NodeProto, sizes: dict) -> bool:
+    """Whether every input and output of `node` is known to hold one element (a rate, a bias
+    correction, the loss-scale state machine): a launch, but no pass over the weights (a
+    reduction of the gradients to a scalar is one)."""
+    names = [n for n in (*node.input, *node.output) if n]
+    return bool(names) and all(sizes.get(n) == 1 for n in names)
+
+
+def _sizes(graph: onnx.GraphProto, shapes: dict) -> dict[str, int]:
+    """Element counts where the shape is known: inferred or declared, and the initializers'."""
+    sizes = {t.name: math.prod(t.dims) for t in graph.initializer}
+    for name, shape in shapes.items():
+        if all(d.HasField("dim_value") for d in shape.dim):
+            sizes[name] = math.prod(d.dim_value for d in shape.dim)
+    return sizes
 
 
 def _constants(graph: onnx.GraphProto) -> set[str]:

@@ -111,7 +111,16 @@ class Trainer:
             arguments.literal_patterns(frozen, floats),
         )
         step = build_step_graph(
-            self._model, loss, self.optimizer, self.loss_scale_policy, names, gradient_builder, recompute
+            self._model,
+            loss,
+            self.optimizer,
+            self.loss_scale_policy,
+            names,
+            gradient_builder,
+            recompute,
+            # CUDA's one session updates flat buffers (a few kernels, no If); the split step keeps a
+            # chain per tensor, which the CPU's host update runs from cache (flat_update.py)
+            flat_update=device == "cuda" and distributed is None,
         )
         self.recompute_plan = _recompute_plan(step.model)
         self._float_step = step.model  # what `report` draws

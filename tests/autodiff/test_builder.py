@@ -283,3 +283,28 @@ def test_dropout_gradient_uses_the_forward_mask(training):
     got = outputs(grad, {"x": x, "training": np.array(training)})
     expected = r * (got["y"] != 0) / 0.7 if training else r
     np.testing.assert_allclose(got["x_grad"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_broadcast_over_unknown_dims_is_summed_without_a_data_dependent_shape(rows):
+    """y = a + s * w with a [N, 3] and s [M, 3]: whether M is 1 (s broadcast over a's rows) is known
+    only at run time. The gradient reaching s * w is summed over the rows exactly when M is 1, by a
+    reshape to (N/M, M) pairs, never by a NonZero (a host sync on CUDA)."""
+    nodes = [
+        node("Mul", ["s", "w"], ["b"]),
+        node("Add", ["a", "b"], ["y"]),
+        node("Mul", ["y", "y"], ["sq"]),
+        node("ReduceSum", ["sq"], ["loss"], keepdims=0),
+    ]
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+    model = make_model(
+        nodes, [tensor("a", ["N", 3]), tensor("s", ["M", 3])], [tensor("loss", [])], [init("w", w)]
+    )
+    grad = build_gradient_graph(model, "loss")
+    assert not [n for n in grad.graph.node if n.op_type == "NonZero"]
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((5, 3)).astype(np.float32)
+    s = rng.standard_normal((rows, 3)).astype(np.float32)
+    got = outputs(grad, {"a": a, "s": s})["w_grad"]
+    expected = (2 * (a + s * w) * s).sum(0)  # s broadcast over a's rows when rows == 1
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -63,22 +63,49 @@ def test_shape_logic_fed_by_a_device_tensor_stays_on_the_device():
 
 
 def test_the_cuda_step_of_an_mlp_counts_its_update_nodes(tmp_path):
-    tool = load_tool("step_report")
-    step = tool.build_step(mlp((4, 8, 3)), "cross_entropy", "float16", "cuda")
-    found = place(step.model)
-    opt = sum(1 for n in step.model.graph.node if n.name.startswith(("opt/", "scale/")))
-    inner = sum(
-        len(a.g.node)
-        for n in step.model.graph.node
-        if n.op_type == "If"
-        for a in n.attribute
-        if a.HasField("g")
-    )
-    assert found.update_nodes == opt + inner > 0
-    assert found.no_kernel == {} and low_without_kernel(step.model) == {}
+    """Every update node (an If's branches too, the Casts of gradients into it) is counted once: over
+    the weights' elements, on one element, or a Reshape. The per-tensor update's If reads its flag on the host; the flat one's
+    Where does not, and runs over the weights in fewer kernels."""
+    from amp_rewrite.training import AdamW, DynamicLossScale, build_step_graph
+    from amp_rewrite.training.step_graph import apply_precision
+
+    found = {}
+    for flat in (False, True):
+        step = build_step_graph(
+            mlp((4, 8, 3)), "cross_entropy", AdamW(1e-3), DynamicLossScale(), flat_update=flat
+        )
+        step = apply_precision(step, "float16", "cuda")
+        placed = found[flat] = place(step.model)
+        opt = sum(1 for n in step.model.graph.node if n.name.startswith(("opt/", "scale/")))
+        inner = sum(
+            len(a.g.node)
+            for n in step.model.graph.node
+            if n.op_type == "If"
+            for a in n.attribute
+            if a.HasField("g")
+        )
+        update = [n for n in step.model.graph.node if n.name.startswith(("opt/", "scale/"))]
+        widened = [  # the rewrite's Casts of a float16 gradient read by the update alone
+            n
+            for n in step.model.graph.node
+            if n.op_type == "Cast"
+            and n not in update
+            and any(n.output[0] in u.input for u in update)
+            and all(n.output[0] not in r.input for r in step.model.graph.node if r not in update)
+        ]
+        # flat, the float16 gradients are concatenated first and cast once, under scale/
+        assert bool(widened) != flat and all(n.name.startswith("amp/") for n in widened)
+        assert placed.update_nodes + placed.update_scalars + placed.update_aliases == opt + inner + len(
+            widened
+        )
+        assert placed.update_nodes > 0 and placed.update_scalars > 0
+        assert placed.no_kernel == {} and low_without_kernel(step.model) == {}
+        assert (inner > 0) != flat
     assert any(
-        "If" in name for name in found.host_syncs
+        "If" in name for name in found[False].host_syncs
     )  # the If(all_finite) gate reads its flag on the host
+    assert found[True].host_syncs == {}
+    assert found[True].update_nodes < found[False].update_nodes and found[True].update_aliases > 0
 
 
 def test_step_report_prints_the_summary_last_and_refuses_a_bad_path(tmp_path, capsys):
@@ -96,7 +123,7 @@ def test_step_report_prints_the_summary_last_and_refuses_a_bad_path(tmp_path, ca
     assert err.count("\n") == 1 and "missing.onnx" in err
 
 
-def test_the_bert_export_has_a_kernel_for_every_node_and_its_nonzeros_are_host_syncs():
+def test_the_bert_export_has_a_kernel_for_every_node_no_host_sync_and_few_update_kernels():
     pytest.importorskip("transformers", reason="the BERT export needs transformers")
     pytest.importorskip("sklearn", reason="its batches come from scikit-learn")
     import exported_training
@@ -105,5 +132,9 @@ def test_the_bert_export_has_a_kernel_for_every_node_and_its_nonzeros_are_host_s
     step = load_tool("step_report").build_step(model, "cross_entropy", "float16", "cuda")
     found = place(step.model)
     assert found.no_kernel == {}
-    nonzeros = {n.name for n in step.model.graph.node if n.op_type == "NonZero"}
-    assert nonzeros <= set(found.host_syncs)
+    # issue 38's targets: no host sync (no NonZero, no If), the update in a few kernels whatever the
+    # number of weights (AdamW's 13 ops, the unscale and finite check, a Concat, Where, Split per
+    # kind, one Concat and Cast of the float16 gradients)
+    assert found.host_syncs == {}
+    assert not [n for n in step.model.graph.node if n.op_type in ("NonZero", "If")]
+    assert len(step.weights) > 30 and found.update_nodes <= 27

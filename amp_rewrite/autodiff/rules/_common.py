@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from onnx import TensorProto
+
 from amp_rewrite.autodiff.context import GradContext
 
 
@@ -33,18 +35,55 @@ def unbroadcast(
         elif xd != gd and not (isinstance(xd, int) and xd > 1):
             unsure = True
     if unsure:
-        return _sum_where_x_is_one(ctx, g, x)
+        return _sum_where_x_is_one(ctx, g, x, x_dims)
     if static_axes:
         g = ctx.emit.reduce_sum(g, static_axes, keepdims=True)
     return g
 
 
-def _sum_where_x_is_one(ctx: GradContext, g: str, x: str) -> str:
-    """ReduceSum over the axes where Shape(x) is 1, computed at run time (same rank as x)."""
+def _sum_where_x_is_one(ctx: GradContext, g: str, x: str, x_dims: list | None = None) -> str:
+    """ReduceSum over the axes where x is 1 (g has x's rank), with no data-dependent shape. An axis
+    where x's size is written is summed (1) or kept (another size) as it stands; every other axis k
+    is split by one Reshape into (g_k / x_k, x_k) and summed over its first part: of size 1 (a
+    no-op) where x's size is g's, g's size where x is 1. The shapes follow from shapes alone
+    (Shape, Gather, Div: host values), so no NonZero waits for the device (a host sync on CUDA)."""
     e = ctx.emit
-    is_one = e.op("Equal", [e.shape(x), e.ints([1])])
-    axes = e.op("Reshape", [e.op("NonZero", [is_one]), e.ints([-1])])
-    return e.reduce_sum(g, axes, keepdims=True)
+    dims = ctx.dims(x) if x_dims is None else x_dims
+    if dims is None:
+        return _sum_where_x_is_one_at_any_rank(ctx, g, x)
+    ones = [k for k, d in enumerate(dims) if d == 1]
+    if ones:  # an ordinary sum over the axes known to be broadcast, the big one of a loss's [rows, C]
+        g = e.reduce_sum(g, ones, keepdims=True)
+    unsure = [k for k, d in enumerate(dims) if not isinstance(d, int)]
+    if not unsure:
+        return g
+    x_sizes = e.op("Gather", [e.shape(x), e.ints(unsure)], axis=0)
+    g_sizes = e.op("Gather", [e.shape(g), e.ints(unsure)], axis=0)
+    ratio = e.op("Div", [g_sizes, e.op("Max", [x_sizes, e.ints([1])])])  # x's 0-sized axes: g's 0
+    source = e.op("Concat", [e.shape(g), ratio, x_sizes], axis=0)
+    picks, axes = [], []
+    for k in range(len(dims)):
+        if k in unsure:
+            j = unsure.index(k)
+            axes.append(len(picks))
+            picks += [len(dims) + j, len(dims) + len(unsure) + j]
+        else:
+            picks.append(k)
+    target = e.op("Gather", [source, e.ints(picks)], axis=0)
+    return e.reduce_sum(e.op("Reshape", [g, target]), axes, keepdims=False)
+
+
+def _sum_where_x_is_one_at_any_rank(ctx: GradContext, g: str, x: str) -> str:
+    """The same where x's rank is unknown: every axis split, [g0/x0, x0, g1/x1, x1, ...], summed
+    over the even axes (a Range over twice x's rank)."""
+    e = ctx.emit
+    x_shape = e.shape(x)
+    ratio = e.op("Div", [e.shape(g), e.op("Max", [x_shape, e.ints([1])])])
+    pairs = e.op("Concat", [e.unsqueeze(ratio, [1]), e.unsqueeze(x_shape, [1])], axis=1)
+    split = e.op("Reshape", [g, e.op("Reshape", [pairs, e.ints([-1])])])
+    twice = e.op("Mul", [e.op("Size", [x_shape]), e.const(2, TensorProto.INT64)])
+    axes = e.op("Range", [e.const(0, TensorProto.INT64), twice, e.const(2, TensorProto.INT64)])
+    return e.reduce_sum(split, axes, keepdims=False)
 
 
 def unbroadcast_at_runtime(ctx: GradContext, g: str, x: str) -> str:
