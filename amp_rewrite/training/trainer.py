@@ -104,13 +104,11 @@ class Trainer:
                 "on_nonfinite='retry' needs a dynamic loss scale (a fixed scale never changes)"
             )
         floats = [t.name for t in self._model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
-        names = parameters.select(
-            found,
-            floats,
-            arguments.literal_patterns(trainable, floats),
-            arguments.literal_patterns(frozen, floats),
-        )
-        step = build_step_graph(
+        patterns = (arguments.literal_patterns(trainable, floats), arguments.literal_patterns(frozen, floats))
+        names = parameters.select(found, floats, *patterns)
+        # CUDA's one session updates flat buffers; CPU's host update runs a chain per tensor (flat_update.py)
+        flat = device == "cuda" and distributed is None
+        built = (
             self._model,
             loss,
             self.optimizer,
@@ -118,10 +116,8 @@ class Trainer:
             names,
             gradient_builder,
             recompute,
-            # CUDA's one session updates flat buffers (a few kernels, no If); the split step keeps a
-            # chain per tensor, which the CPU's host update runs from cache (flat_update.py)
-            flat_update=device == "cuda" and distributed is None,
         )
+        step = build_step_graph(*built, flat)
         self.recompute_plan = _recompute_plan(step.model)
         self._float_step = step.model  # what `report` draws
         self.step_graph: StepGraph = apply_precision(step, self.precision, device)
@@ -186,11 +182,9 @@ class Trainer:
     # --- stepping -------------------------------------------------------------------------------
 
     def step(self, feeds: dict) -> StepResult:
-        """One optimizer step on a batch. In retry mode a non-finite batch is recomputed at the
-        backed-off scale until finite or the scale used was the floor (TF's LossScaleGradientTape).
-        Until a first step is finite, skip mode retries too: the initial scale (2^16) is a guess,
-        and a model whose gradients need 2^4 would otherwise skip its first twelve steps (magika
-        v3.3 skipped 6 of 6); from the first finite step on, a skip is a skip (torch's GradScaler)."""
+        """One optimizer step on a batch. Retry mode recomputes a non-finite batch at the backed-off
+        scale until finite or at the floor (TF's LossScaleGradientTape); so does skip mode until a
+        first step is finite (2^16 is a guess: magika v3.3 needs less), then a skip is a skip."""
         if self.on_nonfinite == "skip" and (self._found_scale or not self._backs_off):
             return self._run(feeds, retries=0)
         scale_used = self.loss_scale  # an extra host read, only in retry mode
@@ -204,8 +198,7 @@ class Trainer:
         return result
 
     def _guard_range(self, feeds: dict) -> bool:
-        """No loss scale stepped this batch: range_guard keeps float32 what was not finite and the
-        step is rebuilt around the same state, the scale searched for again (False: nothing to do)."""
+        """No scale stepped this batch: range_guard keeps float32 what was not finite, rebuilds."""
         if self._guard is None:
             return False
         probe = self.state() | {LR_INPUT: np.array(self.lr, np.float32), **self._feed_check.check(feeds)}
