@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from amp_rewrite.training import SGD, Adam, AdamW
 from helpers import init, make_model, node, tensor
 
 
@@ -117,3 +118,13 @@ def classification_batches(features=4, classes=3, batch=8, count=5, seed=1):
         }
         for _ in range(count)
     ]
+
+
+# Every optimizer form the update engines must agree on (host update, flat update), built fresh.
+OPTIMIZERS = {
+    "sgd": lambda: SGD(0.1),
+    "sgd-nesterov-l2": lambda: SGD(0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam-l2": lambda: Adam(0.01, weight_decay=1e-3),
+    "adamw-warmup": lambda: AdamW(0.01, warmup_steps=3),
+    "adamw-clip": lambda: AdamW(0.01, max_grad_norm=0.05),
+}

@@ -18,7 +18,6 @@ times and errors would say nothing of a GPU).
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import sys
 import time
@@ -27,10 +26,11 @@ import warnings
 import numpy as np
 import onnx
 
+# Siblings in tools/: Python puts a script's own folder first on sys.path.
+import exported
 from amp_rewrite.runtime import cuda_loads
 from amp_rewrite.runtime import ort as ort_module
 
-MAX_IR_VERSION = 10  # ONNX Runtime 1.31 refuses newer
 FULL = {"bert": 16, "gpt2": 8, "resnet50": 32, "vit": 32}  # batch sizes of the issue's figures
 OPTIMIZER_TYPES = {"bert": "bert", "gpt2": "gpt2", "vit": "vit"}  # ORT's transformer optimizer
 
@@ -94,32 +94,7 @@ def export(name: str, tiny: bool):
     module, feeds = _module(name, tiny)
     wrapped = _first(module)
     args = tuple(torch.from_numpy(v) for v in feeds.values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if name == "gpt2":  # TorchScript has no aten::diff (GPT-2's attention mask): the dynamo exporter
-            names = list(feeds)
-            model = torch.onnx.export(
-                wrapped,
-                args,
-                dynamo=True,
-                opset_version=18,
-                verbose=False,
-                input_names=names,
-                output_names=["out"],
-            ).model_proto
-        else:
-            buffer = io.BytesIO()
-            torch.onnx.export(
-                wrapped,
-                args,
-                buffer,
-                dynamo=False,
-                opset_version=17,
-                input_names=list(feeds),
-                output_names=["out"],
-            )
-            model = onnx.load_from_string(buffer.getvalue())
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    model = exported.to_onnx(wrapped, args, list(feeds), dynamo=name == "gpt2")
     return model, feeds, wrapped
 
 

@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import io
 import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,7 +99,7 @@ OLD_DENY = ("LayerNormalization", "Softmax")  # moved out of deny after bf991a5
 OLD_BEHAVIOUR = {"pointwise_check": False, "fold_noop_casts": False}  # both came after bf991a5 too
 BASELINE = "amp-rewrite tf, old lists"
 AUTOCAST = "modelopt autocast"
-MAX_IR_VERSION = 10  # ONNX Runtime 1.31 refuses newer
+MAX_IR_VERSION = exported.MAX_IR_VERSION
 HEAD = [
     "model",
     "tool",
@@ -226,35 +224,9 @@ def _hf_module(name: str):
 def export_hf(name: str, path: Path) -> Path:
     """BERT-base and ViT-S/16 through the TorchScript exporter at opset 17; GPT-2 small through the
     dynamo exporter at opset 18 (TorchScript fails on aten::diff). IR version at most 10."""
-    import torch
 
     module, args, names, axes = _hf_module(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if name == "gpt2":
-            model = torch.onnx.export(
-                _first_output(module),
-                args,
-                dynamo=True,
-                opset_version=18,
-                verbose=False,
-                input_names=names,
-                output_names=["out"],
-            ).model_proto
-        else:
-            buffer = io.BytesIO()
-            torch.onnx.export(
-                _first_output(module),
-                args,
-                buffer,
-                dynamo=False,
-                opset_version=17,
-                input_names=names,
-                output_names=["out"],
-                dynamic_axes=axes,
-            )
-            model = onnx.load_from_string(buffer.getvalue())
-    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    model = exported.to_onnx(_first_output(module), args, names, dynamo=name == "gpt2", axes=axes)
     onnx.save(model, str(path))
     return path
 

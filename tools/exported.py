@@ -12,6 +12,44 @@ import warnings
 from pathlib import Path
 
 OPSET = 17
+MAX_IR_VERSION = 10  # ONNX Runtime 1.31 refuses newer
+
+
+def to_onnx(module, args, names, *, dynamo: bool, axes=None):
+    """`module` (one output, "out") as an ONNX model: TorchScript at opset 17, or the dynamo
+    exporter at 18 (GPT-2: TorchScript has no aten::diff); IR version at most MAX_IR_VERSION."""
+    import io
+
+    import onnx
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            model = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=18,
+                verbose=False,
+                input_names=names,
+                output_names=["out"],
+            ).model_proto
+        else:
+            buffer = io.BytesIO()
+            torch.onnx.export(
+                module,
+                args,
+                buffer,
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=names,
+                output_names=["out"],
+                dynamic_axes=axes,
+            )
+            model = onnx.load_from_string(buffer.getvalue())
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    return model
 
 
 def available() -> bool:

@@ -13,7 +13,7 @@ from helpers import load_tool
 def test_bench_gpu_tiny(capsys):
     pytest.importorskip("torch", reason="torch exports the models")
     pytest.importorskip("transformers", reason="transformers configs build them")
-    bench = load_tool("bench_gpu")
+    bench = load_tool("bench_gpu", needs=["exported"])
     assert bench.main(["--models", "bert,resnet50", "--tiny", "--runs", "2"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| bert") or line.startswith("| resnet50")]

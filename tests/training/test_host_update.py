@@ -8,7 +8,6 @@ import pytest
 
 from amp_rewrite.training import (
     SGD,
-    Adam,
     AdamW,
     DynamicLossScale,
     FixedLossScale,
@@ -19,15 +18,8 @@ from amp_rewrite.training import (
 from amp_rewrite.training.runner import SessionRunner
 from amp_rewrite.training.split_runner import SplitRunner
 from amp_rewrite.training.step_graph import apply_precision
-from training_models import classification_batches, mlp
+from training_models import OPTIMIZERS, classification_batches, mlp
 
-OPTIMIZERS = {
-    "sgd": lambda: SGD(0.1),
-    "sgd-nesterov-l2": lambda: SGD(0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
-    "adam-l2": lambda: Adam(0.01, weight_decay=1e-3),
-    "adamw-warmup": lambda: AdamW(0.01, warmup_steps=3),
-    "adamw-clip": lambda: AdamW(0.01, max_grad_norm=0.05),
-}
 SIZES = (16, 96, 3)  # w0 has 1536 elements: two blocks of the patched 1000, w1 one; biases whole
 
 
