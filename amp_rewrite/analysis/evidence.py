@@ -26,6 +26,7 @@ import numpy as np
 from amp_rewrite.analysis.oplists import shipped_table
 from amp_rewrite.io import tensordata
 from amp_rewrite.onnx_facts import FLOAT, constant_tensor
+from amp_rewrite.plan import Step
 
 LIMIT = 65504.0  # float16's largest value (bfloat16 needs no check)
 SENTINEL = float(np.finfo(np.float32).max)
@@ -34,6 +35,7 @@ MEASURED_LIMIT = 512.0  # AutoCast's data_max: synthesised inputs are not the re
 MAX_ROUNDS = 8
 MAX_CONSTANT = 4096  # elements: a larger constant is not read here (the constant scan read its reach)
 ACCEPTED = (0.0, 1.0)
+NEVER_FREE = (Step.DENY_LIST, Step.DOWNSTREAM_OF_DENY, Step.MEASURED, Step.TIED)  # float32 whatever the cut
 
 
 @cache
@@ -333,10 +335,9 @@ def _settle_unmeasured(cg, colour, why_not: str, low_io: frozenset):
     bounds.given.update(dict.fromkeys(low_io, ACCEPTED))
     unproven = 0
     for v, vertex in enumerate(cg.vertices):
-        step = tf_plan.reason[v].step.name
         if v in tf_low or vertex.op_list not in ("infer", "clear") or vertex.blocked is not None:
             continue
-        if vertex.group.output_only or step in ("DENY_LIST", "DOWNSTREAM_OF_DENY", "MEASURED", "TIED"):
+        if vertex.group.output_only or tf_plan.reason[v].step in NEVER_FREE:
             continue  # never free for the cut
         tensors = group_tensors(cg, v)
         names = [x for x in tensors if not _is_constant(cg, vertex.scope, x)]
