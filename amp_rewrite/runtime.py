@@ -81,6 +81,22 @@ def say_cpu_fallback_once() -> None:
     log.warning("amp-rewrite: ONNX Runtime's CUDA provider did not load; running on CPU")
 
 
+@contextlib.contextmanager
+def tools_quiet():
+    """ONNX Runtime's Python tools (the transformer optimizer, symbolic shape inference) log and
+    warn about every pattern they try; what they did is said in our own notes."""
+    import warnings
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def session_options(**settings):
     """SessionOptions with ORT's log quietened; `settings` set as attributes."""
     options = ort().SessionOptions()

@@ -235,17 +235,11 @@ def export_bert_fused():
         opset=17,
         dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
     )
-    try:
-        import onnxruntime.transformers as ort_transformers
+    from amp_rewrite.transform.fuse import optimizer_module
 
-        # its modules import each other as top-level modules, from a folder its __init__ puts on
-        # sys.path once per process: a test that restores sys.path (monkeypatch) drops the folder
-        folder = os.path.dirname(ort_transformers.__file__)
-        if folder not in sys.path:
-            sys.path.append(folder)
-        from onnxruntime.transformers import optimizer
-    except ImportError as error:
-        raise Unavailable(f"onnxruntime.transformers is missing ({error})") from None
+    optimizer = optimizer_module()
+    if optimizer is None:
+        raise Unavailable("onnxruntime.transformers is missing")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fused = optimizer.optimize_model(

@@ -10,23 +10,21 @@ graph: a causal mask (Trilu) or a past key/value input is "gpt2", an image input
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import sys
-import warnings
 
 import onnx
 from onnx import helper
 
 from amp_rewrite.errors import UsageError
+from amp_rewrite.runtime import tools_quiet
 
 CONTRIB = "com.microsoft"
 
 
 def model_types() -> tuple:
     """The model types ORT's optimizer knows, or () when onnxruntime.transformers is missing."""
-    optimizer = _optimizer()
+    optimizer = optimizer_module()
     return ("auto", *optimizer.MODEL_TYPES) if optimizer is not None else ()
 
 
@@ -44,7 +42,7 @@ def detect(model: onnx.ModelProto) -> str:
 
 def fused(model: onnx.ModelProto, model_type: str) -> tuple[onnx.ModelProto, str]:
     """(a fused copy of `model`, a note saying what was fused). The input is never changed."""
-    optimizer = _optimizer()
+    optimizer = optimizer_module()
     if optimizer is None:
         raise UsageError("--fuse needs onnxruntime.transformers (part of the onnxruntime package)")
     chosen = detect(model) if model_type == "auto" else model_type
@@ -55,7 +53,7 @@ def fused(model: onnx.ModelProto, model_type: str) -> tuple[onnx.ModelProto, str
         )
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # the optimizer edits the proto it is given
-    with _quiet():
+    with tools_quiet():
         result = optimizer.optimize_model(copy, model_type=chosen, opt_level=0)
         counts = result.get_fused_operator_statistics()
     out = result.model
@@ -70,11 +68,13 @@ def fused(model: onnx.ModelProto, model_type: str) -> tuple[onnx.ModelProto, str
     return out, note
 
 
-def _optimizer():
+def optimizer_module():
+    """onnxruntime.transformers.optimizer, or None when it cannot be imported."""
     try:
         import onnxruntime.transformers as package
 
-        # its modules import each other as top-level modules from its own folder
+        # its modules import each other as top-level modules from its own folder, which its
+        # __init__ puts on sys.path once per process (a test restoring sys.path drops it)
         folder = os.path.dirname(package.__file__)
         if folder not in sys.path:
             sys.path.append(folder)
@@ -82,17 +82,3 @@ def _optimizer():
     except ImportError:
         return None
     return optimizer
-
-
-@contextlib.contextmanager
-def _quiet():
-    """The optimizer logs every fusion it tries (its modules' loggers are top-level names); the
-    note says what it did."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(previous)

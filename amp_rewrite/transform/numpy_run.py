@@ -134,21 +134,14 @@ def _run_node(node, inputs: list, opset: int):
     raise KeyError(op)
 
 
-def run(model: onnx.ModelProto, feeds: dict, wanted: list) -> list | None:
-    """The arrays of `wanted` in `model` (one graph, default domain) on `feeds`, or None when it
-    holds anything this does not run (the caller opens ONNX Runtime instead)."""
-    if model.functions:
-        return None
-    return run_nodes(model.graph.node, model.graph.initializer, opset_of(model), feeds, wanted)
-
-
 def opset_of(model: onnx.ModelProto) -> int | None:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
 def run_nodes(nodes, initializers, opset: int | None, feeds: dict, wanted: list) -> list | None:
-    """`run` over `nodes` in order, reading `initializers`: a cone of a bigger graph runs without
-    being copied into a model of its own."""
+    """The arrays of `wanted` after running `nodes` in order (default domain, no subgraphs) on
+    `initializers` and `feeds`, or None when they hold anything this does not run (the caller
+    opens ONNX Runtime instead). A cone of a bigger graph runs without being copied into a model."""
     if opset is None:
         return None
     env = {t.name: _array(t) for t in initializers}
