@@ -134,7 +134,8 @@ def test_the_range_run_of_a_transformer_stack_opens_no_session(monkeypatch):
     model = synthetic.transformer_stack(300)
     names = [n.output[0] for n in model.graph.node if n.op_type in ("Add", "LayerNormalization")][-4:]
     types = dict.fromkeys(names, TensorProto.FLOAT)
-    monkeypatch.setattr(numpy_run, "run_nodes", lambda *a: None)  # as before numpy_run: ONNX Runtime's session
+    # as before numpy_run: ONNX Runtime's session
+    monkeypatch.setattr(numpy_run, "run_nodes", lambda *a: None)
     with_ort = range_run.largest_values(model, names, types)
     monkeypatch.undo()
 
