@@ -10,6 +10,8 @@ back to ONNX shape inference.
 
 from __future__ import annotations
 
+import logging
+
 import onnx
 from onnx import TensorProto
 
@@ -19,7 +21,6 @@ from amp_rewrite.errors import UsageError
 from amp_rewrite.io.skeleton import inference_skeleton
 from amp_rewrite.ir import read_scopes
 from amp_rewrite.onnx_facts import TYPE_OF_STRING, all_graphs
-from amp_rewrite.runtime import tools_quiet
 
 
 def _attribute_type(node: onnx.NodeProto) -> int | None:
@@ -192,13 +193,16 @@ def _contrib_shapes(inferred: onnx.ModelProto) -> onnx.ModelProto | None:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
     except ImportError:
         return None
+    previous = logging.root.manager.disable  # (runtime.tools_quiet is above analysis's layer)
+    logging.disable(logging.WARNING)
     try:
-        with tools_quiet():
-            inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
-            inference._preprocess(inferred)
-            while inference.run_:
-                inference._infer_impl()
-            inference._update_output_from_vi()
+        inference = SymbolicShapeInference(2**31 - 1, True, False, 0)
+        inference._preprocess(inferred)
+        while inference.run_:
+            inference._infer_impl()
+        inference._update_output_from_vi()
         return inference.out_mp_
     except Exception:  # noqa: BLE001 - any failure: the shapes onnx's inference gave
         return None
+    finally:
+        logging.disable(previous)
