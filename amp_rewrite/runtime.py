@@ -119,27 +119,32 @@ def _session_source(model, keep_alive: list):
     return str(path)
 
 
-def cuda_options(device_id: int = 0, tf32: bool = False) -> dict:
+def cuda_options(device_id: int = 0, tf32: bool = False, cuda_graph: bool = False) -> dict:
     """The CUDA provider's options: the device, and `use_tf32`. ORT's CUDA provider computes
     float32 MatMul/Conv in TF32 (a 10-bit mantissa, float16's) unless told otherwise; amp-rewrite
     asks for IEEE float32 unless `tf32` (docs/decisions.md: a node kept float32 for accuracy, or
     the float32 reference a check compares with, must not compute at float16's mantissa)."""
-    return {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0"}
+    options = {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0"}
+    if cuda_graph:  # the session captures its run as a CUDA graph (training.runner.SessionRunner)
+        options["enable_cuda_graph"] = "1"
+    return options
 
 
-def providers_for(device: str, device_id: int = 0, tf32: bool = False) -> list:
+def providers_for(device: str, device_id: int = 0, tf32: bool = False, cuda_graph: bool = False) -> list:
     """ORT's `providers` list for a session on `device` ("cuda": CUDA, then CPU for what it lacks)."""
-    return [(CUDA, cuda_options(device_id, tf32)), CPU] if device == "cuda" else [CPU]
+    return [(CUDA, cuda_options(device_id, tf32, cuda_graph)), CPU] if device == "cuda" else [CPU]
 
 
-def _open(source, device: str, options, device_id: int, tf32: bool = False):
+def _open(source, device: str, options, device_id: int, tf32: bool = False, cuda_graph: bool = False):
     """(session, ORT provider used); ORT's load-failure spew silenced while CUDA is tried."""
     runtime = ort()
     cuda = device == "cuda"
     runtime.set_default_logger_severity(_FATAL_ONLY if cuda else _QUIET)
     try:  # ORT prints "EP Error ..." on stdout when a provider's session fails: the error says it
         with contextlib.redirect_stdout(io.StringIO()):
-            sess = runtime.InferenceSession(source, options, providers=providers_for(device, device_id, tf32))
+            sess = runtime.InferenceSession(
+                source, options, providers=providers_for(device, device_id, tf32, cuda_graph)
+            )
     finally:
         runtime.set_default_logger_severity(_ORT_DEFAULT_SEVERITY)
     return sess, (CUDA if CUDA in sess.get_providers() else CPU)
@@ -154,16 +159,17 @@ def open_session(
     what: str = "the model",
     device_id: int = 0,
     tf32: bool = False,
+    cuda_graph: bool = False,
 ):
     """(session, ORT provider used). `model`: a ModelProto or its bytes; `device`: "cuda" or "cpu",
     as a `Deployment` resolved it (`Deployment.device`); a model ORT refuses is `error`. `tf32`:
-    let CUDA compute float32 MatMul/Conv in TF32 (`cuda_options`)."""
+    let CUDA compute float32 MatMul/Conv in TF32 (`cuda_options`); `cuda_graph`: capture runs as a CUDA graph."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: a Deployment resolves it to cuda or cpu")
     keep_alive: list = []
     source = _session_source(model, keep_alive)
     try:
-        sess, used = _open(source, device, options or session_options(), device_id, tf32)
+        sess, used = _open(source, device, options or session_options(), device_id, tf32, cuda_graph)
     except RuntimeUnavailableError:
         raise
     except Exception as exc:  # ORT raises its own untyped errors for invalid graphs

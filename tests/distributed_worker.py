@@ -91,7 +91,7 @@ def equivalence(out, rank):
         np.savez(
             os.path.join(out, f"{name}-rank{rank}.npz"),
             losses=[r.loss for r in results],
-            buckets=len(trainer.runner.buckets.flat),
+            buckets=len(trainer.engine.reduction.buckets.flat),
             **{f"state/{k}": v for k, v in trainer.state().items()},
         )
 

@@ -38,8 +38,8 @@ def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
     if barrier:
         barrier()
     for trainer in trainers.values():
-        for key in getattr(trainer.runner, "timings", {}):
-            trainer.runner.timings[key] = 0.0
+        for key in getattr(getattr(trainer.engine, "reduction", None), "timings", {}):
+            trainer.engine.reduction.timings[key] = 0.0
     times = {name: [] for name in trainers}
     for i in range(repeat):
         for name, trainer in trainers.items():
@@ -50,7 +50,7 @@ def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
         name: {
             "median": statistics.median(t),
             "mean": sum(t) / repeat,
-            "phases": {k: v / repeat for k, v in getattr(trainers[name].runner, "timings", {}).items()},
+            "phases": {k: v / repeat for k, v in getattr(getattr(trainers[name].engine, "reduction", None), "timings", {}).items()},
         }
         for name, t in times.items()
     }
@@ -69,7 +69,7 @@ def worker(args) -> int:
     from amp_rewrite.training.distributed import shard
 
     trainers = {"mpi": make_trainer(args, distributed="mpi", bucket_mb=args.bucket_mb)}
-    comm = trainers["mpi"].runner.comm
+    comm = trainers["mpi"].engine.reduction.comm
     if comm.Get_size() == 1:
         trainers["single"] = make_trainer(args)
     feeds = [shard(f) for f in make_feeds((784,), args.global_batch)]

@@ -3,6 +3,7 @@
     python tools/bench_train.py                          # MLP, CNN, BERT; 1 thread and the default
     python tools/bench_train.py --models mlp --threads 1 --rounds 10
     python tools/bench_train.py --recompute              # BERT batch 64: recompute="auto" vs torch checkpointing
+    python tools/bench_train.py --device cuda [--cuda-graph]  # on the GPU: torch on CUDA beside the Trainer
 
 Each contender (torch eager float32, torch CPU autocast bfloat16, ONNX Runtime training artifacts
 when an onnxruntime-training Python is given with --ort-training-python or AMP_ORT_TRAINING_PYTHON,
@@ -12,6 +13,11 @@ after warm-up; ratios are medians of per-round ratios to torch float32 (and, in 
 table, the trainer's to ONNX Runtime training when both ran). Memory is the peak RSS above
 the process's floor after its imports (VmHWM minus VmRSS then): setup and steps. Every contender
 trains with AdamW(1e-3, weight decay 1e-2) on a cross-entropy loss.
+
+`--device cuda`: torch and the Trainer (provider "cuda"; `--cuda-graph` captures its step) run on
+the GPU, and torch-bf16 becomes torch's CUDA recipe, autocast float16 with a GradScaler. Each step
+returns its loss to the host, so every contender's time includes its device work. Memory stays the
+host's peak RSS (device memory: ONNX Runtime's arena and torch's caching allocator differ in kind).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ BERT = dict(
 SEQ = 128
 CONTENDERS = ("torch", "torch-bf16", "ort-training", "trainer", "trainer-fp16")
 LR = 1e-3
+DEVICE = os.environ.get("AMP_BENCH_DEVICE", "cpu")  # the children's device, set by the driver's --device
+CUDA_GRAPH = os.environ.get("AMP_BENCH_CUDA_GRAPH") == "1"
 
 
 def _uniform(rng, fan_in, shape):
@@ -191,6 +199,7 @@ def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
         if recompute:
             module.gradient_checkpointing_enable()
         params = list(module.parameters())
+        module.to(DEVICE)
         feeds = [(torch.from_numpy(f["input_ids"]), torch.from_numpy(f["labels"])) for f in bert_feeds(batch)]
 
         def loss_of(x, labels):
@@ -198,7 +207,7 @@ def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
     else:
         _, weights, shape = mlp(width=1024) if kind == "mlp" else small_cnn()
-        tensors = {k: torch.tensor(v, requires_grad=True) for k, v in weights.items()}
+        tensors = {k: torch.tensor(v, requires_grad=True, device=DEVICE) for k, v in weights.items()}
         params = list(tensors.values())
         feeds = [(torch.from_numpy(f["x"]), torch.from_numpy(f["labels"])) for f in make_feeds(shape, batch)]
 
@@ -219,17 +228,21 @@ def _torch_step(kind, threads, bf16, batch, recompute, model_dir):
             return F.cross_entropy(x.float(), labels)
 
     optimizer = torch.optim.AdamW(params, lr=LR)
+    feeds = [(x.to(DEVICE), labels.to(DEVICE)) for x, labels in feeds]
+    low = torch.float16 if DEVICE == "cuda" else torch.bfloat16  # CUDA's recipe: float16, scaled
+    scaler = torch.amp.GradScaler(DEVICE, enabled=bf16 and DEVICE == "cuda")
 
     def step(i):
         x, labels = feeds[i % len(feeds)]
         optimizer.zero_grad(set_to_none=True)
         if bf16:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(DEVICE, dtype=low):
                 loss = loss_of(x, labels)
         else:
             loss = loss_of(x, labels)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         return loss.item()
 
     return floor, step
@@ -248,11 +261,13 @@ def _trainer_step(kind, threads, precision, batch, recompute, model_dir):
         model, feeds = model.SerializeToString(), make_feeds(shape, batch)
         model = onnx.load_from_string(model)
     options = {"threads": threads} if threads else {}  # an older checkout, compared with PYTHONPATH, has none
+    if CUDA_GRAPH:
+        options["cuda_graph"] = True
     trainer = Trainer(
         model,
         optimizer=AdamW(LR),
         precision=precision,
-        provider="cpu",
+        provider=DEVICE,
         recompute=recompute,
         verbose=False,
         **options,
@@ -464,6 +479,8 @@ def main(argv=None) -> int:
         "--recompute", action="store_true", help="BERT at batch 64 with and without recompute"
     )
     parser.add_argument("--ort-training-python", default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every contender runs")
+    parser.add_argument("--cuda-graph", action="store_true", help="the Trainer captures its CUDA step")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-threads", type=int, default=0, help=argparse.SUPPRESS)
@@ -473,6 +490,8 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
+    os.environ["AMP_BENCH_DEVICE"] = args.device  # the children read it (DEVICE, CUDA_GRAPH)
+    os.environ["AMP_BENCH_CUDA_GRAPH"] = "1" if args.cuda_graph else "0"
     model_dir = tempfile.mkdtemp(prefix="bench-train-")
     try:
         if args.recompute:

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     gradients = {engine: [] for engine in trainers}
     for r in range(args.warmup + args.rounds):
         for engine in list(trainers)[:: 1 if r % 2 else -1]:
-            runner = trainers[engine].runner
+            runner = trainers[engine].engine
             start = time.perf_counter()
             runner.compute_gradients(feeds[r % len(feeds)])
             middle = time.perf_counter()

@@ -1,6 +1,6 @@
 """The Trainer's arguments checked and resolved before anything is built: the choices (precision,
 `on_nonfinite`), the data-parallel options, `threads`, the optimizer (no loss scaling of its own),
-the trainable/frozen patterns, the model through the one loader, and the device it will run on.
+the trainable/frozen patterns, the model through the one loader, and the Deployment it will run on.
 Each bad argument is one TrainingError line.
 """
 
@@ -11,10 +11,10 @@ import re
 
 import onnx
 
-from amp_rewrite.errors import AmpRewriteError, TrainingError
+from amp_rewrite.deployment import Deployment
+from amp_rewrite.errors import AmpRewriteError, TrainingError, UsageError
 from amp_rewrite.io import load
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
-from amp_rewrite.training.runner import deployment_for
 
 PRECISIONS = ("float16", "bfloat16", "float32")
 NONFINITE_POLICIES = ("skip", "retry")
@@ -79,15 +79,20 @@ def check_optimizer(optimizer) -> Optimizer:
     return optimizer
 
 
-def device_for(provider: str) -> str:
-    """'cuda' or 'cpu', where the step will run (the Deployment resolves `provider`, CUDA probed once
-    per process): known before the rewrite, which colours for it."""
-    return deployment_for(provider).device
+def deployment(provider: str, precision: str) -> Deployment:
+    """The Trainer's `provider` and `precision` as one Deployment (deployment.py's vocabulary),
+    resolved once: the engine reads its device (engine.plan), known before the rewrite, which
+    colours for it. A bad provider is a TrainingError."""
+    try:
+        return Deployment(provider=provider, target="float16" if precision == "float32" else precision)
+    except UsageError as error:
+        raise TrainingError(f"provider: {error}") from None
 
 
-def check_tf32(tf32) -> None:
-    if not isinstance(tf32, bool):
-        raise TrainingError(f"tf32 must be True or False, got {tf32!r}")
+def check_flag(name: str, value) -> None:
+    """`tf32`, `cuda_graph`: True or False."""
+    if not isinstance(value, bool):
+        raise TrainingError(f"{name} must be True or False, got {value!r}")
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

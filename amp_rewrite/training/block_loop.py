@@ -50,6 +50,12 @@ def program(ops: list, buffers: dict, holders: dict, env: dict, size: int) -> tu
         return None
 
 
+def takes(ops: list) -> bool:
+    """Whether the C loop has an opcode for every op of a chain ((function, inputs, output) each);
+    its operands are checked when it is bound (`program`)."""
+    return AVAILABLE and all(f in _OPCODES and 1 <= len(inputs) <= 2 for f, inputs, _ in ops)
+
+
 def run(calls: tuple) -> None:
     for arguments in calls:
         _blocks.run(*arguments)

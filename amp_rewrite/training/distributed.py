@@ -7,7 +7,8 @@ a few flat float32 buckets, each bucket is summed across ranks in one `Allreduce
 local loss and non-finite flag, and then every rank applies the same gated update with the global
 flag. So a non-finite gradient on one rank skips the step everywhere and the loss scales stay
 equal. The one step graph is cut in two for this (`split_step.py`,
-run by `split_runner.SplitRunner`, as the single-process Trainer runs it on CPU).
+run by `split_runner.SplitRunner` with `MpiReduction` between its halves, as the single-process
+Trainer runs it on CPU without).
 
 Start: weights, optimizer slots and loss-scale state are broadcast from rank 0, after every rank
 has checked that it built the same step graph. `save`/`export` write on rank 0 only, `load` reads
@@ -26,8 +27,6 @@ import time
 import numpy as np
 
 from amp_rewrite.errors import AmpRewriteError, TrainingError
-from amp_rewrite.training.split_runner import SplitRunner
-from amp_rewrite.training.step_graph import UNSCALED_PREFIX, StepGraph
 
 DEFAULT_BUCKET_MB = 25.0  # torch DDP's default bucket size
 MEAN_LOSSES = ("cross_entropy", "mse")
@@ -66,7 +65,7 @@ def mpiexec_environment(env: dict | None = None) -> dict:
 def install_abort_hook(comm=None) -> None:
     """Make an uncaught exception on this rank end the whole job: one line naming the rank, then
     `Abort`, since the other ranks would otherwise wait in their next collective forever. Called by
-    the MpiRunner; call it first thing in a script to cover the code before it too."""
+    the MpiReduction; call it first thing in a script to cover the code before it too."""
     comm = comm or mpi().COMM_WORLD
     if getattr(sys.excepthook, "amp_rewrite_abort", False):
         return
@@ -142,11 +141,11 @@ class GradientBuckets:
         self.tail = self.flat[-1][-_TAIL:]
 
 
-class MpiRunner:
-    """The step runner of one rank of a data-parallel job (`Trainer(..., distributed="mpi")`, see
-    the module doc): a `SplitRunner` with the Allreduce between its halves (the gradient session,
-    then the update: numpy's host update on CPU, an apply session on CUDA); the one copy of the
-    state is updated in place.
+class MpiReduction:
+    """The reduction step of one rank of a data-parallel job (`Trainer(..., distributed="mpi")`, see
+    the module doc), between the halves of the split engine (split_runner.SplitRunner: the gradient
+    session, the Allreduce, then the update: numpy's host update on CPU, an apply session on CUDA);
+    the one copy of the state is updated in place.
 
     Each rank feeds its own share of every batch (`shard`). `loss_reduction`: "mean" (the
     built-in losses; the default for a named loss output) or "sum" (a loss summed over samples,
@@ -158,18 +157,12 @@ class MpiRunner:
 
     def __init__(
         self,
-        step: StepGraph,
-        initial: dict[str, np.ndarray],
-        lr: float,
-        provider: str,
-        precision: str,
         loss: str,
         threads: int = 0,
         loss_reduction: str | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         device_id: int | None = None,
         comm=None,
-        tf32: bool = False,
     ):
         self.loss_reduction = _check_reduction(loss, loss_reduction)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -183,35 +176,42 @@ class MpiRunner:
         local = self.comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
         local_rank, local_size = local.Get_rank(), local.Get_size()
         local.Free()
-        device_id = local_rank if device_id is None else int(device_id)
+        self.device_id = local_rank if device_id is None else int(device_id)
         if not threads and hasattr(os, "sched_getaffinity"):
             threads = max(1, len(os.sched_getaffinity(0)) // local_size)
+        self.threads = threads
         self.timings = {"gradient": 0.0, "allreduce": 0.0, "apply": 0.0}
+        self.loss_share = 1.0 / self.size if self.loss_reduction == "mean" else 1.0
+        self.flag = np.zeros((), np.bool_)  # the global skip flag the update reads
+        self.buckets: GradientBuckets | None = None
+        self.description = f"the gradients summed over {self.size} MPI ranks"
 
-        self._share = 1.0 / self.size if self.loss_reduction == "mean" else 1.0
-        shapes = {UNSCALED_PREFIX + w: initial[w].shape for w in step.weights}
+    def gradient_arrays(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """The arrays the gradient session writes into: views of the flat buckets."""
         self.buckets = GradientBuckets(shapes, self.bucket_bytes)
-        self._global_skipped = np.zeros((), np.bool_)  # what the update reads
-        self.halves = SplitRunner(
-            step,
-            initial,
-            lr,
-            provider,
-            precision,
-            threads=threads,
-            device_id=device_id,
-            loss_share=self._share,
-            gradients=self.buckets.views,
-            flag=self._global_skipped,
-            tf32=tf32,
-        )
-        self._check_same_step_graph(self.halves.split)
-        self.state, self.device, self.feed_types = (
-            self.halves.state,
-            self.halves.device,
-            self.halves.feed_types,
-        )
-        self.share_state()
+        self.description += f" ({len(self.buckets.flat)} buckets)"
+        return self.buckets.views
+
+    def attach(self, engine) -> None:
+        """Checks that every rank built the same step, then gives every rank rank 0's state."""
+        self._check_same_step_graph(engine.split)
+        self.share_state(engine.state)
+
+    def reduce(self, loss: np.ndarray, skipped: np.ndarray) -> tuple[float, bool]:
+        """The buckets, loss and flag summed over ranks; the global flag set for the update."""
+        tail = self.buckets.tail
+        tail[0] = loss * np.float32(self.loss_share)
+        tail[1] = 1.0 if skipped else 0.0
+        for flat in self.buckets.flat:
+            self.comm.Allreduce(self._mpi.IN_PLACE, flat, op=self._mpi.SUM)
+        self.flag[...] = tail[1] > 0
+        return float(tail[0]), bool(self.flag)
+
+    def timed(self, phase: str, action, *arguments):
+        started = time.perf_counter()
+        result = action(*arguments)
+        self.timings[phase] += time.perf_counter() - started
+        return result
 
     def _check_same_step_graph(self, split) -> None:
         """Every rank must run the same step, or the Allreduce sizes differ and the job hangs."""
@@ -230,38 +230,16 @@ class MpiRunner:
                 "precision or trainer options differ): every rank must run the same training script"
             )
 
-    def share_state(self) -> None:
+    def share_state(self, state) -> None:
         """Weights, optimizer slots, step count, loss-scale state and learning rate from rank 0."""
-        names = sorted(self.state.values)
-        state = {name: self.state.read(name) for name in names}
+        names = sorted(state.values)
+        arrays = {name: state.read(name) for name in names}
         for name in names:
-            self.comm.Bcast(state[name], root=0)
-        lr = np.array(self.state.lr.numpy(), np.float32)
+            self.comm.Bcast(arrays[name], root=0)
+        lr = np.array(state.lr.numpy(), np.float32)
         self.comm.Bcast(lr, root=0)
-        self.state.write(state)
-        self.state.lr.update_inplace(lr)
-
-    def run(self, batch: dict[str, np.ndarray]) -> tuple[float, bool]:
-        """Gradients of this rank's batch, summed over ranks, then the same update on every rank."""
-        started = time.perf_counter()
-        self.halves.compute_gradients(batch)
-        computed = time.perf_counter()
-        tail = self.buckets.tail
-        tail[0] = self.halves.loss * np.float32(self._share)
-        tail[1] = 1.0 if self.halves.skipped else 0.0
-        for flat in self.buckets.flat:
-            self.comm.Allreduce(self._mpi.IN_PLACE, flat, op=self._mpi.SUM)
-        reduced = time.perf_counter()
-        self._global_skipped[...] = tail[1] > 0
-        self.halves.apply()
-        applied = time.perf_counter()
-        for key, seconds in (
-            ("gradient", computed - started),
-            ("allreduce", reduced - computed),
-            ("apply", applied - reduced),
-        ):
-            self.timings[key] += seconds
-        return float(tail[0]), bool(self._global_skipped)
+        state.write(arrays)
+        state.lr.update_inplace(lr)
 
     def check_batch_count(self, count: int) -> None:
         """Every rank must take as many steps, or the last ones wait for the others forever."""

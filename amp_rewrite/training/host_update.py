@@ -10,10 +10,12 @@ is still written once, as ONNX. Tensors are *big* (an input of at least `BIG` el
 elementwise op of a big one: blocked, written into preallocated buffers, a chain's result into the
 state array in place) or *small* (scalars and reductions of an input: evaluated whole each step,
 like the `If` on the skip flag). The ops are ONNX Runtime's, in its order, each rounded as it
-rounds (a small Pow through C's powf, `_power`), so the state equals the apply session's bit for
-bit (tests/training/test_host_update.py); a reduction's sum (a global-norm clip) is taken in another
-order, within float32 rounding. An op outside the tables below (a user's optimizer) compiles to
-None, and the runner keeps ONNX Runtime's apply session.
+rounds (a small Pow through C's powf, `_power`). The promise is a tolerance, tested
+(tests/training/test_host_update.py): the state stays within 1e-6 of itself of the apply session's,
+step after step; it is bit for bit where numpy, libm and ONNX Runtime agree, as here, but another
+powf may round beta^t an ulp apart, and a reduction's sum (a global-norm clip) is taken in another
+order. An op outside the tables below (a user's optimizer) is `Unsupported`: ONNX Runtime's apply
+session runs that update (split_runner.py).
 """
 
 from __future__ import annotations
@@ -32,17 +34,10 @@ BLOCK = 65536  # elements per block: fewer calls than 32K, as fast from cache (1
 BIG = 2  # inputs of 2+ elements run in chains, biases too: a chain's call costs about 1 us, a node
 # evaluated whole about 7 (the MLP's update 0.15 ms faster than from 4096 elements up)
 
-_FLOAT_OPS = {  # elementwise, float32 in and out: blocked when an input is big
-    "Add": np.add,
-    "Sub": np.subtract,
-    "Mul": np.multiply,
-    "Div": np.divide,
-    "Sqrt": np.sqrt,
-    "Neg": np.negative,
-    "Reciprocal": np.reciprocal,
-    "Abs": np.absolute,
-    "Sign": np.sign,
-}
+_FLOAT_OPS = dict(  # elementwise, float32 in and out: blocked when an input is big
+    Add=np.add, Sub=np.subtract, Mul=np.multiply, Div=np.divide, Sqrt=np.sqrt, Neg=np.negative,
+    Reciprocal=np.reciprocal, Abs=np.absolute, Sign=np.sign,
+)  # fmt: skip
 
 
 def _divide(a, b):
@@ -74,24 +69,12 @@ def _power(base, exponent):
     return np.asarray(power(base, np.asarray(exponent).astype(base.dtype)), base.dtype)
 
 
-_SMALL_OPS = {  # evaluated whole, on scalars and small tensors
-    **_FLOAT_OPS,
-    "Pow": _power,
-    "Div": _divide,
-    "Min": np.minimum,
-    "Max": np.maximum,
-    "And": np.logical_and,
-    "Or": np.logical_or,
-    "Not": np.logical_not,
-    "Greater": np.greater,
-    "GreaterOrEqual": np.greater_equal,
-    "Less": np.less,
-    "LessOrEqual": np.less_equal,
-    "Equal": np.equal,
-    "IsNaN": np.isnan,
-    "IsInf": np.isinf,
-    "Where": np.where,
-}
+_SMALL_OPS = _FLOAT_OPS | dict(  # evaluated whole, on scalars and small tensors
+    Pow=_power, Div=_divide, Min=np.minimum, Max=np.maximum, And=np.logical_and,
+    Or=np.logical_or, Not=np.logical_not, Greater=np.greater, GreaterOrEqual=np.greater_equal,
+    Less=np.less, LessOrEqual=np.less_equal, Equal=np.equal, IsNaN=np.isnan, IsInf=np.isinf,
+    Where=np.where,
+)  # fmt: skip
 _REDUCTIONS = {"ReduceSumSquare": lambda x: np.dot(x.reshape(-1), x.reshape(-1)), "ReduceSum": np.sum}
 
 
@@ -134,8 +117,8 @@ class HostUpdate:
     @classmethod
     def compile(cls, apply: onnx.ModelProto, arrays: dict[str, np.ndarray], next_state: dict[str, str]):
         """The program of `apply` over `arrays` (an array per apply input: state, gradients, flag,
-        rate), writing each state's next value into its array; None when `apply` holds an op or a
-        form this does not run."""
+        rate), writing each state's next value into its array. `Unsupported` (saying what) when
+        `apply` holds an op or a form this does not run: ONNX Runtime's apply session runs it then."""
         graph = apply.graph
         missing = [i.name for i in graph.input if i.name not in arrays]
         if missing:
@@ -145,15 +128,25 @@ class HostUpdate:
         big = {name: a.shape for name, a in arrays.items() if a.dtype == np.float32 and a.size >= BIG}
         writes = {out: state for state, out in next_state.items()}
         scalars = {name for name, value in env.items() if np.size(value) == 1}
-        try:
-            program = _compile(list(graph.node), _Scope(big, writes, env, scalars))
-        except Unsupported:
-            return None
-        return cls(program, env)
+        return cls(_compile(list(graph.node), _Scope(big, writes, env, scalars)), env)
 
     def run(self) -> None:
         with np.errstate(all="ignore"):  # Inf and NaN are values here, as in ONNX Runtime: no warnings
             _run(self._program, self._env)
+
+    @property
+    def engine(self) -> str:
+        """What runs the chains: "C loop" where the extension takes them all (block_loop.py), else
+        "numpy" (for some: "C loop, numpy for N chains")."""
+        chains = _chains(self._program)
+        numpy = sum(not (c.native and block_loop.takes(c.ops)) for c in chains)
+        return (
+            "numpy"
+            if numpy == len(chains) or not chains
+            else f"C loop, numpy for {numpy} chains"
+            if numpy
+            else "C loop"
+        )
 
     def blocked_sizes(self) -> list[int]:
         """The element count of each blocked chain, the If's branches included."""
@@ -161,8 +154,13 @@ class HostUpdate:
 
 
 def _chain_sizes(program: _Program) -> list[int]:
-    inner = [n for step in program.small for p in getattr(step, "programs", ()) for n in _chain_sizes(p)]
-    return [chain.size for chain in program.chains] + inner
+    return [chain.size for chain in _chains(program)]
+
+
+def _chains(program: _Program) -> list[_Chain]:
+    """The program's chains, its If's branches' included."""
+    inner = [c for step in program.small for p in getattr(step, "programs", ()) for c in _chains(p)]
+    return list(program.chains) + inner
 
 
 @dataclasses.dataclass
@@ -182,7 +180,7 @@ def _compile(nodes: list, scope: _Scope) -> _Program:
     small, by_shape, computed, handled, written = [], {}, set(), set(), set()
     for node in nodes:
         if node.domain not in ("", "ai.onnx") or len(node.output) != 1 and node.op_type != "If":
-            raise Unsupported(node.op_type)
+            raise Unsupported(f"{node.domain or 'ai.onnx'} op {node.op_type} {node.name!r}")
         node = _deduplicated_inputs(node, scope.same)
         reads = set(node.input)
         if reads & written:  # a state an If has already updated in place
@@ -204,7 +202,7 @@ def _compile(nodes: list, scope: _Scope) -> _Program:
             by_shape.setdefault(big[node.output[0]], []).append(node)
         elif big_inputs:
             if node.op_type not in _REDUCTIONS or computed & reads or not _reduces_all(node):
-                raise Unsupported(node.op_type)
+                raise Unsupported(f"op {node.op_type} {node.name!r}")
             small.append(_small_step(node))
             scope.scalars.add(node.output[0])
         elif not _repeats(node, scope):
@@ -273,7 +271,7 @@ def _small_step(node: onnx.NodeProto):
     elif op in _SMALL_OPS and not (op in ("Min", "Max") and len(inputs) != 2):
         function = _SMALL_OPS[op]
     else:
-        raise Unsupported(op)
+        raise Unsupported(f"op {op} {node.name!r}")
 
     def step(env):
         env[output] = np.asarray(function(*[env[name] for name in inputs]))

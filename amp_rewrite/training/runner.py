@@ -1,4 +1,5 @@
-"""The step runner: one ONNX Runtime session, the training state in ONNX Runtime's memory.
+"""The step's sessions and state: one ONNX Runtime session per graph, the training state in
+ONNX Runtime's memory, and the one-session engine (`SessionRunner`, engine.py picks it for CUDA).
 
 Every state tensor (master weights, optimizer slots, step count, loss-scale state) is one OrtValue
 on the session's device, bound with IOBinding as the step's input *and* as the output holding its
@@ -8,10 +9,6 @@ state tensor runs before the node that writes it (`check_in_place`, checked once
 writers are the flat update's Reshapes (flat_update.py), elementwise ops or the update's `If`,
 whose branches are checked alike. `read`/`write` copy a tensor out or in on demand
 (checkpoints, export, the skip diagnostic).
-
-On CPU the Trainer runs the step split in two instead (`split_runner.SplitRunner`: a gradient
-session, then the update on the host); the data-parallel runner (`distributed.MpiRunner`) puts its
-Allreduce between the two. All have the surface of `SessionRunner`.
 """
 
 from __future__ import annotations
@@ -19,47 +16,37 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from amp_rewrite import ir
-from amp_rewrite.autodiff.emitter import Emitter
-from amp_rewrite.autodiff.graphinfo import node_inputs
-from amp_rewrite.deployment import Deployment
-from amp_rewrite.errors import TrainingError, UsageError
-from amp_rewrite.onnx_facts import default_opset, names_in, reads
+from amp_rewrite.errors import TrainingError
+from amp_rewrite.onnx_facts import reads
 from amp_rewrite.runtime import CUDA, open_session, session_options
 from amp_rewrite.training.feeds import ort_message
 from amp_rewrite.training.step_graph import LR_INPUT, SKIPPED_OUTPUT, StepGraph
 
 
-def deployment_for(provider: str) -> Deployment:
-    """The Trainer's `provider` as a Deployment (deployment.py's vocabulary); a bad one is a TrainingError."""
-    try:
-        return Deployment(provider=provider)
-    except UsageError as error:
-        raise TrainingError(f"provider: {error}") from None
-
-
 def open_step_session(
     model: onnx.ModelProto,
-    provider: str,
+    device: str,
     precision: str,
     device_id: int = 0,
     threads: int = 0,
     tf32: bool = False,
+    cuda_graph: bool = False,
 ):
-    """(session, OrtValue device: 'cuda' or 'cpu'); provider='cuda' that does not load is an error.
+    """An ONNX Runtime session of a step graph on `device` ("cuda" or "cpu", as the engine's plan
+    resolved it once); CUDA that does not load after all is an error, not a silent CPU run.
     `threads`: CPU intra-op threads (0: ONNX Runtime's default). ONNX Runtime's memory pattern is
     off: it plans one block for every intermediate of the step, which on a BERT 4Lx256H at batch 16
     raised the peak above the floor from 2010 to 3280 MB at no measured gain in speed. On CPU the
     graph is optimised to the extended level, without the NCHWc layout pass: its reorders around
     every forward and backward Conv cost more than they gained (the small CNN's step at 1 thread,
     alternating in one process: 55.8 vs 63.2 and 58.9 vs 62.0 ms CPU; the MLP equal). `tf32`: CUDA
-    computes the step's float32 MatMul/Conv in TF32 (runtime.cuda_options; off: IEEE float32)."""
-    device = deployment_for(provider).device
+    computes the step's float32 MatMul/Conv in TF32 (runtime.cuda_options; off: IEEE float32).
+    `cuda_graph`: ONNX Runtime captures the step as a CUDA graph and replays it (runner.SessionRunner)."""
     settings = {}
     if device == "cpu":
-        model = log_sum_exp_by_log_softmax(model)
         settings["graph_optimization_level"] = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     try:
         options = session_options(intra_op_num_threads=threads, enable_mem_pattern=False, **settings)
@@ -69,11 +56,12 @@ def open_step_session(
             options=options,
             device_id=device_id,
             tf32=tf32,
+            cuda_graph=cuda_graph,
             error=TrainingError,
             what="the step graph",
         )
-        if provider == "cuda" and used != CUDA:
-            raise TrainingError("provider='cuda' was asked for but ONNX Runtime's CUDA provider did not load")
+        if device == "cuda" and used != CUDA:
+            raise TrainingError("ONNX Runtime's CUDA provider did not load for the step graph")
         return session, "cuda" if used == CUDA else "cpu"
     except TrainingError as error:
         text = ort_message(str(error))
@@ -83,77 +71,6 @@ def open_step_session(
             f"{text} (ONNX Runtime's CPU provider lacks most bfloat16 kernels: "
             "use the CUDA provider or float16)"
         ) from None
-
-
-def log_sum_exp_by_log_softmax(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with each ReduceLogSumExp over the last axis (the cross-entropy's) computed as
-    x[..., :1] - LogSoftmax(x)[..., :1]; the model itself when it has none. ONNX Runtime's CPU
-    kernel for ReduceLogSumExp is scalar: on [2048, 30522] (a BERT's LM head at batch 16) it takes
-    430-570 ms at one thread where LogSoftmax, vectorised, takes 72-76 ms, and is further from
-    float64 (8e-5 vs 1e-5). The output keeps its name, so the backward still reads x and it; its
-    Exp(x - lse) (the gradient's softmax) becomes Softmax(x), one vectorised pass instead of two."""
-    graph = model.graph
-    constants = {t.name: t for t in graph.initializer}
-    found = [n for n, node in enumerate(graph.node) if _log_sum_exp_axis(constants, node) == -1]
-    if not found:
-        return model
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes = list(out.graph.node)
-    e = Emitter([], out.graph.initializer, default_opset(out), names_in(out.graph), scope="lse")
-    outputs = {o.name for o in graph.output}
-    replaced = _softmax_for_exp_of_difference(nodes, [nodes[n] for n in found], outputs)
-    for n in found:
-        node, e.nodes = nodes[n], []
-        e.scope = f"{node.name or 'lse'}/by_log_softmax"
-        x, first = node.input[0], (e.ints([0]), e.ints([1]), e.ints([-1]))
-        log_softmax = e.op("LogSoftmax", [x], axis=-1)
-        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
-        pair = [e.op("Slice", [x, *first]), e.op("Slice", [log_softmax, *first])]
-        if keepdims:
-            e.op("Sub", pair, [node.output[0]])
-        else:
-            e.op("Squeeze", [e.op("Sub", pair), e.ints([-1])], [node.output[0]])
-        replaced[n] = e.nodes
-    kept = [new for n, node in enumerate(nodes) for new in replaced.get(n, [node])]
-    copies = [onnx.NodeProto() for _ in kept]
-    for copy, node in zip(copies, kept):
-        copy.CopyFrom(node)
-    del out.graph.node[:]
-    out.graph.node.extend(copies)
-    return out
-
-
-def _softmax_for_exp_of_difference(nodes: list, log_sum_exps: list, outputs: set) -> dict[int, list]:
-    """{node index: its replacement}: Exp(Sub(x, lse)) read from a kept-dims log-sum-exp of x over
-    the last axis becomes one Softmax(x) writing the Exp's output (the Sub, read only there, goes)."""
-    readers = ir.readers(node_inputs(node) for node in nodes)
-    replaced: dict[int, list] = {}
-    for lse in log_sum_exps:
-        if not next((a.i for a in lse.attribute if a.name == "keepdims"), 1):
-            continue
-        for s in readers.get(lse.output[0], ()):
-            sub = nodes[s]
-            after = readers.get(sub.output[0], [])
-            if sub.op_type != "Sub" or list(sub.input) != [lse.input[0], lse.output[0]] or len(after) != 1:
-                continue
-            exp = nodes[after[0]]
-            if exp.op_type == "Exp" and sub.output[0] not in outputs:
-                softmax = helper.make_node(
-                    "Softmax", [lse.input[0]], list(exp.output), name=exp.name, axis=-1
-                )
-                replaced[s], replaced[after[0]] = [], [softmax]
-    return replaced
-
-
-def _log_sum_exp_axis(constants: dict, node: onnx.NodeProto) -> int | None:
-    """The one axis a ReduceLogSumExp node reduces, when it is written as a constant (else None)."""
-    if node.op_type != "ReduceLogSumExp" or node.domain not in ("", "ai.onnx"):
-        return None
-    axes = next((list(a.ints) for a in node.attribute if a.name == "axes"), None)
-    if axes is None and len(node.input) > 1 and node.input[1] in constants:
-        axes = numpy_helper.to_array(constants[node.input[1]]).reshape(-1).tolist()
-    return axes[0] if axes is not None and len(axes) == 1 else None
 
 
 def feed_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
@@ -223,37 +140,128 @@ class SingleProcess:
 
 
 class SessionRunner(SingleProcess):
-    """The one-graph step in one session (see the module doc)."""
+    """The one-graph step in one session (see the module doc). With `cuda_graph` (CUDA, every node
+    on the device: engine.cuda_graph_refusal), ONNX Runtime captures the step and replays it: the
+    batch is copied into device buffers bound once (a graph replays the addresses it captured), and
+    a batch of other shapes runs in a plain session over the same state, said once. ONNX Runtime's
+    first run of such a session runs the graph three times (two runs to allocate, one to capture:
+    its min_num_runs_before_cuda_graph_capture_ is 2, and Run recurses until captured), and the
+    step updates its state in place: so the state is saved before that run and written back after
+    it, and the batch then steps once, replayed. A session that cannot capture is said and replaced
+    by a plain one. `description`: what runs, for the engine's line."""
 
     def __init__(
         self,
         step: StepGraph,
         initial: dict[str, np.ndarray],
         lr: float,
-        provider: str,
+        device: str,
         precision: str,
         threads: int = 0,
         tf32: bool = False,
+        cuda_graph: bool = False,
+        say=lambda line: None,
     ):
         check_in_place(step.model, step.next_state)
-        self.session, self.device = open_step_session(
-            step.model, provider, precision, threads=threads, tf32=tf32
-        )
+        self._step, self._say = step, say
+        self._options = {"threads": threads, "tf32": tf32}
+        self._precision, self.cuda_graph = precision, cuda_graph
+        try:
+            self.session, self.device = open_step_session(
+                step.model, device, precision, cuda_graph=cuda_graph, **self._options
+            )
+        except TrainingError as error:
+            if not cuda_graph:
+                raise
+            say(f"amp-rewrite: no CUDA graph: ONNX Runtime refused to capture the step ({error})")
+            self.session, self.device = open_step_session(step.model, device, precision, **self._options)
+            self.cuda_graph = False
         self.feed_types = feed_dtypes(step.model)
         self.batch_inputs = step.batch_inputs
         self.state = DeviceState(initial, lr, self.device)
-        self._loss, self._skipped = np.zeros((), np.float32), np.zeros((), np.bool_)
-        self.binding = self.session.io_binding()
-        self.state.bind(self.binding, feed_dtypes(step.model), step.next_state)
-        self.binding.bind_ortvalue_output(step.loss_output, ort.OrtValue.ortvalue_from_numpy(self._loss))
-        self.binding.bind_ortvalue_output(SKIPPED_OUTPUT, ort.OrtValue.ortvalue_from_numpy(self._skipped))
+        self.binding, self._outputs = self._bind(self.session)
+        self._feeds: dict[str, ort.OrtValue] = {}  # the captured graph's batch buffers
+        self._plain = None  # (session, binding, outputs) for batches of another shape
+        how = "forward, backward and the update in one session on " + self.device.upper()
+        self.description = how + ("; replayed as a CUDA graph" if self.cuda_graph else "")
+
+    def _bind(self, session) -> tuple:
+        """`session`'s binding of the state, and of the loss and skip flag (host arrays; on the
+        device under a CUDA graph, which cannot capture a copy to the host)."""
+        binding = session.io_binding()
+        self.state.bind(binding, self.feed_types, self._step.next_state)
+        outputs = {}
+        for name, array in (
+            (self._step.loss_output, np.zeros((), np.float32)),
+            (SKIPPED_OUTPUT, np.zeros((), np.bool_)),
+        ):
+            if self.cuda_graph and session is self.session:
+                outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                    [], array.dtype, self.device, self.state.device_id
+                )
+            else:
+                outputs[name] = ort.OrtValue.ortvalue_from_numpy(array)
+            binding.bind_ortvalue_output(name, outputs[name])
+        return binding, outputs
 
     def run(self, batch: dict[str, np.ndarray]) -> tuple[float, bool]:
         """One step on a batch (converted feeds); returns (loss, skipped)."""
+        if not self.cuda_graph:
+            for name, array in batch.items():
+                self.binding.bind_cpu_input(name, array)
+            self.session.run_with_iobinding(self.binding)
+            return self._result(self._outputs)
+        if not self._feeds and not self._capture(batch):
+            return self.run(batch)  # not captured after all: a plain session now
+        if any(tuple(self._feeds[n].shape()) != a.shape for n, a in batch.items()):
+            return self._run_plain(batch)
         for name, array in batch.items():
-            self.binding.bind_cpu_input(name, array)
+            self._feeds[name].update_inplace(np.ascontiguousarray(array))
         self.session.run_with_iobinding(self.binding)
-        return float(self._loss), bool(self._skipped)
+        return self._result(self._outputs)
+
+    def _capture(self, batch: dict[str, np.ndarray]) -> bool:
+        """Device buffers for the batch, bound once, and the graph captured on `batch` with the
+        state written back afterwards (see the class doc); False, said, where ONNX Runtime fails
+        to capture, and a plain session replaces this one."""
+        for name, array in batch.items():
+            value = ort.OrtValue.ortvalue_from_shape_and_type(
+                list(array.shape), array.dtype, self.device, self.state.device_id
+            )
+            value.update_inplace(np.ascontiguousarray(array))
+            self._feeds[name] = value
+            self.binding.bind_ortvalue_input(name, value)
+        saved = {name: self.state.read(name) for name in self.state.values}
+        try:
+            self.session.run_with_iobinding(self.binding)
+        except Exception as error:  # ONNX Runtime's own errors: a capture it cannot make
+            first = next(iter(str(error).splitlines()), type(error).__name__)
+            self._say(f"amp-rewrite: no CUDA graph: ONNX Runtime failed to capture the step ({first})")
+            self.cuda_graph, self._feeds = False, {}
+            self.session, _ = open_step_session(
+                self._step.model, self.device, self._precision, **self._options
+            )
+            self.binding, self._outputs = self._bind(self.session)
+        self.state.write(saved)
+        return self.cuda_graph
+
+    def _run_plain(self, batch: dict[str, np.ndarray]) -> tuple[float, bool]:
+        """A batch whose shapes differ from the captured graph's, in a plain session (opened once)."""
+        if self._plain is None:
+            shapes = {n: list(v.shape()) for n, v in self._feeds.items()}
+            self._say(f"amp-rewrite: a batch of other shapes than the CUDA graph's {shapes}: run without it")
+            session, _ = open_step_session(self._step.model, self.device, self._precision, **self._options)
+            self._plain = (session, *self._bind(session))
+        session, binding, outputs = self._plain
+        for name, array in batch.items():
+            binding.bind_cpu_input(name, array)
+        session.run_with_iobinding(binding)
+        return self._result(outputs)
+
+    @staticmethod
+    def _result(outputs: dict) -> tuple[float, bool]:
+        loss, skipped = (value.numpy() for value in outputs.values())
+        return float(loss), bool(skipped)
 
 
 def check_in_place(model: onnx.ModelProto, next_state: dict[str, str]) -> None:

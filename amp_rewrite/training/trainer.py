@@ -1,9 +1,11 @@
-"""The loss-scaled training wrapper: builds the step graph once and drives it through a runner.
+"""The loss-scaled training wrapper: step graph -> engine -> (optional) MPI reduction.
 
-The runner (`runner.SessionRunner` on CUDA, `split_runner.SplitRunner` on CPU, or
-`distributed.MpiRunner` for data-parallel) owns the session(s) and the one copy of the training
-state, updated in place by each step. The Trainer converts feeds, keeps the skip policy (retry, the skip warning) and reads
-the state out only when asked (`state`, `save`, `export`).
+The step graph is built once (step_graph.py, engine.step_graph_for); the engine that runs it is
+picked in one place from one resolved Deployment (engine.py: one session on CUDA, a gradient
+session then the host update on CPU, the Allreduce between them over MPI) and owns the session(s)
+and the one copy of the training state, updated in place by each step. The Trainer converts feeds,
+keeps the skip policy (retry, the skip warning) and reads the state out only when asked (`state`,
+`save`, `export`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from amp_rewrite.api import rewrite
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.io import atomic_write
 from amp_rewrite.progress import Progress
-from amp_rewrite.training import arguments, parameters, range_guard, skips
+from amp_rewrite.training import arguments, engine, parameters, range_guard, skips
 from amp_rewrite.training import feeds as feed_checks
 from amp_rewrite.training import precision as precision_line
 from amp_rewrite.training.checkpoint import checkpoint_meta, read_checkpoint, write_checkpoint
@@ -31,9 +33,7 @@ from amp_rewrite.training.loss_scale import (
 )
 from amp_rewrite.training.optimizers import DEFAULT_OPTIMIZER, Optimizer
 from amp_rewrite.training.prepare import prepare
-from amp_rewrite.training.runner import SessionRunner
-from amp_rewrite.training.split_runner import SplitRunner
-from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, apply_precision, build_step_graph
+from amp_rewrite.training.step_graph import LR_INPUT, STEP_STATE, StepGraph, build_step_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,9 @@ class Trainer:
     `verbose`: say what is trained (one line on stderr). `threads`: CPU intra-op threads (0: ONNX
     Runtime's default). `tf32`: on CUDA, the step's float32 MatMul/Conv run in TF32 (ONNX Runtime's
     default, faster, float16's 10-bit mantissa); off (default), IEEE float32, as torch's matmuls.
+    `cuda_graph`: on CUDA, capture the step once and replay it (engine.py says when it cannot).
     `distributed="mpi"`: data-parallel over MPI ranks; its options (`loss_reduction`, `bucket_mb`,
-    `device_id`, `comm`) are described at `amp_rewrite.training.distributed.MpiRunner`.
+    `device_id`, `comm`) are described at `amp_rewrite.training.distributed.MpiReduction`.
     `recompute`: segments whose activations the backward recomputes instead of keeping: node-name
     regexes, "auto" or a byte budget (`amp_rewrite.autodiff.recompute`); `checkpointed` then lists
     the forward tensors kept for it.
@@ -85,13 +86,15 @@ class Trainer:
         recompute=None,
         threads: int = 0,
         tf32: bool = False,
+        cuda_graph: bool = False,
         **distributed_options,
     ):
         self.precision = arguments.check_choice("precision", precision, arguments.PRECISIONS)
         arguments.check_distributed(distributed, distributed_options)
         arguments.check_threads(threads)
-        arguments.check_tf32(tf32)
-        device = arguments.device_for(provider)
+        arguments.check_flag("tf32", tf32)
+        arguments.check_flag("cuda_graph", cuda_graph)
+        plan = engine.plan(arguments.deployment(provider, precision), distributed, cuda_graph)
         say = _say if verbose else (lambda line: None)
         self._model, found = prepare(arguments.load_model(model, say), say)
         self.optimizer = arguments.check_optimizer(optimizer)
@@ -106,8 +109,6 @@ class Trainer:
         floats = [t.name for t in self._model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
         patterns = (arguments.literal_patterns(trainable, floats), arguments.literal_patterns(frozen, floats))
         names = parameters.select(found, floats, *patterns)
-        # CUDA's one session updates flat buffers; CPU's host update runs a chain per tensor (flat_update.py)
-        flat = device == "cuda" and distributed is None
         built = (
             self._model,
             loss,
@@ -117,61 +118,39 @@ class Trainer:
             gradient_builder,
             recompute,
         )
-        step = build_step_graph(*built, flat)
+        step = build_step_graph(*built, plan.flat)
         self.recompute_plan = _recompute_plan(step.model)
         self._float_step = step.model  # what `report` draws
-        self.step_graph: StepGraph = apply_precision(step, self.precision, device)
+        self.step_graph: StepGraph = engine.step_graph_for(step, self.precision, plan.device)
         self._feed_check = feed_checks.FeedCheck.of(
             self.step_graph.model, self.step_graph.batch_inputs, loss, self._model
         )
         sizes = {w: step.initial_state[w].size for w in step.weights}
         initial = step.initial_state
-        # The runner holds the one copy of the state from here on.
+        # The engine holds the one copy of the state from here on.
         self.step_graph = dataclasses.replace(self.step_graph, initial_state={})
         _drop_weight_data(self._model, set(step.weights))
         del step
+        options = {"threads": threads, "tf32": tf32, **distributed_options}
+        self.engine: engine.StepEngine = engine.open_engine(
+            plan, self.step_graph, initial, self.optimizer.lr, self.precision, loss, say=say, **options
+        )
         self._guard = None
-        if distributed is None:
-            # On CPU the step runs in two halves, the update on the host (split_runner.py)
-            single = SplitRunner if device == "cpu" else SessionRunner
-            self.runner = single(
-                self.step_graph,
-                initial,
-                self.optimizer.lr,
-                provider,
-                self.precision,
-                threads=threads,
-                tf32=tf32,
-            )
+        if self.precision != "float32" and distributed is None:
             float_step = dataclasses.replace(self.step_graph, model=self._float_step)
 
             def rebuild(kept: dict) -> None:  # the step again, `kept` float32, around the same state
                 state, lr = self.state() | initial_scale_state(self.loss_scale_policy), self.lr
-                self.step_graph = apply_precision(float_step, self.precision, device, kept)
-                self.runner = single(
-                    self.step_graph, state, lr, provider, self.precision, threads=threads, tf32=tf32
+                self.step_graph = engine.step_graph_for(float_step, self.precision, plan.device, kept)
+                self.engine = engine.open_engine(
+                    plan, self.step_graph, state, lr, self.precision, loss, say=say, **options
                 )
 
-            if self.precision != "float32":
-                self._guard = range_guard.RangeGuard(rebuild, self.precision, say)
-        else:
-            from amp_rewrite.training.distributed import MpiRunner
-
-            self.runner = MpiRunner(
-                self.step_graph,
-                initial,
-                self.optimizer.lr,
-                provider,
-                self.precision,
-                loss,
-                threads=threads,
-                tf32=tf32,
-                **distributed_options,
-            )
+            self._guard = range_guard.RangeGuard(rebuild, self.precision, say)
         del initial
-        self.device = self.runner.device
+        self.device = self.engine.device
         precision_line.announce(self.step_graph.model, self.precision, self.device, say)
-        self._specs = self.runner.state.specs()
+        self._specs = self.engine.state.specs()
         self._watch = skips.Watch(getattr(self.loss_scale_policy, "min_scale", None))
         self._backs_off = isinstance(self.loss_scale_policy, DynamicLossScale)
         self._found_scale = False  # no finite step yet: skip mode retries at the backed-off scale
@@ -214,8 +193,8 @@ class Trainer:
                 "batches is a one-shot iterator: pass a list or a callable for several epochs"
             )
         if not callable(batches) and hasattr(batches, "__len__"):
-            self.runner.check_batch_count(len(batches))
-        if not self.runner.primary:
+            self.engine.check_batch_count(len(batches))
+        if not self.engine.primary:
             progress = False
         epoch_losses = []
         for epoch in range(epochs):
@@ -235,7 +214,7 @@ class Trainer:
     def _run(self, feeds: dict, retries: int) -> StepResult:
         batch = self._feed_check.check(feeds)
         try:
-            loss, skipped = self.runner.run(batch)
+            loss, skipped = self.engine.run(batch)
         except TrainingError:
             raise
         except Exception as error:  # ONNX Runtime's errors never reach the user raw
@@ -260,7 +239,7 @@ class Trainer:
 
     @property
     def loss_scale(self) -> float:
-        return float(self.runner.state.read(SCALE_STATE))
+        return float(self.engine.state.read(SCALE_STATE))
 
     @property
     def checkpointed(self) -> tuple[str, ...]:
@@ -270,24 +249,24 @@ class Trainer:
     @property
     def step_count(self) -> int:
         """Applied (non-skipped) optimizer steps so far."""
-        return int(self.runner.state.read(STEP_STATE))
+        return int(self.engine.state.read(STEP_STATE))
 
     @property
     def lr(self) -> float:
-        return float(self.runner.state.lr.numpy())
+        return float(self.engine.state.lr.numpy())
 
     @lr.setter
     def lr(self, value: float) -> None:
         """Change the learning rate between steps (schedules); the step graph stays the same."""
-        self.runner.state.lr.update_inplace(np.array(value, np.float32))
+        self.engine.state.lr.update_inplace(np.array(value, np.float32))
 
     def state(self) -> dict[str, np.ndarray]:
         """A host copy of every state tensor: weights, optimizer slots, step, loss-scale state."""
-        return {name: self.runner.state.read(name) for name in self.step_graph.next_state}
+        return {name: self.engine.state.read(name) for name in self.step_graph.next_state}
 
     def weights(self) -> dict[str, np.ndarray]:
         """A host copy of the float32 master weights."""
-        return {name: self.runner.state.read(name) for name in self.step_graph.weights}
+        return {name: self.engine.state.read(name) for name in self.step_graph.weights}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         """Replace every state tensor (shapes and dtypes must match the step graph)."""
@@ -302,14 +281,14 @@ class Trainer:
                     f"state {name!r} is {value.dtype}{list(value.shape)}, expected {dtype}{list(shape)}"
                 )
             arrays[name] = value
-        self.runner.state.write(arrays)
+        self.engine.state.write(arrays)
 
     # --- checkpoint and export ------------------------------------------------------------------
 
     def save(self, path) -> None:
         """Checkpoint weights, optimizer state and loss-scale state to an .npz (atomic, no pickle);
         data-parallel: rank 0 writes, every rank returns once it is written."""
-        self.runner.on_primary(lambda: self._save(path))
+        self.engine.on_primary(lambda: self._save(path))
 
     def _save(self, path) -> None:
         write_checkpoint(path, self.state(), self._checkpoint_meta())
@@ -319,8 +298,8 @@ class Trainer:
         whole file is verified first (training/checkpoint.py), so a bad one changes nothing; then it
         is written into the runner's state. Data-parallel: rank 0 reads and verifies it, then every
         rank gets its state."""
-        self.runner.on_primary(lambda: self._load(path))
-        self.runner.share_state()
+        self.engine.on_primary(lambda: self._load(path))
+        self.engine.share_state()
 
     def _load(self, path) -> None:
         shapes = {
@@ -341,7 +320,7 @@ class Trainer:
         for i, tensor in enumerate(model.graph.initializer):
             if tensor.name in trained:
                 model.graph.initializer[i].CopyFrom(
-                    numpy_helper.from_array(self.runner.state.read(tensor.name), tensor.name)
+                    numpy_helper.from_array(self.engine.state.read(tensor.name), tensor.name)
                 )
         if precision == "float32":
             return model
@@ -355,7 +334,7 @@ class Trainer:
             data = self.inference_model(precision).SerializeToString()
             atomic_write(path, lambda f: f.write(data))
 
-        self.runner.on_primary(write)
+        self.engine.on_primary(write)
 
     def report(self, html=None):
         """The mixed-precision rewrite's report of the step graph (the one the step was built

@@ -1,5 +1,7 @@
 """The CPU step's update run by numpy over blocks (host_update.py) against the one-graph step run
-by ONNX Runtime: the same state, bit for bit, step after step, skipped steps included."""
+by ONNX Runtime: the same state step after step, skipped steps included; bit for bit where this
+machine's powf rounds Adam's beta^t as ONNX Runtime's Pow does (probed), else within TOLERANCE,
+the promise host_update.py states (another powf an ulp apart moves 1 - beta2^t by ~5e-5)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from amp_rewrite.training.split_runner import SplitRunner
 from amp_rewrite.training.step_graph import apply_precision
 from training_models import OPTIMIZERS, classification_batches, mlp
 
-SIZES = (16, 96, 3)  # w0 has 1536 elements: two blocks of the patched 1000, w1 one; biases whole
+SIZES = (16, 96, 3)
+TOLERANCE = 1e-4  # relative, on the state after six steps: what an ulp in beta^t costs (measured 5e-5)  # w0 has 1536 elements: two blocks of the patched 1000, w1 one; biases whole
 
 
 @pytest.fixture(autouse=True, params=["c-loop", "numpy"])
@@ -64,7 +67,18 @@ def _runners(optimizer, precision, loss_scale, **split_options):
     return one_graph, split
 
 
+def _power_is_onnx_runtimes() -> bool:
+    """Whether the host's small Pow equals ONNX Runtime's on Adam's 98 values of beta^t here."""
+    from helpers import session
+
+    betas = np.repeat(np.array([0.9, 0.999], np.float32), 49)
+    steps = np.tile(np.arange(1, 50, dtype=np.float32), 2)
+    expected = session(_pow_graph([98])).run(None, {"beta": betas, "t": steps})[0]
+    return host_update._power(betas, steps).tobytes() == expected.tobytes()
+
+
 def _assert_same_steps(one_graph, split, exact=True):
+    exact = exact and _power_is_onnx_runtimes()
     for batch in _batches():
         (loss, skipped), (expected_loss, expected_skipped) = split.run(batch), one_graph.run(batch)
         assert skipped == expected_skipped
@@ -74,7 +88,7 @@ def _assert_same_steps(one_graph, split, exact=True):
             if exact:
                 assert got.tobytes() == expected.tobytes(), name
             else:
-                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7, err_msg=name)
+                np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=1e-7, err_msg=name)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +129,7 @@ def test_the_trainer_on_cpu_updates_on_the_host():
     from amp_rewrite.training import Trainer
 
     trainer = Trainer(mlp(SIZES), optimizer=AdamW(0.01), provider="cpu", verbose=False, threads=1)
-    assert isinstance(trainer.runner, SplitRunner) and trainer.runner.host_update is not None
+    assert isinstance(trainer.engine, SplitRunner) and trainer.engine.host_update is not None
 
 
 def _update_graph(scale_shape):
@@ -140,10 +154,11 @@ def test_a_big_op_reads_only_big_tensors_of_its_shape_and_scalars(scale_shape, b
     arrays = {"w": rng.standard_normal((40, 30), np.float32), "g": rng.standard_normal((40, 30), np.float32)}
     arrays["s"] = rng.standard_normal(scale_shape).astype(np.float32)
     expected = session(_update_graph(scale_shape)).run(None, arrays)[0]
-    update = host_update.HostUpdate.compile(_update_graph(scale_shape), dict(arrays), {"w": "w/next"})
     if not blocked:  # a row broadcast over blocks of a flattened w would read the wrong elements
-        assert update is None
+        with pytest.raises(host_update.Unsupported, match="operands of several shapes"):
+            host_update.HostUpdate.compile(_update_graph(scale_shape), dict(arrays), {"w": "w/next"})
         return
+    update = host_update.HostUpdate.compile(_update_graph(scale_shape), dict(arrays), {"w": "w/next"})
     update.run()
     assert update.blocked_sizes() == [1200]
     assert arrays["w"].tobytes() == expected.tobytes()
@@ -204,9 +219,10 @@ def _pow_graph(shape):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_beta_to_the_t_is_onnx_runtimes_bit_for_bit():
+def test_beta_to_the_t_is_onnx_runtimes_within_an_ulp():
     """Adam's bias corrections: numpy's SIMD power differs from ONNX Runtime's by an ulp on 11 of
-    these 98 values on AVX-512 machines; the host update computes them as ONNX Runtime does."""
+    these 98 values on AVX-512 machines; the host update computes them through C's powf, as ONNX
+    Runtime's CPU Pow does (equal where the two share a libm, as here)."""
     from helpers import session
 
     run = session(_pow_graph([])).run
@@ -219,10 +235,18 @@ def test_beta_to_the_t_is_onnx_runtimes_bit_for_bit():
             }
             expected = run(None, {"beta": arrays["beta"], "t": arrays["t"]})[0]
             host_update.HostUpdate.compile(_pow_graph([]), arrays, {"result": "beta_t"}).run()
-            assert arrays["result"].tobytes() == expected.tobytes(), (beta, t)
+            np.testing.assert_array_max_ulp(arrays["result"], expected, maxulp=1)
+
+
+def test_with_another_power_the_state_stays_within_the_stated_tolerance(monkeypatch):
+    """What another machine's powf may do: numpy's SIMD power, an ulp off on beta^t."""
+    monkeypatch.setitem(host_update._LIBM_POWER, np.dtype(np.float32), np.power)
+    one_graph, split = _runners(OPTIMIZERS["adamw-warmup"](), "float32", FixedLossScale(1.0))
+    _assert_same_steps(one_graph, split, exact=False)
 
 
 def test_a_big_pow_stays_in_onnx_runtime():
     """Elementwise Pow over a weight has no exact host kernel: the apply session runs it."""
     arrays = {name: np.full(400, 0.5, np.float32) for name in ("beta", "t", "result")}
-    assert host_update.HostUpdate.compile(_pow_graph([400]), arrays, {"result": "beta_t"}) is None
+    with pytest.raises(host_update.Unsupported, match="op Pow"):
+        host_update.HostUpdate.compile(_pow_graph([400]), arrays, {"result": "beta_t"})

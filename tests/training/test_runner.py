@@ -9,7 +9,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import AdamW, Trainer
-from amp_rewrite.training.runner import check_in_place, log_sum_exp_by_log_softmax
+from amp_rewrite.training.log_sum_exp import log_sum_exp_by_log_softmax
+from amp_rewrite.training.runner import check_in_place
 from training_models import classification_batches, mlp
 
 
@@ -17,7 +18,7 @@ def test_the_step_updates_the_one_copy_of_the_state_in_place():
     trainer = Trainer(
         mlp((4, 8, 3)), optimizer=AdamW(0.01), precision="float16", provider="cpu", verbose=False, threads=1
     )
-    values = trainer.runner.state.values
+    values = trainer.engine.state.values
     where = {name: value.data_ptr() for name, value in values.items()}
     before = trainer.state()
     batches = classification_batches(count=2)
