@@ -50,7 +50,10 @@ def timed_steps(trainers: dict, feeds, warmup, repeat, barrier=None):
         name: {
             "median": statistics.median(t),
             "mean": sum(t) / repeat,
-            "phases": {k: v / repeat for k, v in getattr(getattr(trainers[name].engine, "reduction", None), "timings", {}).items()},
+            "phases": {
+                k: v / repeat
+                for k, v in getattr(getattr(trainers[name].engine, "reduction", None), "timings", {}).items()
+            },
         }
         for name, t in times.items()
     }
