@@ -84,13 +84,16 @@ def step_graph_for(
 
 
 def off_device(step: StepGraph) -> dict[str, str]:
-    """{node: why} for the nodes of a CUDA step that would not run on the device or would make the
-    host wait (no CUDA kernel for their types, shape logic ONNX Runtime places on the CPU, a host
-    sync), read from the kernel table without a GPU (step_placement.py)."""
+    """{node: why} for the nodes of a CUDA step that would not run on the device (no CUDA kernel for
+    their types) or would make the host wait for it (a host sync), read from the kernel table
+    without a GPU (step_placement.py). Shape arithmetic on host tensors that ONNX Runtime runs on
+    the CPU waits for nothing, copies nothing, and does not stop a CUDA graph (ONNX Runtime allows
+    CPU nodes without Memcpy); under a CUDA graph the batch's shapes are fixed, so it folds away
+    (runner.SessionRunner)."""
     from amp_rewrite.training.step_placement import place
 
     placement = place(step.model)
-    return {**placement.no_kernel, **placement.on_cpu, **placement.host_syncs}
+    return {**placement.no_kernel, **placement.host_syncs}
 
 
 def cuda_graph_refusal(step: StepGraph, device: str, leaving: dict | None = None) -> str | None:

@@ -13,6 +13,8 @@ whose branches are checked alike. `read`/`write` copy a tensor out or in on dema
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -139,16 +141,29 @@ class SingleProcess:
         pass
 
 
+@dataclasses.dataclass
+class _Bound:
+    """A session of the step bound to the state: its binding, the loss and skip flag it writes,
+    and (a captured graph's) the device buffers the batch is copied into."""
+
+    session: object
+    binding: ort.IOBinding
+    outputs: dict
+    feeds: dict
+
+
 class SessionRunner(SingleProcess):
     """The one-graph step in one session (see the module doc). With `cuda_graph` (CUDA, every node
-    on the device: engine.cuda_graph_refusal), ONNX Runtime captures the step and replays it: the
-    batch is copied into device buffers bound once (a graph replays the addresses it captured), and
-    a batch of other shapes runs in a plain session over the same state, said once. ONNX Runtime's
-    first run of such a session runs the graph three times (two runs to allocate, one to capture:
-    its min_num_runs_before_cuda_graph_capture_ is 2, and Run recurses until captured), and the
-    step updates its state in place: so the state is saved before that run and written back after
-    it, and the batch then steps once, replayed. A session that cannot capture is said and replaced
-    by a plain one. `description`: what runs, for the engine's line."""
+    on the device: engine.cuda_graph_refusal), the session is opened at the first batch with the
+    batch inputs declared at its shapes, so ONNX Runtime folds the step's shape arithmetic away,
+    and captures the step as a CUDA graph to replay: the batch is copied into device buffers bound
+    once (a graph replays the addresses it captured); a batch of other shapes runs in a plain
+    session over the same state, said once. ONNX Runtime's first run of a graph session runs the
+    step three times (two runs to allocate, one to capture: its
+    min_num_runs_before_cuda_graph_capture_ is 2, and Run recurses until captured), and the step
+    updates its state in place: so the state is saved before that run and written back after it,
+    and the batch then steps once, replayed. A capture ONNX Runtime refuses is said, and the plain
+    session runs. `description`: what runs, for the engine's line."""
 
     def __init__(
         self,
@@ -163,105 +178,94 @@ class SessionRunner(SingleProcess):
         say=lambda line: None,
     ):
         check_in_place(step.model, step.next_state)
-        self._step, self._say = step, say
+        self._step, self._say, self._precision = step, say, precision
         self._options = {"threads": threads, "tf32": tf32}
-        self._precision, self.cuda_graph = precision, cuda_graph
-        try:
-            self.session, self.device = open_step_session(
-                step.model, device, precision, cuda_graph=cuda_graph, **self._options
-            )
-        except TrainingError as error:
-            if not cuda_graph:
-                raise
-            say(f"amp-rewrite: no CUDA graph: ONNX Runtime refused to capture the step ({error})")
-            self.session, self.device = open_step_session(step.model, device, precision, **self._options)
-            self.cuda_graph = False
+        self.device, self.cuda_graph = device, cuda_graph
         self.feed_types = feed_dtypes(step.model)
         self.batch_inputs = step.batch_inputs
-        self.state = DeviceState(initial, lr, self.device)
-        self.binding, self._outputs = self._bind(self.session)
-        self._feeds: dict[str, ort.OrtValue] = {}  # the captured graph's batch buffers
-        self._plain = None  # (session, binding, outputs) for batches of another shape
-        how = "forward, backward and the update in one session on " + self.device.upper()
-        self.description = how + ("; replayed as a CUDA graph" if self.cuda_graph else "")
+        self.state = DeviceState(initial, lr, device)
+        self._plain = None if cuda_graph else self._open(None)
+        self._graph: _Bound | None = None  # captured at the first batch
+        how = "forward, backward and the update in one session on " + device.upper()
+        self.description = how + ("; captured as a CUDA graph at the first batch" if cuda_graph else "")
 
-    def _bind(self, session) -> tuple:
-        """`session`'s binding of the state, and of the loss and skip flag (host arrays; on the
-        device under a CUDA graph, which cannot capture a copy to the host)."""
+    def _open(self, shapes: dict | None) -> _Bound:
+        """The plain session (`shapes` None), or one at the batch's `shapes` that captures a graph."""
+        model = self._step.model if shapes is None else with_batch_shapes(self._step.model, shapes)
+        session, _ = open_step_session(
+            model, self.device, self._precision, cuda_graph=shapes is not None, **self._options
+        )
         binding = session.io_binding()
         self.state.bind(binding, self.feed_types, self._step.next_state)
-        outputs = {}
-        for name, array in (
-            (self._step.loss_output, np.zeros((), np.float32)),
-            (SKIPPED_OUTPUT, np.zeros((), np.bool_)),
-        ):
-            if self.cuda_graph and session is self.session:
-                outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(
-                    [], array.dtype, self.device, self.state.device_id
-                )
-            else:
-                outputs[name] = ort.OrtValue.ortvalue_from_numpy(array)
+        where = (self.device, self.state.device_id)
+        outputs, feeds = {}, {}
+        for name, dtype in ((self._step.loss_output, np.float32), (SKIPPED_OUTPUT, np.bool_)):
+            if shapes is None:
+                outputs[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros((), dtype))
+            else:  # a graph cannot capture a copy to the host
+                outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type([], dtype, *where)
             binding.bind_ortvalue_output(name, outputs[name])
-        return binding, outputs
+        for name, (shape, dtype) in (shapes or {}).items():
+            feeds[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, *where)
+            binding.bind_ortvalue_input(name, feeds[name])
+        return _Bound(session, binding, outputs, feeds)
 
     def run(self, batch: dict[str, np.ndarray]) -> tuple[float, bool]:
         """One step on a batch (converted feeds); returns (loss, skipped)."""
-        if not self.cuda_graph:
+        if self.cuda_graph and self._graph is None:
+            self._graph = self._capture(batch)
+        graph = self._graph
+        if graph is not None and all(tuple(graph.feeds[n].shape()) == a.shape for n, a in batch.items()):
             for name, array in batch.items():
-                self.binding.bind_cpu_input(name, array)
-            self.session.run_with_iobinding(self.binding)
-            return self._result(self._outputs)
-        if not self._feeds and not self._capture(batch):
-            return self.run(batch)  # not captured after all: a plain session now
-        if any(tuple(self._feeds[n].shape()) != a.shape for n, a in batch.items()):
-            return self._run_plain(batch)
+                graph.feeds[name].update_inplace(np.ascontiguousarray(array))
+            graph.session.run_with_iobinding(graph.binding)
+            return self._result(graph.outputs)
+        if self._plain is None:
+            if graph is not None:
+                shapes = {n: list(v.shape()) for n, v in graph.feeds.items()}
+                self._say(
+                    f"amp-rewrite: a batch of other shapes than the CUDA graph's {shapes}: run without it"
+                )
+            self._plain = self._open(None)
         for name, array in batch.items():
-            self._feeds[name].update_inplace(np.ascontiguousarray(array))
-        self.session.run_with_iobinding(self.binding)
-        return self._result(self._outputs)
+            self._plain.binding.bind_cpu_input(name, array)
+        self._plain.session.run_with_iobinding(self._plain.binding)
+        return self._result(self._plain.outputs)
 
-    def _capture(self, batch: dict[str, np.ndarray]) -> bool:
-        """Device buffers for the batch, bound once, and the graph captured on `batch` with the
-        state written back afterwards (see the class doc); False, said, where ONNX Runtime fails
-        to capture, and a plain session replaces this one."""
-        for name, array in batch.items():
-            value = ort.OrtValue.ortvalue_from_shape_and_type(
-                list(array.shape), array.dtype, self.device, self.state.device_id
-            )
-            value.update_inplace(np.ascontiguousarray(array))
-            self._feeds[name] = value
-            self.binding.bind_ortvalue_input(name, value)
+    def _capture(self, batch: dict[str, np.ndarray]) -> _Bound | None:
+        """The graph session at the batch's shapes, captured on it, with the state written back
+        afterwards (see the class doc); None, said, where ONNX Runtime refuses."""
         saved = {name: self.state.read(name) for name in self.state.values}
         try:
-            self.session.run_with_iobinding(self.binding)
+            graph = self._open({name: (array.shape, array.dtype) for name, array in batch.items()})
+            for name, array in batch.items():
+                graph.feeds[name].update_inplace(np.ascontiguousarray(array))
+            graph.session.run_with_iobinding(graph.binding)
         except Exception as error:  # ONNX Runtime's own errors: a capture it cannot make
             first = next(iter(str(error).splitlines()), type(error).__name__)
-            self._say(f"amp-rewrite: no CUDA graph: ONNX Runtime failed to capture the step ({first})")
-            self.cuda_graph, self._feeds = False, {}
-            self.session, _ = open_step_session(
-                self._step.model, self.device, self._precision, **self._options
-            )
-            self.binding, self._outputs = self._bind(self.session)
+            self._say(f"amp-rewrite: no CUDA graph: ONNX Runtime could not capture the step ({first})")
+            self.cuda_graph, graph = False, None
         self.state.write(saved)
-        return self.cuda_graph
-
-    def _run_plain(self, batch: dict[str, np.ndarray]) -> tuple[float, bool]:
-        """A batch whose shapes differ from the captured graph's, in a plain session (opened once)."""
-        if self._plain is None:
-            shapes = {n: list(v.shape()) for n, v in self._feeds.items()}
-            self._say(f"amp-rewrite: a batch of other shapes than the CUDA graph's {shapes}: run without it")
-            session, _ = open_step_session(self._step.model, self.device, self._precision, **self._options)
-            self._plain = (session, *self._bind(session))
-        session, binding, outputs = self._plain
-        for name, array in batch.items():
-            binding.bind_cpu_input(name, array)
-        session.run_with_iobinding(binding)
-        return self._result(outputs)
+        return graph
 
     @staticmethod
     def _result(outputs: dict) -> tuple[float, bool]:
         loss, skipped = (value.numpy() for value in outputs.values())
         return float(loss), bool(skipped)
+
+
+def with_batch_shapes(model: onnx.ModelProto, shapes: dict) -> onnx.ModelProto:
+    """`model` with the inputs in `shapes` ({name: (shape, dtype)}) declared at those sizes: every
+    shape in the step is then static, and ONNX Runtime folds its shape arithmetic into constants."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for value in out.graph.input:
+        if value.name in shapes:
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            for size in shapes[value.name][0]:
+                dims.add().dim_value = int(size)
+    return out
 
 
 def check_in_place(model: onnx.ModelProto, next_state: dict[str, str]) -> None:

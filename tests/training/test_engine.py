@@ -12,6 +12,7 @@ from amp_rewrite import runtime
 from amp_rewrite.deployment import Deployment
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.training import SGD, AdamW, DynamicLossScale, Trainer, block_loop, build_step_graph, engine
+from amp_rewrite.training import runner as engine_runner
 from amp_rewrite.training.runner import SessionRunner
 from amp_rewrite.training.step_graph import apply_precision
 from training_models import classification_batches, mlp
@@ -95,6 +96,9 @@ class _CapturingFirstRun:
     def __init__(self, session):
         self._session, self.runs = session, 0
 
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
     def run_with_iobinding(self, binding):
         for _ in range(3 if self.runs == 0 else 1):
             self._session.run_with_iobinding(binding)
@@ -106,17 +110,29 @@ def _runner(cuda_graph: bool, say=lambda line: None) -> SessionRunner:
     return SessionRunner(step, step.initial_state, 0.01, "cpu", "float32", 1, cuda_graph=cuda_graph, say=say)
 
 
-def test_a_captured_step_steps_each_batch_once_and_another_shape_runs_plain():
+def test_a_captured_step_steps_each_batch_once_and_another_shape_runs_plain(monkeypatch):
+    opened, real = {}, engine_runner.open_step_session
+
+    def open_step_session(model, *args, cuda_graph=False, **options):
+        session, device = real(model, *args, **options)
+        if cuda_graph:
+            opened["graph"] = session = _CapturingFirstRun(session)
+            opened["inputs"] = {
+                i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input
+            }
+        return session, device
+
+    monkeypatch.setattr(engine_runner, "open_step_session", open_step_session)
     said = []
     plain, graph = _runner(False), _runner(True, said.append)
-    graph.session = _CapturingFirstRun(graph.session)
     batches = classification_batches(features=SIZES[0], classes=SIZES[-1], count=4)
     batches.append({k: v[:5] for k, v in batches[0].items()})  # a short last batch
     for batch in batches:
         assert graph.run(batch) == plain.run(batch)
         for name in plain.state.values:
             assert graph.state.read(name).tobytes() == plain.state.read(name).tobytes(), name
-    assert graph.session.runs == 4 + 1  # the capture, then a replay per batch of the captured shape
+    assert opened["graph"].runs == 1 + 4  # the capture, then a replay per batch of the captured shape
+    assert opened["inputs"]["x"] == [8, 8] and opened["inputs"]["labels"] == [8]  # static: shapes fold
     assert said == ["amp-rewrite: a batch of other shapes than the CUDA graph's {'x': [8, 8], 'labels': [8]}: "
                     "run without it"]  # fmt: skip
     assert np.asarray(graph.state.read("opt/step")) == 5
@@ -135,3 +151,21 @@ def test_a_node_that_would_leave_the_cuda_device_is_named():
     assert engine.cuda_graph_refusal(step, "cuda").startswith(
         "1 node(s) would leave the device ('user_nonzero'"
     )
+
+
+def test_a_capture_onnx_runtime_refuses_is_said_and_the_plain_session_steps(monkeypatch):
+    real = engine_runner.open_step_session
+
+    def open_step_session(model, *args, cuda_graph=False, **options):
+        if cuda_graph:
+            raise TrainingError("ONNX Runtime refused the step graph: graph capture is not supported")
+        return real(model, *args, **options)
+
+    monkeypatch.setattr(engine_runner, "open_step_session", open_step_session)
+    said = []
+    plain, graph = _runner(False), _runner(True, said.append)
+    for batch in classification_batches(features=SIZES[0], classes=SIZES[-1], count=2):
+        assert graph.run(batch) == plain.run(batch)
+    assert said == ["amp-rewrite: no CUDA graph: ONNX Runtime could not capture the step "
+                    "(ONNX Runtime refused the step graph: graph capture is not supported)"]  # fmt: skip
+    assert graph.state.read("w0").tobytes() == plain.state.read("w0").tobytes()
