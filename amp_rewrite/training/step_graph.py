@@ -23,7 +23,7 @@ from amp_rewrite.errors import TrainingError
 from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.report.regions import declare as declare_regions
 from amp_rewrite.training.chunked_loss import order_chunks
-from amp_rewrite.training.flat_update import FLAT_GRADIENTS, emit_flat_update, group_low_gradients
+from amp_rewrite.training.flat_update import emit_flat_update, flat_state_info, group_low_gradients
 from amp_rewrite.training.loss_scale import (
     GOOD_STEPS_STATE,
     INVERSE_SCALE,
@@ -124,9 +124,8 @@ def build_step_graph(
 
     graph.node.extend(nodes)
     graph.initializer.extend(initializers)
-    if flat_update:  # declared: shape inference may not know every gradient's shape (a chunked loss's)
-        size = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
-        graph.value_info.append(helper.make_tensor_value_info(FLAT_GRADIENTS, TensorProto.FLOAT, [size]))
+    if flat_update:
+        graph.value_info.append(flat_state_info(optimizer, shapes))
     _ensure_scale_input(graph)
     graph.input.extend(
         _value_infos(state_inputs, initial_weights, optimizer, exclude={i.name for i in graph.input})

@@ -132,9 +132,8 @@ def test_the_bert_export_has_a_kernel_for_every_node_no_host_sync_and_few_update
     step = load_tool("step_report").build_step(model, "cross_entropy", "float16", "cuda")
     found = place(step.model)
     assert found.no_kernel == {}
-    # issue 38's targets: no host sync (no NonZero, no If), the update in a few kernels whatever the
-    # number of weights (AdamW's 13 ops, the unscale and finite check, a Concat, Where, Split per
-    # kind, one Concat and Cast of the float16 gradients)
+    # issue 38's targets: no host sync (no NonZero, no If), the update in at most 20 kernels whatever
+    # the number of weights (test_flat_update counts them)
     assert found.host_syncs == {}
     assert not [n for n in step.model.graph.node if n.op_type in ("NonZero", "If")]
-    assert len(step.weights) > 30 and found.update_nodes <= 27
+    assert len(step.weights) > 30 and found.update_nodes <= 20
