@@ -2,23 +2,30 @@
 
 A per-tensor update launches a chain of kernels per weight (AdamW: 13, plus the unscale's Mul and
 the finite check's ReduceSum): about 1,200 nodes on a small BERT, and most of a CUDA step's time
-(issue 38). Here the gradients, the weights and each optimizer slot are flattened (a Reshape to
-their size: an alias in ONNX Runtime, no kernel) and concatenated into one buffer per kind, all in one
-order; the unscale, the finite check (one ReduceSum), a global-norm clip and the optimizer's chain
-run once over those buffers, and `Where(all_finite, new, old)` keeps the old values on a skipped
-step, bit for bit, without the `If` whose condition ONNX Runtime reads on the host (a sync every
-step). One Split per kind and a Reshape per tensor give each state output its shape back: the
+(issue 38). Here every tensor is flattened (a Reshape to its size: an alias in ONNX Runtime, no
+kernel) and one Concat lays them out as rows of one buffer: the weights, each optimizer slot, the
+gradients, all in one order. The first op of most rows is a Mul by a step scalar (the unscale of
+the gradients, AdamW's decay of the weights, Adam's betas on the moments): one Mul of the buffer
+by a column of those scalars does them all, and one Split gives the chain its rows. The finite
+check (one ReduceSum), a global-norm clip and the rest of the optimizer's chain run once over
+the rows; one Concat stacks the next values, and `Where(all_finite, next, old)` keeps the old ones
+on a skipped step, bit for bit, without the `If` whose condition ONNX Runtime reads on the host (a
+sync every step). One Split and a Reshape per tensor give each state output its shape back: the
 step's inputs and outputs, and so the Trainer's state and checkpoints, are the per-tensor step's.
+AdamW's update is 18 kernels (20 with the float16 gradients' Concat and Cast, group_low_gradients).
 
 Every op of an update is elementwise with scalar operands, so each element goes through the
 per-tensor update's operations in the same order: the same values (a global-norm clip's sum of
-squares is taken in another order, within float32 rounding). The split step (CPU, data parallel)
-keeps the per-tensor update (step_graph.py): its host update runs each chain from cache, block by
-block, where concatenating and splitting would add two passes over the state.
+squares is taken in another order, within float32 rounding; a row multiplied by 1, where no Mul
+came first, is itself). The split step (CPU, data parallel) keeps the per-tensor update
+(step_graph.py): its host update runs each chain from cache, block by block, where concatenating
+and splitting would add passes over the state.
 
-The price is memory at the update: the Concats, the chain's intermediates, the Where and the
-Split's outputs are each as large as all the weights together, where the per-tensor chain's were
-as large as one weight (not yet measured on a GPU).
+The price is memory at the update: the buffers are as large as all the weights (times the rows),
+where the per-tensor chain's were as large as one weight. The old values for the Where are
+gathered again at the gate rather than kept from the first Concat (one kernel more): the first
+buffer and its scaled copy are freed before the chain, and at most 9 weights' worth is live, not
+12 (AdamW, `step_placement.update_memory`; the per-kind buffers this replaced held 8).
 """
 
 from __future__ import annotations
@@ -101,7 +108,8 @@ def emit_flat_update(
     # the old values gathered again at the gate, not kept from the first Concat: that buffer and
     # the scaled rows are freed before the chain, one more kernel for less memory held
     old = o.op("Concat", flat_state, out=OLD_STATE, axis=0)
-    next_rows = o.op("Reshape", [o.op("Concat", new, "next_rows", axis=0), o.ints([-1])], "next_flat")
+    stacked = o.op("Concat", new, "next_rows", axis=0) if len(new) > 1 else new[0]
+    next_rows = o.op("Reshape", [stacked, o.ints([len(new) * sum(sizes)])], "next_flat")
     kept = o.op("Where", [all_finite, next_rows, old], out=GATED)
     parts = split_flat(o, kept, sizes * len(kinds))
     next_state = {

@@ -6,7 +6,7 @@ step count, loss scale, good-step counter) and the learning rate; outputs are th
 skipped flag and the next value of every state input. The caller binds each state output back to
 its input, so state never leaves the device. A skipped step passes the old state through bit for
 bit: per tensor, the update is one `If(all_finite)` and a skipped step computes none of it (the
-split step's: CPU and data parallel); flat (CUDA's one session), each kind of state is one buffer
+split step's: CPU and data parallel); flat (CUDA's one session), the state is rows of one buffer
 and `Where(all_finite, new, old)` keeps the old values without a host round trip (flat_update.py).
 """
 

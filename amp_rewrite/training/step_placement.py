@@ -10,10 +10,10 @@ things break that, and each is read here from data, not from a run:
 - a host sync: a CPU node reading a device tensor, a data-dependent output shape (NonZero), a
   control-flow condition (If). Host-memory slots: `op_lists/cuda_host_memory.json`.
 The update nodes (optimizer, finite check, loss scale: `opt/`, `scale/`, an If's branches too, and
-the Casts only they read) are
-counted by what they cost: the kernels over the weights' elements (O(1) in the number of weights
-when the update runs over flat buffers, flat_update.py), apart from the nodes on one element and
-the Reshapes (aliases, no kernel).
+the Casts only they read) are counted by what they cost: the kernels over the weights' elements
+(O(1) in the number of weights when the update runs over flat buffers, flat_update.py), apart
+from the nodes on the scalars and the Reshapes (aliases, no kernel); `update_memory` estimates
+the most memory the update's own tensors hold at once.
 Used by `tools/step_report.py` and by `step_graph.apply_precision` on CUDA.
 """
 
@@ -51,7 +51,7 @@ class Placement:
     on_cpu: dict[str, str]
     host_syncs: dict[str, str]
     update_nodes: int  # update/finite-check nodes over the weights' elements: their kernels
-    update_scalars: int = 0  # update/finite-check nodes on one element (the rate, the scale's state)
+    update_scalars: int = 0  # update/finite-check nodes on the scalars (the rate, the scale's state)
     update_aliases: int = 0  # their Reshapes (flat buffers <-> tensors): no kernel
 
     def summary(self) -> str:

@@ -10,7 +10,7 @@ import pytest
 from amp_rewrite.training import Adam, AdamW, DynamicLossScale, FixedLossScale, build_step_graph
 from amp_rewrite.training.runner import SessionRunner
 from amp_rewrite.training.step_graph import apply_precision
-from amp_rewrite.training.step_placement import UPDATE_PREFIXES, place
+from amp_rewrite.training.step_placement import UPDATE_PREFIXES, place, update_memory
 from training_models import OPTIMIZERS, classification_batches, mlp
 
 SIZES = (16, 24, 12, 3)
@@ -198,3 +198,13 @@ def test_a_step_over_named_dims_has_no_nonzero_and_no_host_sync():
     step = apply_precision(step, "float16", "cuda")
     assert not [n for n in step.model.graph.node if n.op_type in ("NonZero", "If")]
     assert place(step.model).host_syncs == {}
+
+
+def test_the_update_holds_nine_weights_worth_at_most():
+    """AdamW's rows: the first buffer and its scaled copy are freed before the chain; at the gate the
+    old rows, the next and the kept (three weights' worth each) are live: 9, not the 12 of keeping
+    the first Concat for the Where."""
+    step = build_step_graph(mlp(SIZES), "cross_entropy", AdamW(1e-3), DynamicLossScale(), flat_update=True)
+    peak, weights = update_memory(step.model, list(step.weights))
+    assert weights == 4 * sum(step.initial_state[w].size for w in step.weights)
+    assert peak == 9 * weights
