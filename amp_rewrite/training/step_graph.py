@@ -179,8 +179,8 @@ def _emit_update(
 ):
     """Unscale, finite check, the gated update, then the scale update. Per tensor (flat=None): one
     `If` on the flag, its then-branch clipping and updating every weight and slot and counting the
-    step, its else-branch passing the old values through. Flat ({weight: shape}): over one buffer
-    per kind, gated by Where (flat_update.py). Returns (state inputs, next_state)."""
+    step, its else-branch passing the old values through. Flat ({weight: shape}): over the rows of
+    one buffer, gated by Where (flat_update.py). Returns (state inputs, next_state)."""
     e.reserve([SCALE_STATE, GOOD_STEPS_STATE, STEP_STATE, LR_INPUT])
     e.reserve(slot_name(w, s) for w in grads for s in optimizer.slots)
     if flat is not None:
