@@ -208,3 +208,17 @@ def test_the_update_holds_nine_weights_worth_at_most():
     peak, weights = update_memory(step.model, list(step.weights))
     assert weights == 4 * sum(step.initial_state[w].size for w in step.weights)
     assert peak == 9 * weights
+
+
+def test_a_skipped_step_keeps_a_negative_zero_weight():
+    """The gate is a Where on the old values themselves: -0.0 stays -0.0 (w - 0 * x would not, for
+    x < 0), and so do the slots, on a step skipped first thing."""
+    step = build_step_graph(
+        mlp(SIZES), "cross_entropy", AdamW(0.01), DynamicLossScale(2.0**8), flat_update=True
+    )
+    state = {name: np.array(value) for name, value in step.initial_state.items()}
+    state["w0"].flat[:3] = (-0.0, np.float32(-1e-30), -0.0)
+    runner = SessionRunner(step, state, 0.01, "cpu", "float32", threads=1)
+    before = {name: runner.state.read(name).tobytes() for name in step.weights}
+    assert runner.run(_batches()[3])[1]  # skipped
+    assert {name: runner.state.read(name).tobytes() for name in step.weights} == before
