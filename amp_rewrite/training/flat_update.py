@@ -100,7 +100,8 @@ def emit_flat_update(
         [o.op("Concat", pieces, out=FLAT_STATE, axis=0), o.ints([len(kinds) + 1, sum(sizes)])],
         "flat_rows",
     )
-    scaled = o.op("Mul", [table, _column(o, [*factors, unscale])], "scaled_rows")
+    column = _column(o, [*factors, unscale])
+    scaled = o.op("Mul", [table, column], "scaled_rows") if column else table
     split_flat(o, scaled, [1] * (len(kinds) + 1), names=[*names, gradient])
     all_finite = emit_all_finite(e, [loss_name, gradient])
     e.nodes.extend(n for n in chain.nodes if over_rows.intersection(n.input))
@@ -155,11 +156,14 @@ def _scaled_once(e: Emitter, row: str, over_rows: set[str], new: list[str]):
     return readers[0]
 
 
-def _column(e: Emitter, factors: list[str]) -> str:
-    """The scalars as a [rows, 1] column, one factor per row: a constant when every one is."""
+def _column(e: Emitter, factors: list[str]) -> str | None:
+    """The scalars as a [rows, 1] column, one factor per row: a constant when every one is, None
+    when every one is 1 (no Mul: SGD's weights under a fixed scale of 1)."""
     constants = {t.name: t for t in e.initializers}
     if all(f in constants for f in factors):
         values = [float(numpy_helper.to_array(constants[f])) for f in factors]
+        if values == [1.0] * len(values):
+            return None
         return e.const(np.array(values, np.float32).reshape(-1, 1), hint="row_factors")
     column = [e.op("Reshape", [f, e.ints([1, 1])], "row_factor") for f in factors]
     return e.op("Concat", column, "row_factors", axis=0)
