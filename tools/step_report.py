@@ -7,7 +7,7 @@ Builds the step graph the Trainer would build for the device (forward, loss, bac
 check, update, the precision rewrite with the CUDA kernel table) and prints its node count, the
 nodes without a CUDA kernel, the nodes ONNX Runtime would place on the CPU, the host syncs and the
 update/finite-check nodes (those running over the weights' elements; the scalar ones and the
-Reshapes apart); the last line is the summary
+Reshapes apart) and the most memory the update's own tensors hold at once; the last line is the summary
 `step-report: N nodes, K without a CUDA kernel, S host syncs, U update nodes`.
 """
 
@@ -46,10 +46,11 @@ def main(argv=None) -> int:
     parser.add_argument("--loss", default="cross_entropy")
     parser.add_argument("--list", type=int, default=10, help="nodes listed per finding (default 10)")
     args = parser.parse_args(argv)
-    from amp_rewrite.training.step_placement import place
+    from amp_rewrite.training.step_placement import place, update_memory
 
     try:
-        placement = place(build_step(args.model, args.loss, args.precision, args.device).model)
+        step = build_step(args.model, args.loss, args.precision, args.device)
+        placement = place(step.model)
     except AmpRewriteError as error:
         print(f"step-report: {error}", file=sys.stderr)
         return 2
@@ -64,7 +65,12 @@ def main(argv=None) -> int:
             print(f"  {name}: {reason}")
     print(
         f"update/finite-check nodes: {placement.update_nodes} over the weights' elements "
-        f"({placement.update_scalars} more on one element, {placement.update_aliases} Reshapes: no kernel)"
+        f"({placement.update_scalars} more on the scalars, {placement.update_aliases} Reshapes: no kernel)"
+    )
+    peak, weights = update_memory(step.model, step.weights)
+    print(
+        f"update memory: at most {peak / 2**20:.1f} MiB live in the update's own tensors over the weights, "
+        f"{peak / weights:.1f}x the float32 weights' {weights / 2**20:.1f} MiB"
     )
     print(placement.summary())
     return 0

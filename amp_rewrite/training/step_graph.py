@@ -6,7 +6,7 @@ step count, loss scale, good-step counter) and the learning rate; outputs are th
 skipped flag and the next value of every state input. The caller binds each state output back to
 its input, so state never leaves the device. A skipped step passes the old state through bit for
 bit: per tensor, the update is one `If(all_finite)` and a skipped step computes none of it (the
-split step's: CPU and data parallel); flat (CUDA's one session), each kind of state is one buffer
+split step's: CPU and data parallel); flat (CUDA's one session), the state is rows of one buffer
 and `Where(all_finite, new, old)` keeps the old values without a host round trip (flat_update.py).
 """
 
@@ -23,7 +23,7 @@ from amp_rewrite.errors import TrainingError
 from amp_rewrite.onnx_facts import default_opset, names_in
 from amp_rewrite.report.regions import declare as declare_regions
 from amp_rewrite.training.chunked_loss import order_chunks
-from amp_rewrite.training.flat_update import FLAT_GRADIENTS, emit_flat_update, group_low_gradients
+from amp_rewrite.training.flat_update import emit_flat_update, flat_state_info, group_low_gradients
 from amp_rewrite.training.loss_scale import (
     GOOD_STEPS_STATE,
     INVERSE_SCALE,
@@ -124,9 +124,8 @@ def build_step_graph(
 
     graph.node.extend(nodes)
     graph.initializer.extend(initializers)
-    if flat_update:  # declared: shape inference may not know every gradient's shape (a chunked loss's)
-        size = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
-        graph.value_info.append(helper.make_tensor_value_info(FLAT_GRADIENTS, TensorProto.FLOAT, [size]))
+    if flat_update:
+        graph.value_info.append(flat_state_info(optimizer, shapes))
     _ensure_scale_input(graph)
     graph.input.extend(
         _value_infos(state_inputs, initial_weights, optimizer, exclude={i.name for i in graph.input})
@@ -180,8 +179,8 @@ def _emit_update(
 ):
     """Unscale, finite check, the gated update, then the scale update. Per tensor (flat=None): one
     `If` on the flag, its then-branch clipping and updating every weight and slot and counting the
-    step, its else-branch passing the old values through. Flat ({weight: shape}): over one buffer
-    per kind, gated by Where (flat_update.py). Returns (state inputs, next_state)."""
+    step, its else-branch passing the old values through. Flat ({weight: shape}): over the rows of
+    one buffer, gated by Where (flat_update.py). Returns (state inputs, next_state)."""
     e.reserve([SCALE_STATE, GOOD_STEPS_STATE, STEP_STATE, LR_INPUT])
     e.reserve(slot_name(w, s) for w in grads for s in optimizer.slots)
     if flat is not None:

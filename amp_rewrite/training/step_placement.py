@@ -10,10 +10,10 @@ things break that, and each is read here from data, not from a run:
 - a host sync: a CPU node reading a device tensor, a data-dependent output shape (NonZero), a
   control-flow condition (If). Host-memory slots: `op_lists/cuda_host_memory.json`.
 The update nodes (optimizer, finite check, loss scale: `opt/`, `scale/`, an If's branches too, and
-the Casts only they read) are
-counted by what they cost: the kernels over the weights' elements (O(1) in the number of weights
-when the update runs over flat buffers, flat_update.py), apart from the nodes on one element and
-the Reshapes (aliases, no kernel).
+the Casts only they read) are counted by what they cost: the kernels over the weights' elements
+(O(1) in the number of weights when the update runs over flat buffers, flat_update.py), apart
+from the nodes on the scalars and the Reshapes (aliases, no kernel); `update_memory` estimates
+the most memory the update's own tensors hold at once.
 Used by `tools/step_report.py` and by `step_graph.apply_precision` on CUDA.
 """
 
@@ -33,7 +33,13 @@ from amp_rewrite.onnx_facts import all_graphs, default_opset
 UPDATE_PREFIXES = ("opt/", "scale/")  # the step's optimizer update, finite check and loss scale
 ALIASES = ("Reshape",)  # ONNX Runtime's kernel aliases its input: no copy, no launch
 _LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
-FOLDED = ("Constant",)  # ONNX Runtime turns them into initializers when it loads the graph
+FOLDED = ("Constant",)
+_BYTES = {
+    TensorProto.FLOAT16: 2,
+    TensorProto.BFLOAT16: 2,
+    TensorProto.BOOL: 1,
+    TensorProto.INT64: 8,
+}  # ONNX Runtime turns them into initializers when it loads the graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,7 @@ class Placement:
     on_cpu: dict[str, str]
     host_syncs: dict[str, str]
     update_nodes: int  # update/finite-check nodes over the weights' elements: their kernels
-    update_scalars: int = 0  # update/finite-check nodes on one element (the rate, the scale's state)
+    update_scalars: int = 0  # update/finite-check nodes on the scalars (the rate, the scale's state)
     update_aliases: int = 0  # their Reshapes (flat buffers <-> tensors): no kernel
 
     def summary(self) -> str:
@@ -74,9 +80,41 @@ def place(model: onnx.ModelProto) -> Placement:
     update = [inner for node in update for inner in _with_branches(node)]  # an If's: the update it gates
     aliases = [node for node in update if node.op_type in ALIASES]
     sizes = _sizes(model.graph, shapes)
-    scalars = [node for node in update if node.op_type not in ALIASES and _scalar(node, sizes)]
+    on_scalars = _on_scalars(update, sizes)
+    scalars = [node for node in update if node.op_type not in ALIASES and id(node) in on_scalars]
     over_weights = len(update) - len(aliases) - len(scalars)
     return Placement(len(nodes), no_kernel, on_cpu, syncs, over_weights, len(scalars), len(aliases))
+
+
+def update_memory(model: onnx.ModelProto, weights: list[str]) -> tuple[int, int]:
+    """(peak, weights): the most bytes the update's own tensors over the weights (its Concats,
+    chain, Where, Splits) hold at once, and the float32 weights' bytes. An estimate: the nodes run
+    in graph order, each tensor freed after its last reader; a Reshape shares its input's buffer,
+    and one that writes a state output copies into it (the state's own memory, not counted)."""
+    types, shapes = tensor_types(model, shape_inference=True)
+    sizes = _sizes(model.graph, shapes)
+    update = [node for node in model.graph.node if _name(node).startswith(UPDATE_PREFIXES)]
+    update += _casts_into(model.graph, update)
+    chosen = {id(node) for node in update}
+    outputs = {o.name for o in model.graph.output}
+    base, held = {}, {}  # tensor -> the buffer it lives in; buffer -> its bytes
+    for node in (n for n in model.graph.node if id(n) in chosen):
+        for name in (o for o in node.output if o and o not in outputs and sizes.get(o, 1) > 1):
+            if node.op_type in ALIASES:
+                if node.input[0] in base:
+                    base[name] = base[node.input[0]]
+                continue
+            base[name] = name
+            held[name] = sizes[name] * _BYTES.get(types.get(name), 4)
+    born, last = {}, {}
+    for k, node in enumerate(model.graph.node):
+        born.update((o, k) for o in node.output if o in held)
+        last.update((base[n], k) for n in node.input if n in base)
+    spans = [(born[b], last.get(b, born[b]), size) for b, size in held.items()]
+    peak = max((sum(s for b, e, s in spans if b <= k <= e) for k, _, _ in spans), default=0)
+    inputs = {i.name: i for i in model.graph.input}
+    dims = [[d.dim_value for d in inputs[w].type.tensor_type.shape.dim] for w in weights]
+    return peak, 4 * sum(math.prod(shape) for shape in dims)
 
 
 def low_without_kernel(model: onnx.ModelProto) -> dict[str, str]:
@@ -217,12 +255,24 @@ def _with_branches(node: onnx.NodeProto) -> list:
     return [node, *(n for g in inner for child in g.node for n in _with_branches(child))]
 
 
-def _scalar(node: onnx.NodeProto, sizes: dict) -> bool:
-    """Whether every input and output of `node` is known to hold one element (a rate, a bias
-    correction, the loss-scale state machine): a launch, but no pass over the weights (a
-    reduction of the gradients to a scalar is one)."""
-    names = [n for n in (*node.input, *node.output) if n]
-    return bool(names) and all(sizes.get(n) == 1 for n in names)
+def _on_scalars(update: list, sizes: dict) -> set[int]:
+    """The nodes (ids) on the scalars: a rate, a bias correction, the loss-scale state machine, a
+    column of per-row factors (flat_update.py). Each reads only tensors of one element or built
+    by such nodes, and writes no more elements than it reads: a launch, but no pass over the
+    weights (a reduction of the gradients to one element is one; so is an Expand of a scalar)."""
+    small = {name for name, size in sizes.items() if size == 1}
+    found = set()
+    for node in update:  # in graph order: a column comes after the scalars it gathers
+        inputs = [n for n in node.input if n]
+        outputs = [n for n in node.output if n]
+        if not (inputs or outputs) or not all(n in small for n in inputs):
+            continue
+        written = [sizes.get(n) for n in outputs]
+        if None in written or sum(written) > max(sum(sizes[n] for n in inputs), 1):
+            continue
+        found.add(id(node))
+        small.update(outputs)
+    return found
 
 
 def _sizes(graph: onnx.GraphProto, shapes: dict) -> dict[str, int]:

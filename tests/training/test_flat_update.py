@@ -10,7 +10,7 @@ import pytest
 from amp_rewrite.training import Adam, AdamW, DynamicLossScale, FixedLossScale, build_step_graph
 from amp_rewrite.training.runner import SessionRunner
 from amp_rewrite.training.step_graph import apply_precision
-from amp_rewrite.training.step_placement import UPDATE_PREFIXES, place
+from amp_rewrite.training.step_placement import UPDATE_PREFIXES, place, update_memory
 from training_models import OPTIMIZERS, classification_batches, mlp
 
 SIZES = (16, 24, 12, 3)
@@ -53,11 +53,14 @@ def test_the_flat_update_is_the_per_tensor_update(name, loss_scale):
     assert skipped_steps == [False, False, False, True, False, False]
 
 
-def test_one_weight_is_its_own_flat_buffer():
+def test_one_weight_is_a_row_of_the_flat_buffer():
     flat_step, flat = _runner(Adam(0.01), DynamicLossScale(2.0**8), flat=True, trainable=["w1"])
     _, per_tensor = _runner(Adam(0.01), DynamicLossScale(2.0**8), flat=False, trainable=["w1"])
     assert flat_step.weights == ("w1",)
-    assert not [n for n in flat_step.model.graph.node if n.op_type in ("Concat", "Split", "If")]
+    assert not [n for n in flat_step.model.graph.node if n.op_type == "If"]
+    # the rows (weight, exp_avg, exp_avg_sq, gradient) in, the scaled rows out; the state back
+    splits = [len(n.output) for n in flat_step.model.graph.node if n.op_type == "Split"]
+    assert splits == [4, 3]
     for batch in _batches():
         assert flat.run(batch)[1] == per_tensor.run(batch)[1]
         for state in per_tensor.state.values:
@@ -91,9 +94,11 @@ def test_the_update_has_as_many_kernels_for_two_weights_as_for_twelve():
     small, small_nodes, small_weights = _update_nodes((8, 5, 3))
     big, big_nodes, big_weights = _update_nodes((8, 7, 6, 5, 4, 5, 3))
     assert (small_weights, big_weights) == (4, 12)
-    # AdamW's 13 ops; the unscale, the finite check; a Concat, Where and Split per kind; one Concat
-    # and one Cast of the float16 gradients
-    assert small.update_nodes == big.update_nodes == 27
+    # one Concat of every row (weights, exp_avg, exp_avg_sq, gradients), one Mul of each row by its
+    # step scalar (the unscale, AdamW's decay, the moments' betas), one Split of the rows; the
+    # finite check; AdamW's 10 other ops; a Concat of the next rows, one of the old, a Where and a
+    # Split back; one Concat and one Cast of the float16 gradients
+    assert small.update_nodes == big.update_nodes == 20
     # what grows with the weights is one Reshape per tensor and kind (an alias: no kernel)
     ops = {n.op_type for n in big_nodes}
     grown = [op for op in ops if _count(big_nodes, op) != _count(small_nodes, op)]
@@ -125,7 +130,11 @@ def test_low_gradients_are_concatenated_low_and_cast_once(monkeypatch):
         plain = cuda_step()
 
     def casts_into_the_update(model):
-        update = [n for n in model.graph.node if n.name.startswith("scale/")]
+        update = [
+            n
+            for n in model.graph.node
+            if n.name.startswith("scale/") or n.output[0] == flat_update.FLAT_STATE
+        ]
         return [
             n.name
             for n in model.graph.node
@@ -134,8 +143,10 @@ def test_low_gradients_are_concatenated_low_and_cast_once(monkeypatch):
 
     assert len(casts_into_the_update(plain.model)) == 3  # w0, w1, w2
     assert casts_into_the_update(grouped.model) == ["scale/Cast"]
-    concat = next(n for n in grouped.model.graph.node if n.output[0] == flat_update.FLAT_GRADIENTS)
-    assert len(concat.input) == 1 + 3  # the low gradients' one Cast, then the biases'
+    concat = next(n for n in grouped.model.graph.node if n.output[0] == flat_update.FLAT_STATE)
+    # the weights', exp_avg's and exp_avg_sq's rows (6 tensors each), then the gradients' row: the
+    # low gradients' one Cast, then the biases'
+    assert len(concat.input) == 3 * 6 + 1 + 3
     states = {id(step): dict(step.initial_state) for step in (grouped, plain)}
     for batch in _batches():
         outputs = {id(step): _run_unoptimised(step, states[id(step)], batch) for step in (grouped, plain)}
@@ -187,3 +198,27 @@ def test_a_step_over_named_dims_has_no_nonzero_and_no_host_sync():
     step = apply_precision(step, "float16", "cuda")
     assert not [n for n in step.model.graph.node if n.op_type in ("NonZero", "If")]
     assert place(step.model).host_syncs == {}
+
+
+def test_the_update_holds_nine_weights_worth_at_most():
+    """AdamW's rows: the first buffer and its scaled copy are freed before the chain; at the gate the
+    old rows, the next and the kept (three weights' worth each) are live: 9, not the 12 of keeping
+    the first Concat for the Where."""
+    step = build_step_graph(mlp(SIZES), "cross_entropy", AdamW(1e-3), DynamicLossScale(), flat_update=True)
+    peak, weights = update_memory(step.model, list(step.weights))
+    assert weights == 4 * sum(step.initial_state[w].size for w in step.weights)
+    assert peak == 9 * weights
+
+
+def test_a_skipped_step_keeps_a_negative_zero_weight():
+    """The gate is a Where on the old values themselves: -0.0 stays -0.0 (w - 0 * x would not, for
+    x < 0), and so do the slots, on a step skipped first thing."""
+    step = build_step_graph(
+        mlp(SIZES), "cross_entropy", AdamW(0.01), DynamicLossScale(2.0**8), flat_update=True
+    )
+    state = {name: np.array(value) for name, value in step.initial_state.items()}
+    state["w0"].flat[:3] = (-0.0, np.float32(-1e-30), -0.0)
+    runner = SessionRunner(step, state, 0.01, "cpu", "float32", threads=1)
+    before = {name: runner.state.read(name).tobytes() for name in step.weights}
+    assert runner.run(_batches()[3])[1]  # skipped
+    assert {name: runner.state.read(name).tobytes() for name in step.weights} == before
