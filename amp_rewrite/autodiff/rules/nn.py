@@ -51,11 +51,12 @@ def _geometry(ctx, x, kernel):
     if auto_pad == "VALID":
         return strides, dilations, [0] * 2 * spatial
     sizes = (ctx.dims(x) or [None] * (spatial + 2))[2:]
-    if not all(isinstance(s, int) for s in sizes):
-        raise ctx.error(f"auto_pad={auto_pad} needs static spatial sizes")
+    if not all(isinstance(size, int) or s == 1 for size, s in zip(sizes, strides)):
+        raise ctx.error(f"auto_pad={auto_pad} with strides > 1 needs static spatial sizes")
     begins, ends = [], []
     for size, s, d, k in zip(sizes, strides, dilations, kernel):
-        total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        # stride 1 pads (k-1)*d whatever the size: a dynamic image size needs no static one
+        total = (k - 1) * d if s == 1 else max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
         small, large = total // 2, total - total // 2
         begins.append(small if auto_pad == "SAME_UPPER" else large)
         ends.append(large if auto_pad == "SAME_UPPER" else small)

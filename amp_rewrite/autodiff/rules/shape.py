@@ -183,3 +183,29 @@ def pad_grad(ctx):
     axes = [normalize_axis(a, ctx.rank(ctx.x(0))) for a in axes]
     ends = e.op("Sub", [e.op("Gather", [e.shape(ctx.dy()), e.ints(axes)]), e.ints(pads[half:])])
     return [e.op("Slice", [ctx.dy(), e.ints(pads[:half]), ends, e.ints(axes)])]
+
+
+def scatter_elements_grad(ctx):
+    """Data: dY, less the positions an unreduced scatter overwrote (written back as zeros); updates:
+    dY gathered at those positions. Only reduction none and add are linear in both inputs."""
+    return _scatter_grads(ctx, "GatherElements", axis=ctx.attr("axis", 0))
+
+
+def scatter_nd_grad(ctx):
+    """As scatter_elements_grad, with GatherND reading the updates' gradient back."""
+    return _scatter_grads(ctx, "GatherND")
+
+
+def _scatter_grads(ctx, gather: str, **axis):
+    reduction = ctx.attr("reduction", "none")
+    if isinstance(reduction, bytes):
+        reduction = reduction.decode()
+    if reduction not in ("none", "add"):
+        raise ctx.error(f"reduction='{reduction}' is not supported (only none and add are linear)")
+    e, dy, indices, updates = ctx.emit, ctx.dy(), ctx.x(1), ctx.x(2)
+    data_grad = dy
+    if reduction == "none" and ctx.needs(0):  # overwritten elements did not reach the output
+        zeros = e.zeros_like(updates, ctx.dtype(updates))
+        data_grad = e.op(ctx.node.op_type, [dy, indices, zeros], **axis)
+    updates_grad = e.op(gather, [dy, indices], **axis) if ctx.needs(2) else None
+    return [data_grad if ctx.needs(0) else None, None, updates_grad]
