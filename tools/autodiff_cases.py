@@ -349,6 +349,22 @@ CASES += [
         consts={"i": np.array([[0, 1, 1], [0, 0, 1]], dtype=np.int64)},  # repeats add up
     ),
     OpCase(
+        "ScatterElements-max",
+        "ScatterElements",
+        [n("ScatterElements", ["x", "i", "u"], axis=0, reduction="max")],
+        {"x": [2, 3], "u": [3, 3]},
+        consts={"i": np.array([[0, 1, 1], [0, 0, 1], [1, 0, 0]], dtype=np.int64)},
+        opsets=(18,),
+    ),
+    OpCase(
+        "ScatterND-min",
+        "ScatterND",
+        [n("ScatterND", ["x", "i", "u"], reduction="min")],
+        {"x": [3, 2], "u": [3]},
+        consts={"i": np.array([[0, 1], [0, 1], [2, 0]], dtype=np.int64)},
+        opsets=(18,),
+    ),
+    OpCase(
         "ScatterND",
         "ScatterND",
         [n("ScatterND", ["x", "i", "u"])],

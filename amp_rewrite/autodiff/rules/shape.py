@@ -187,7 +187,8 @@ def pad_grad(ctx):
 
 def scatter_elements_grad(ctx):
     """Data: dY, less the positions an unreduced scatter overwrote (written back as zeros); updates:
-    dY gathered at those positions. Only reduction none and add are linear in both inputs."""
+    dY gathered at their positions. reduction max/min (a graph network's max pooling): dY goes
+    to each value equal to the result there (ties each get it, as a subgradient may)."""
     return _scatter_grads(ctx, "GatherElements", axis=ctx.attr("axis", 0))
 
 
@@ -198,14 +199,24 @@ def scatter_nd_grad(ctx):
 
 def _scatter_grads(ctx, gather: str, **axis):
     reduction = ctx.attr("reduction", "none")
-    if isinstance(reduction, bytes):
-        reduction = reduction.decode()
-    if reduction not in ("none", "add"):
-        raise ctx.error(f"reduction='{reduction}' is not supported (only none and add are linear)")
-    e, dy, indices, updates = ctx.emit, ctx.dy(), ctx.x(1), ctx.x(2)
-    data_grad = dy
-    if reduction == "none" and ctx.needs(0):  # overwritten elements did not reach the output
-        zeros = e.zeros_like(updates, ctx.dtype(updates))
-        data_grad = e.op(ctx.node.op_type, [dy, indices, zeros], **axis)
-    updates_grad = e.op(gather, [dy, indices], **axis) if ctx.needs(2) else None
-    return [data_grad if ctx.needs(0) else None, None, updates_grad]
+    if reduction not in ("none", "add", "max", "min"):
+        raise ctx.error(f"reduction='{reduction}' is not supported")
+    e, dy, data, indices, updates = ctx.emit, ctx.dy(), ctx.x(0), ctx.x(1), ctx.x(2)
+    data_grad = updates_grad = None
+    if ctx.needs(0):
+        data_grad = dy
+        if reduction == "none":  # overwritten elements did not reach the output
+            zeros = e.zeros_like(updates, ctx.dtype(updates))
+            data_grad = e.op(ctx.node.op_type, [dy, indices, zeros], **axis)
+        elif reduction in ("max", "min"):
+            data_grad = e.op("Mul", [dy, _equal(ctx, data, ctx.y())])
+    if ctx.needs(2):
+        updates_grad = e.op(gather, [dy, indices], **axis)
+        if reduction in ("max", "min"):
+            result = e.op(gather, [ctx.y(), indices], **axis)
+            updates_grad = e.op("Mul", [updates_grad, _equal(ctx, updates, result)])
+    return [data_grad, None, updates_grad]
+
+
+def _equal(ctx, a, b):
+    return ctx.emit.cast(ctx.emit.op("Equal", [a, b]), ctx.dtype(a))
