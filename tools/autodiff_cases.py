@@ -491,6 +491,12 @@ CASES += [
         {"x": [N, 2, 5, 4]},
     ),
     OpCase(
+        "MaxPool-ceil-mode",
+        "MaxPool",
+        [n("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 1], ceil_mode=1)],
+        {"x": [N, 2, 5, 4]},
+    ),
+    OpCase(
         "MaxPool-overlap-pads",
         "MaxPool",
         [n("MaxPool", ["x"], kernel_shape=[3, 3], strides=[1, 2], pads=[1, 1, 1, 1])],

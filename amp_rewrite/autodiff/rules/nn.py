@@ -246,8 +246,8 @@ def _tiled_max_pool_grad(ctx, x, kernel):
 
 def max_pool_grad(ctx):
     """Windows that tile the input: a mask of each window's first maximum (_tiled_max_pool_grad).
-    Others: scatter dY to the argmax positions given by MaxPool's own Indices output."""
-    _no_ceil_mode(ctx)
+    Others: scatter dY to the argmax positions given by MaxPool's own Indices output, which also
+    covers ceil_mode's partial last windows (a CRNN's captcha reader pools that way)."""
     if ctx.attr("storage_order", 0):
         raise ctx.error("storage_order=1 is not supported")
     kernel, strides = ctx.attr("kernel_shape"), ctx.attr("strides") or [1] * len(ctx.attr("kernel_shape"))
