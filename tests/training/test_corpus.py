@@ -23,10 +23,15 @@ SLOW = "over 10 s for both precisions on 2 cores: tools/train_corpus.py runs it"
 RISES = "gradient checked by finite differences; AdamW(1e-4) overshoots its small first loss"
 HARNESS_ONLY = {
     "smart-turn": "QDQ int8: every float weight reaches the loss through QuantizeLinear (no gradient)",
+    "caustic-nmr": SLOW,
     "chython-rxnmap": SLOW,
     "atspm-pair": SLOW,
+    "lac-encoder": SLOW,
     "deepcut": SLOW,
     "oskut-scads": SLOW,
+    "orinet": SLOW,
+    "rapidocr-v6-det": SLOW,
+    "minimol": SLOW,
     "eeg-spindle": RISES,
     "captcha-crnn": RISES,
     "wakeword-melspectrogram": RISES + " (Adam moves the 97%-zero mel filterbank below Log's Clip)",
