@@ -315,7 +315,7 @@ def select_grads(ctx: GradContext):
     """Min/Max: each input gets dY where it is the extreme, split evenly between ties. The inputs
     are compared with each other, not with the result: a mixed-precision step compares a float32
     input with the result its float16 op rounded, which matches almost nothing (openwakeword's
-    embedding clamps with Max after every conv: every gradient below was zero in float16). The
+    embedding clamps with Max after every conv: the gradient below nearly vanished in float16). The
     count is at least 1 (a NaN input wins no comparison)."""
     e, y, inputs = ctx.emit, ctx.y(), list(ctx.node.input)
     if len(inputs) == 1:
