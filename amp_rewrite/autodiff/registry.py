@@ -106,6 +106,8 @@ TABLE = {
     "Gather": (shape.gather_grad, (0,)),
     "GatherElements": (shape.gather_elements_grad, (0,)),
     "GatherND": (shape.gather_nd_grad, (0,)),
+    "ScatterElements": (shape.scatter_elements_grad, (0, 2)),
+    "ScatterND": (shape.scatter_nd_grad, (0, 2)),
     "Pad": (shape.pad_grad, (0,)),
     # nn
     "Softmax": (nn.softmax_grad, ALL),

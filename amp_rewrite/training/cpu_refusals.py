@@ -11,6 +11,7 @@ process), and on CUDA read from the provider's kernel table (`analysis.kernels.t
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import onnx
@@ -98,18 +99,45 @@ def _in_target(node: onnx.NodeProto, opset: int, ins, outs, low: int, target: st
     return swapped if changed else None
 
 
-def _rank(shape) -> int:
-    """The rank of a TensorShapeProto or sequence of dims; 1 when unknown."""
+def _rank(shape) -> int | None:
+    """The rank of a TensorShapeProto or sequence of dims; None when unknown."""
     dims = getattr(shape, "dim", shape)
     try:
         return len(dims)
     except TypeError:
-        return 1
+        return None
+
+
+# ranks tried for the inputs whose rank shape inference left unknown (a gradient's ScatterND
+# needs data, indices and updates of matching ranks: all-1 is a shape error, not a refusal)
+GUESSED_RANKS = (1, 2, 3)
+MAX_GUESSES = 27
+
+
+def _cpu_refuses(domain, op_type, opset, attributes, ins, outs, ranks) -> str | None:
+    """The first refusal among probes of the node with its unknown ranks guessed; a probe that
+    runs (or fails for another reason on every guess) says None."""
+    unknown = [k for k, (t, r) in enumerate(zip(ins, ranks)) if t and r is None]
+    guesses = itertools.islice(itertools.product(GUESSED_RANKS, repeat=len(unknown)), MAX_GUESSES)
+    for guess in guesses:
+        filled = list(ranks)
+        for k, r in zip(unknown, guess):
+            filled[k] = r
+        verdict = _probe(
+            domain, op_type, opset, attributes, ins, outs, tuple(1 if r is None else r for r in filled)
+        )
+        if verdict != UNFIT:
+            return verdict
+    return None
+
+
+UNFIT = "unfit"  # the probe's inputs did not fit the op (a shape error): try other ranks
 
 
 @functools.lru_cache(maxsize=4096)
-def _cpu_refuses(domain, op_type, opset, attributes, ins, outs, ranks) -> str | None:
-    """Run one node with ones-shaped zero inputs; the first line of a type refusal, else None."""
+def _probe(domain, op_type, opset, attributes, ins, outs, ranks) -> str | None:
+    """Run one node with ones-shaped zero inputs: the first line of a type refusal, UNFIT when
+    it failed otherwise, None when it ran."""
     node = onnx.NodeProto()
     node.op_type, node.domain = op_type, domain
     node.input.extend(f"i{k}" if t else "" for k, t in enumerate(ins))
@@ -139,6 +167,7 @@ def _cpu_refuses(domain, op_type, opset, attributes, ins, outs, ranks) -> str | 
         text = str(error)
         if any(marker in text for marker in REFUSALS):
             return f"ONNX Runtime's CPU provider refuses {op_type} in {_low_names(ins, outs)}: {_short(text)}"
+        return UNFIT
     return None
 
 

@@ -119,3 +119,39 @@ def _ln_softmax_model():
             init("W2", weights(rng, 8, 8)),
         ],
     )
+
+
+def test_a_float16_step_passes_the_gradient_through_max_of_a_float32_tensor():
+    """MatMul (float16) -> LeakyRelu -> Max with a constant -> MatMul: the first weight's float16
+    step follows its float32 step. Max's gradient compared its input with the float16 result
+    (rounded from a float32 input), matched nothing and zeroed it (openwakeword's embedding)."""
+    from amp_rewrite.training import SGD
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        node("MatMul", ["x", "W1"], ["h"], name="mm1"),
+        node("LeakyRelu", ["h"], ["l"], name="act"),
+        node("Max", ["l", "c"], ["m"], name="pick"),
+        node("MatMul", ["m", "W2"], ["y"], name="mm2"),
+    ]
+    params = [
+        init("W1", (rng.standard_normal((8, 16)) * 0.5).astype(np.float32)),
+        init("W2", (rng.standard_normal((16, 4)) * 0.5).astype(np.float32)),
+        init("c", np.array(-0.3, np.float32)),
+    ]
+    model = make_model(nodes, [tensor("x", [32, 8])], [tensor("y", [32, 4])], params, opset=17)
+    batch = {
+        "x": rng.standard_normal((32, 8)).astype(np.float32),
+        "targets": rng.standard_normal((32, 4)).astype(np.float32),
+    }
+    moved = {}
+    for precision in ("float32", "float16"):
+        trainer = Trainer(
+            model, loss="mse", optimizer=SGD(1.0), precision=precision, provider="cpu", verbose=False
+        )
+        before = trainer.weights()["W1"].astype(np.float64)
+        assert not trainer.step(batch).skipped
+        moved[precision] = (trainer.weights()["W1"] - before).ravel()
+    full, low = moved["float32"], moved["float16"]
+    assert np.linalg.norm(low) > 0.9 * np.linalg.norm(full)
+    assert full @ low / (np.linalg.norm(full) * np.linalg.norm(low)) > 0.99

@@ -312,18 +312,26 @@ def clip_grad(ctx):
 
 
 def select_grads(ctx: GradContext):
-    """Min/Max: each input gets dY where it equals the result, split evenly between ties. The
-    count is at least 1: a mixed-precision step may compare a float32 input with the result its
-    float16 op rounded, match nothing, and would divide by zero (magika's step: NaN at every
-    loss scale); the gradient there is then 0, not NaN."""
-    e, y = ctx.emit, ctx.y()
-    hits = [e.op("Cast", [e.op("Equal", [x, y])], to=ctx.dtype(y)) for x in ctx.node.input]
-    count = hits[0] if len(hits) == 1 else e.op("Sum", hits)
-    count = e.op("Max", [count, ctx.const(1, y)])
+    """Min/Max: each input gets dY where it is the extreme, split evenly between ties. The inputs
+    are compared with each other, not with the result: a mixed-precision step compares a float32
+    input with the result its float16 op rounded, which matches almost nothing (openwakeword's
+    embedding clamps with Max after every conv: the gradient below nearly vanished in float16). The
+    count is at least 1 (a NaN input wins no comparison)."""
+    e, y, inputs = ctx.emit, ctx.y(), list(ctx.node.input)
+    if len(inputs) == 1:
+        return [ctx.dy()]
+    compare = "GreaterOrEqual" if ctx.node.op_type == "Max" else "LessOrEqual"
+    hits = []
+    for i, x in enumerate(inputs):
+        wins = [e.op(compare, [x, other]) for j, other in enumerate(inputs) if j != i]
+        for other in wins[1:]:
+            wins[0] = e.op("And", [wins[0], other])
+        hits.append(e.op("Cast", [wins[0]], to=ctx.dtype(y)))
+    count = e.op("Max", [e.op("Sum", hits), ctx.const(1, y)])
     share = e.op("Div", [ctx.dy(), count])
     return [
         unbroadcast(ctx, e.op("Mul", [share, hit]), x, ctx.dims(y)) if ctx.needs(i) else None
-        for i, (x, hit) in enumerate(zip(ctx.node.input, hits))
+        for i, (x, hit) in enumerate(zip(inputs, hits))
     ]
 
 

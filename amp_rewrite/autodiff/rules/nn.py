@@ -51,11 +51,12 @@ def _geometry(ctx, x, kernel):
     if auto_pad == "VALID":
         return strides, dilations, [0] * 2 * spatial
     sizes = (ctx.dims(x) or [None] * (spatial + 2))[2:]
-    if not all(isinstance(s, int) for s in sizes):
-        raise ctx.error(f"auto_pad={auto_pad} needs static spatial sizes")
+    if not all(isinstance(size, int) or s == 1 for size, s in zip(sizes, strides)):
+        raise ctx.error(f"auto_pad={auto_pad} with strides > 1 needs static spatial sizes")
     begins, ends = [], []
     for size, s, d, k in zip(sizes, strides, dilations, kernel):
-        total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        # stride 1 pads (k-1)*d whatever the size: a dynamic image size needs no static one
+        total = (k - 1) * d if s == 1 else max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
         small, large = total // 2, total - total // 2
         begins.append(small if auto_pad == "SAME_UPPER" else large)
         ends.append(large if auto_pad == "SAME_UPPER" else small)
@@ -245,8 +246,8 @@ def _tiled_max_pool_grad(ctx, x, kernel):
 
 def max_pool_grad(ctx):
     """Windows that tile the input: a mask of each window's first maximum (_tiled_max_pool_grad).
-    Others: scatter dY to the argmax positions given by MaxPool's own Indices output."""
-    _no_ceil_mode(ctx)
+    Others: scatter dY to the argmax positions given by MaxPool's own Indices output, which also
+    covers ceil_mode's partial last windows (a CRNN's captcha reader pools that way)."""
     if ctx.attr("storage_order", 0):
         raise ctx.error("storage_order=1 is not supported")
     kernel, strides = ctx.attr("kernel_shape"), ctx.attr("strides") or [1] * len(ctx.attr("kernel_shape"))

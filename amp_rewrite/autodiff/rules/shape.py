@@ -183,3 +183,40 @@ def pad_grad(ctx):
     axes = [normalize_axis(a, ctx.rank(ctx.x(0))) for a in axes]
     ends = e.op("Sub", [e.op("Gather", [e.shape(ctx.dy()), e.ints(axes)]), e.ints(pads[half:])])
     return [e.op("Slice", [ctx.dy(), e.ints(pads[:half]), ends, e.ints(axes)])]
+
+
+def scatter_elements_grad(ctx):
+    """Data: dY, less the positions an unreduced scatter overwrote (written back as zeros); updates:
+    dY gathered at their positions. reduction max/min (a graph network's max pooling): dY goes
+    to each value equal to the result there (ties each get it, as a subgradient may)."""
+    return _scatter_grads(ctx, "GatherElements", axis=ctx.attr("axis", 0))
+
+
+def scatter_nd_grad(ctx):
+    """As scatter_elements_grad, with GatherND reading the updates' gradient back."""
+    return _scatter_grads(ctx, "GatherND")
+
+
+def _scatter_grads(ctx, gather: str, **axis):
+    reduction = ctx.attr("reduction", "none")
+    if reduction not in ("none", "add", "max", "min"):
+        raise ctx.error(f"reduction='{reduction}' is not supported")
+    e, dy, data, indices, updates = ctx.emit, ctx.dy(), ctx.x(0), ctx.x(1), ctx.x(2)
+    data_grad = updates_grad = None
+    if ctx.needs(0):
+        data_grad = dy
+        if reduction == "none":  # overwritten elements did not reach the output
+            zeros = e.zeros_like(updates, ctx.dtype(updates))
+            data_grad = e.op(ctx.node.op_type, [dy, indices, zeros], **axis)
+        elif reduction in ("max", "min"):
+            data_grad = e.op("Mul", [dy, _equal(ctx, data, ctx.y())])
+    if ctx.needs(2):
+        updates_grad = e.op(gather, [dy, indices], **axis)
+        if reduction in ("max", "min"):
+            result = e.op(gather, [ctx.y(), indices], **axis)
+            updates_grad = e.op("Mul", [updates_grad, _equal(ctx, updates, result)])
+    return [data_grad, None, updates_grad]
+
+
+def _equal(ctx, a, b):
+    return ctx.emit.cast(ctx.emit.op("Equal", [a, b]), ctx.dtype(a))
