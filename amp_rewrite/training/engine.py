@@ -5,9 +5,9 @@ Deployment (`plan`), said in one line, opened by `open_engine`.
                           by Where (flat_update.py), nothing read by the host mid-step; with
                           `cuda_graph`, captured once and replayed where every node is on the
                           device and nothing branches (`cuda_graph_refusal` says why not)
-    one process on CPU    a gradient session, then the update on the host: host_update.py's chains,
-                          in the C loop where it is built (block_loop.py), else numpy
-                          (split_runner.SplitRunner, the update per tensor in one If)
+    one process on CPU    a gradient session, then the update on the host: host_update.py's chains
+                          in numpy over cache-sized blocks (split_runner.SplitRunner, the update
+                          per tensor in one If)
     MPI, either device    the same two halves with the Allreduce between them
                           (distributed.MpiReduction)
 

@@ -2,8 +2,9 @@
 
 ONNX Runtime's inference build has no fused optimizer kernel, so the update (optimizers.py) is a
 chain of whole-tensor elementwise ops (AdamW: 13 per weight, 11.6 of the MLP's 52 ms step). Run
-block by block, the chain's operands stay in cache between its ops (6.4 ms); where the optional C
-extension is built (block_loop.py), each chain is one call over 1K-element blocks (4.7 ms).
+block by block, the chain's operands stay in cache between its ops (6.4 ms). (A C loop fusing each
+chain saved 0.5 ms of the MLP's 58 ms step when last measured, under 1%: it was dropped, and the
+wheel is pure Python; docs/decisions.md.)
 
 The program is compiled once from the split step's apply graph (`split_step.py`), so an optimizer
 is still written once, as ONNX. Tensors are *big* (an input of at least `BIG` elements, or an
@@ -27,8 +28,6 @@ import dataclasses
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-
-from amp_rewrite.training import block_loop
 
 BLOCK = 65536  # elements per block: fewer calls than 32K, as fast from cache (16K-256K measured)
 BIG = 2  # inputs of 2+ elements run in chains, biases too: a chain's call costs about 1 us, a node
@@ -91,10 +90,8 @@ class _Chain:
     ops: list
     buffers: dict
     scratch_count: int
-    native: bool = True  # run by the C loop (block_loop.py) where it can be
     calls: list = dataclasses.field(default_factory=list)  # (function, args, out) per block and op
     holders: dict = dataclasses.field(default_factory=dict)  # small input -> the array calls read
-    program: tuple | None = None  # _blocks.run's arguments
 
 
 @dataclasses.dataclass
@@ -133,20 +130,6 @@ class HostUpdate:
     def run(self) -> None:
         with np.errstate(all="ignore"):  # Inf and NaN are values here, as in ONNX Runtime: no warnings
             _run(self._program, self._env)
-
-    @property
-    def engine(self) -> str:
-        """What runs the chains: "C loop" where the extension takes them all (block_loop.py), else
-        "numpy" (for some: "C loop, numpy for N chains")."""
-        chains = _chains(self._program)
-        numpy = sum(not (c.native and block_loop.takes(c.ops)) for c in chains)
-        return (
-            "numpy"
-            if numpy == len(chains) or not chains
-            else f"C loop, numpy for {numpy} chains"
-            if numpy
-            else "C loop"
-        )
 
     def blocked_sizes(self) -> list[int]:
         """The element count of each blocked chain, the If's branches included."""
@@ -351,17 +334,14 @@ def _chain(shape: tuple, nodes: list, writes: dict) -> _Chain:
         buffers[output] = buffer
         function = None if node.op_type == "Identity" else _FLOAT_OPS[node.op_type]
         ops.append((function, list(node.input), output))
-    return _Chain(int(np.prod(shape, dtype=np.int64)), ops, buffers, count, block_loop.AVAILABLE)
+    return _Chain(int(np.prod(shape, dtype=np.int64)), ops, buffers, count)
 
 
 def _run_chain(chain: _Chain, env: dict) -> None:
-    if not chain.calls and chain.program is None:
+    if not chain.calls:
         _bind(chain, env)
     for name, holder in chain.holders.items():
         np.copyto(holder, env[name])
-    if chain.program is not None:
-        block_loop.run(chain.program)
-        return
     for function, args, out in chain.calls:
         if function is None:
             np.copyto(out, args[0])
@@ -370,17 +350,13 @@ def _run_chain(chain: _Chain, env: dict) -> None:
 
 
 def _bind(chain: _Chain, env: dict) -> None:
-    """The C loop's program, or else the calls of every block over flat views of the arrays: small
-    operands read from holders refreshed each step, so either is built once."""
+    """The calls of every block over flat views of the arrays, built once: small operands are read
+    from holders refreshed each step."""
     for _, inputs, _ in chain.ops:
         for name in inputs:
             value = env.get(name)
             if name not in chain.buffers and value is not None and np.size(value) == 1 and chain.size != 1:
                 chain.holders.setdefault(name, np.array(np.asarray(value).reshape(()), copy=True))
-    if chain.native:
-        chain.program = block_loop.program(chain.ops, chain.buffers, chain.holders, env, chain.size)
-    if chain.program is not None:
-        return
     scratch = [np.empty(min(BLOCK, chain.size), np.float32) for _ in range(chain.scratch_count)]
 
     def view(name: str, start: int, end: int):

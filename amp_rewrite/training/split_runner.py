@@ -75,7 +75,7 @@ class SplitRunner(SingleProcess):
                     self._apply_binding.bind_ortvalue_input(name, host[name])
         self._host = host  # the OrtValues over the numpy buffers stay alive with the bindings
         update = (
-            f"the update on the host ({self.host_update.engine})"
+            "the update on the host (numpy, in cache-sized blocks)"
             if self.host_update
             else f"the update in an apply session ({why})"
         )

@@ -1,5 +1,5 @@
 """tools/bench_train.py: the BERT as ONNX Runtime training's artifacts take it computes the same
-logits, and a one-round run of the trainer prints its row; bench_update times both update engines."""
+logits, and a one-round run of the trainer prints its row."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
-import pytest
 from onnx import TensorProto
 
 from helpers import init, load_tool, make_model, node, tensor
@@ -63,19 +62,3 @@ def test_one_round_of_the_trainer_prints_its_row(monkeypatch, capsys):
     assert len(rows) == 1
     ms, ratio, megabytes = (float(cell) for cell in rows[0].split("|")[3].split("/"))
     assert ms > 0 and ratio == 1.0 and megabytes >= 0  # the only contender is its own baseline
-
-
-def test_bench_update_times_both_engines_and_finds_them_equal(monkeypatch, capsys):
-    from amp_rewrite.training import block_loop
-
-    if not block_loop.AVAILABLE:
-        pytest.skip("the optional C extension is not built")
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    bench = load_tool("bench_update", needs=("bench_train", "procmem"))
-    assert bench.main(["--width", "64", "--batch", "8", "--rounds", "3", "--warmup", "0"]) == 0
-    out = capsys.readouterr().out
-    rows = [line.split("|") for line in out.splitlines() if line.startswith(("| numpy", "| c-loop"))]
-    assert [row[1].strip() for row in rows] == ["numpy", "c-loop"]
-    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows)
-    assert "states bit for bit equal: True" in out
-    assert block_loop.AVAILABLE  # the tool puts it back

@@ -11,7 +11,7 @@ from onnx import helper
 from amp_rewrite import runtime
 from amp_rewrite.deployment import Deployment
 from amp_rewrite.errors import TrainingError
-from amp_rewrite.training import SGD, AdamW, DynamicLossScale, Trainer, block_loop, build_step_graph, engine
+from amp_rewrite.training import SGD, AdamW, DynamicLossScale, Trainer, build_step_graph, engine
 from amp_rewrite.training import runner as engine_runner
 from amp_rewrite.training.runner import SessionRunner
 from amp_rewrite.training.step_graph import apply_precision
@@ -28,9 +28,9 @@ def _engine_line(capsys, **options) -> str:
 
 
 def test_the_engine_says_in_one_line_what_runs_the_step(capsys):
-    backend = "C loop" if block_loop.AVAILABLE else "numpy"
     assert _engine_line(capsys) == (
-        f"amp-rewrite: step engine: a gradient session on CPU, then the update on the host ({backend})"
+        "amp-rewrite: step engine: a gradient session on CPU, then the update on the host "
+        "(numpy, in cache-sized blocks)"
     )
 
 

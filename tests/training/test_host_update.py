@@ -13,7 +13,6 @@ from amp_rewrite.training import (
     AdamW,
     DynamicLossScale,
     FixedLossScale,
-    block_loop,
     build_step_graph,
     host_update,
 )
@@ -26,30 +25,11 @@ SIZES = (16, 96, 3)
 TOLERANCE = 1e-4  # relative, on the state after six steps: what an ulp in beta^t costs (measured 5e-5)  # w0 has 1536 elements: two blocks of the patched 1000, w1 one; biases whole
 
 
-@pytest.fixture(autouse=True, params=["c-loop", "numpy"])
-def engine(request, monkeypatch):
-    """Every test twice: chains in the C loop (block_loop.py; skipped where it is not built) and
-    in numpy's calls, whose blocks are made small here so that a weight spans two."""
-    if request.param == "c-loop" and not block_loop.AVAILABLE:
-        pytest.skip("the optional C extension amp_rewrite.training._blocks is not built")
-    monkeypatch.setattr(block_loop, "AVAILABLE", request.param == "c-loop")
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Blocks made small here, so that a weight spans two."""
     monkeypatch.setattr(host_update, "BIG", 100)
     monkeypatch.setattr(host_update, "BLOCK", 1000)
-    return request.param
-
-
-def _engines(update) -> set[str]:
-    """Which engine ran each chain of a host update (its If's branches included)."""
-
-    def chains(program):
-        inner = [c for step in program.small for p in getattr(step, "programs", ()) for c in chains(p)]
-        return list(program.chains) + inner
-
-    return {
-        "c-loop" if c.program is not None else "numpy"
-        for c in chains(update._program)
-        if c.calls or c.program
-    }
 
 
 def _batches():
@@ -95,14 +75,13 @@ def _assert_same_steps(one_graph, split, exact=True):
     "precision, loss_scale", [("float32", FixedLossScale(1.0)), ("float16", DynamicLossScale())]
 )
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_the_host_update_is_the_one_graph_step_bit_for_bit(optimizer, precision, loss_scale, engine):
+def test_the_host_update_is_the_one_graph_step_bit_for_bit(optimizer, precision, loss_scale):
     one_graph, split = _runners(OPTIMIZERS[optimizer](), precision, loss_scale)
     assert split.host_update is not None
     assert sorted(split.host_update.blocked_sizes()) == [288, 1536]  # w1, w0 (in blocks); biases whole
     # a global-norm clip's sum of squares is added in another order: float32 rounding apart
     _assert_same_steps(one_graph, split, exact=optimizer != "adamw-clip")
     assert split.state.read("opt/step") == 5  # six steps, one skipped
-    assert _engines(split.host_update) == {engine}
 
 
 class TanhSGD(SGD):
