@@ -242,20 +242,34 @@ def drop_regions_without_allow(
 
 def _reached(seeds: list, low: dict, m: _Masks, joins: tuple, tied: dict) -> set:
     """The low vertices joined to a seed by edges, by `joins` (dicts: vertex -> vertices of its
-    region) and by ties (each cluster's members once): one walk."""
+    region) and by ties (each cluster's members once): one walk, in that order. Each kind of
+    neighbour in a loop of its own (no tuple or generator per vertex: it visits every low vertex)."""
     kept, queue, clusters_seen = set(seeds), list(seeds), set()
-    succ, pred = m.succ, m.pred
+    succ, pred, add, push = m.succ, m.pred, kept.add, queue.append
+    gets = [join.get for join in joins]
+    tied_get = tied.get if tied else None
     while queue:
         v = queue.pop()
-        cluster = tied.get(v)
-        partners = () if cluster is None or id(cluster) in clusters_seen else cluster.members
-        if partners:
+        for w in succ[v]:
+            if w not in kept and w in low:
+                add(w)
+                push(w)
+        for w in pred[v]:
+            if w not in kept and w in low:
+                add(w)
+                push(w)
+        cluster = tied_get(v) if tied_get is not None else None
+        if cluster is not None and id(cluster) not in clusters_seen:
             clusters_seen.add(id(cluster))
-        for neighbours in (succ[v], pred[v], partners, *(join.get(v, ()) for join in joins)):
-            for w in neighbours:
-                if w in low and w not in kept:
-                    kept.add(w)
-                    queue.append(w)
+            for w in cluster.members:
+                if w not in kept and w in low:
+                    add(w)
+                    push(w)
+        for get in gets:
+            for w in get(v, ()):
+                if w not in kept and w in low:
+                    add(w)
+                    push(w)
     return kept
 
 
