@@ -323,19 +323,22 @@ def _add_edges(cg: ColouringGraph) -> None:
     succ = cg.succ = [[] for _ in cg.vertices]
     pred = cg.pred = [[] for _ in cg.vertices]
     reads, writes = cg.reads, cg.writes
+    defs = [scope.defs for scope in cg.scopes]  # looked up once, not per tensor
     for (s, name), uses in cg.uses.items():
-        kind, n, slot = cg.scopes[s].defs[name]
-        if kind != "node" or not writes[s][n]:
+        kind, n, slot = defs[s][name]
+        if kind != "node":
             continue
-        producer = writes[s][n][slot]
+        row = writes[s][n]
+        producer = row[slot] if row else None
         if producer is None:
             continue
+        readers = succ[producer]
         for use_scope, reader_node, use_slot in uses:  # cg.input_vertex, inlined: runs once per use
             row = reads[use_scope][reader_node] if reader_node >= 0 else None
             if row:
                 reader = row[use_slot]
                 if reader is not None:
-                    succ[producer].append(reader)
+                    readers.append(reader)
                     pred[reader].append(producer)
     for (body, name), v in cg.carried_in.items():  # a carried value -> what the body reads of it
         for use in cg.uses.get((body, name), ()):

@@ -28,6 +28,9 @@ from amp_rewrite.onnx_facts import FLOAT as FLOAT_ELEM
 from amp_rewrite.plan import FP32, LOW, Plan, Reason, Step
 
 FILL_LIMITS = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
+# Reasons made per vertex in the passes' comprehensions as tuple.__new__(Reason, (step, via, None)):
+# the same NamedTuple without the Python-level __new__ a call of the class runs (a third the cost)
+_new = tuple.__new__
 
 
 def reach(adjacencies, roots, enter) -> dict:
@@ -72,9 +75,9 @@ class _Masks:
 
 
 def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
-    return {
-        v: Reason(Step.ALLOW_LIST) for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]
-    }
+    """Paintable allow vertices, all with one Reason (immutable: shared, not made per vertex)."""
+    reason = Reason(Step.ALLOW_LIST)
+    return {v: reason for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]}
 
 
 def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
@@ -98,7 +101,8 @@ def paint_between_allow(cg: ColouringGraph, m: _Masks, allow: dict, deny: dict) 
     passable = m.passable(("infer", "clear"), deny)
     downstream = reach([m.succ], list(allow), passable)
     back = reach([m.pred], list(allow), m.inside(downstream, allow))
-    return {v: Reason(Step.BETWEEN_ALLOW, downstream[v]) for v, p in back.items() if p is not None}
+    step = Step.BETWEEN_ALLOW
+    return {v: _new(Reason, (step, downstream[v], None)) for v, p in back.items() if p is not None}
 
 
 def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
@@ -117,7 +121,8 @@ def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict
 def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
     passable = m.passable(("clear",), deny)
     parent = reach([m.succ, m.pred], list(low), passable)
-    return {v: Reason(Step.CLEAR_NEXT_TO_LOW, p) for v, p in parent.items() if p is not None}
+    step = Step.CLEAR_NEXT_TO_LOW
+    return {v: _new(Reason, (step, p, None)) for v, p in parent.items() if p is not None}
 
 
 def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: set) -> dict:
