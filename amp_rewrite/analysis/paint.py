@@ -16,7 +16,6 @@ explained as a chain. Every pass is one breadth-first walk (or one sweep) over t
 
 from __future__ import annotations
 
-from collections import deque
 from types import MappingProxyType
 
 import numpy as np
@@ -37,14 +36,16 @@ def reach(adjacencies, roots, enter) -> dict:
     """Multi-source BFS over neighbour lists (`_Masks.succ`, `.pred`, or both): vertex ->
     the vertex it was reached from (None for roots). `enter[w]` says whether w may be entered."""
     parent = dict.fromkeys(roots)
-    queue = deque(parent)
-    while queue:
-        v = queue.popleft()
-        for adjacency in adjacencies:
-            for w in adjacency[v]:
-                if enter[w] and w not in parent:
-                    parent[w] = v
-                    queue.append(w)
+    frontier = list(parent)
+    while frontier:  # level by level, in order: a FIFO queue's order, without a call per pop
+        found = []
+        for v in frontier:
+            for adjacency in adjacencies:
+                for w in adjacency[v]:
+                    if enter[w] and w not in parent:
+                        parent[w] = v
+                        found.append(w)
+        frontier = found
     return parent
 
 

@@ -113,7 +113,9 @@ def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) 
         for i, low in enumerate(lows):
             source_low = low_source or (producer is not None and producer in low)
             some_low, some_fp32 = low_reader, fp32_reader
-            for r in readers:
+            if not low:  # all float32 (never_worse's first): every reader vertex reads float32
+                some_fp32 = some_fp32 or bool(readers)
+            for r in readers if low else ():
                 if r in low:
                     some_low = True
                 else:

@@ -20,7 +20,11 @@ def place_constant(m: Materialisation, s, name, d, uses) -> None:
     kinds = set(needs)
     if m.low not in kinds:
         return
-    main_output = next((need for u, need in zip(uses, needs) if u.scope == 0 and u.node < 0), None)
+    main_output = None
+    for u, need in zip(uses, needs):  # a loop, not next() over a generator: once per constant
+        if u.scope == 0 and u.node < 0:
+            main_output = need
+            break
     primary = main_output if main_output is not None else (FLOAT if FLOAT in kinds else m.low)
     other = m.low if primary == FLOAT else FLOAT
     other_name = m.names.new(f"{name}_{TAG[other]}") if other in kinds else None
