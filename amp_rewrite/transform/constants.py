@@ -42,10 +42,16 @@ def place_constant(m: Materialisation, s, name, d, uses) -> None:
                 set_input(m, use, other_name)
 
 
-def converted_bytes(m: Materialisation, key, source: onnx.TensorProto, elem: int) -> bytes:
-    """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now."""
+def converted_bytes(
+    m: Materialisation, key, source: onnx.TensorProto, elem: int, initializer: bool = False
+) -> bytes:
+    """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now. An
+    `initializer`'s values are read from the tensor holding them (`weights.value_holder`), looked
+    up only when converting now (not per weight: the scan converted nearly all ahead)."""
     ahead = m.constants.take(key) if elem == m.low else None
     if ahead is None:
+        if initializer:
+            source = weights.value_holder(m.cg.borrowed, key[0], key[1], source)
         array, clamped = weights.convert(
             tensordata.float_values(source), elem, weights.LIMITS[m.cg.target], m.clamp
         )
@@ -70,7 +76,7 @@ def convert_constant(
         if tensordata.is_external(tensor) and (elem == FLOAT or (s, name) in m.constants.deferred):
             _defer(m, s, name, tensor, new_name, in_place, elem)
             return
-        data = converted_bytes(m, (s, name), weights.value_holder(m.cg.borrowed, s, name, tensor), elem)
+        data = converted_bytes(m, (s, name), tensor, elem, initializer=True)
         m.result.weight_bytes_delta += size_change(data, elem, in_place)
         if in_place:  # swap the data, keep everything else (doc string, metadata)
             tensor.ClearField("float_data")
