@@ -352,7 +352,8 @@ def all_float32(cg: ColouringGraph, plan: Plan, why: str) -> Plan:
 
 
 def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:
-    colours = {v: (LOW if v in low else FP32) for v in range(len(cg.vertices))}
+    colours = dict.fromkeys(range(len(cg.vertices)), FP32)  # in vertex order, set in C
+    colours.update(dict.fromkeys(low, LOW))
     for v, vertex in enumerate(cg.vertices):
         if v not in reasons:
             reasons[v] = _unpainted(vertex)
