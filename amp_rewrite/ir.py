@@ -102,10 +102,9 @@ def _record_defs(scope: Scope) -> None:
         (tuple(node.input[:]), tuple(node.output[:]), node.name, node.op_type, node.domain)
         for node in scope.graph.node
     ]
-    scope.io = [row[:2] for row in rows]
-    scope.names = [row[2] for row in rows]
-    scope.op_types = [row[3] for row in rows]
-    scope.domains = [row[4] for row in rows]
+    columns = list(zip(*rows)) or [(), (), (), (), ()]  # split in C, not four comprehensions
+    scope.io = list(zip(columns[0], columns[1]))
+    scope.names, scope.op_types, scope.domains = list(columns[2]), list(columns[3]), list(columns[4])
     for n, (_, outputs) in enumerate(scope.io):
         for slot, name in enumerate(outputs):
             if name:

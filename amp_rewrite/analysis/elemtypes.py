@@ -79,7 +79,11 @@ def propagate(model: onnx.ModelProto, types: dict, scopes=None) -> bool:
                 for x in names:
                     if x not in types:
                         types[x] = known
-            complete = complete and all(not x or x in types for x in outputs)
+            if complete:  # a loop, not all() over a generator: one per node
+                for x in outputs:
+                    if x and x not in types:
+                        complete = False
+                        break
     return complete
 
 

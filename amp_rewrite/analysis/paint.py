@@ -16,7 +16,6 @@ explained as a chain. Every pass is one breadth-first walk (or one sweep) over t
 
 from __future__ import annotations
 
-from collections import deque
 from types import MappingProxyType
 
 import numpy as np
@@ -28,20 +27,25 @@ from amp_rewrite.onnx_facts import FLOAT as FLOAT_ELEM
 from amp_rewrite.plan import FP32, LOW, Plan, Reason, Step
 
 FILL_LIMITS = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
+# Reasons made per vertex in the passes' comprehensions as tuple.__new__(Reason, (step, via, None)):
+# the same NamedTuple without the Python-level __new__ a call of the class runs (a third the cost)
+_new = tuple.__new__
 
 
 def reach(adjacencies, roots, enter) -> dict:
     """Multi-source BFS over neighbour lists (`_Masks.succ`, `.pred`, or both): vertex ->
     the vertex it was reached from (None for roots). `enter[w]` says whether w may be entered."""
     parent = dict.fromkeys(roots)
-    queue = deque(parent)
-    while queue:
-        v = queue.popleft()
-        for adjacency in adjacencies:
-            for w in adjacency[v]:
-                if enter[w] and w not in parent:
-                    parent[w] = v
-                    queue.append(w)
+    frontier = list(parent)
+    while frontier:  # level by level, in order: a FIFO queue's order, without a call per pop
+        found = []
+        for v in frontier:
+            for adjacency in adjacencies:
+                for w in adjacency[v]:
+                    if enter[w] and w not in parent:
+                        parent[w] = v
+                        found.append(w)
+        frontier = found
     return parent
 
 
@@ -72,9 +76,9 @@ class _Masks:
 
 
 def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
-    return {
-        v: Reason(Step.ALLOW_LIST) for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]
-    }
+    """Paintable allow vertices, all with one Reason (immutable: shared, not made per vertex)."""
+    reason = Reason(Step.ALLOW_LIST)
+    return {v: reason for v, name in enumerate(m.lists) if name == "allow" and m.paintable[v]}
 
 
 def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
@@ -98,7 +102,8 @@ def paint_between_allow(cg: ColouringGraph, m: _Masks, allow: dict, deny: dict) 
     passable = m.passable(("infer", "clear"), deny)
     downstream = reach([m.succ], list(allow), passable)
     back = reach([m.pred], list(allow), m.inside(downstream, allow))
-    return {v: Reason(Step.BETWEEN_ALLOW, downstream[v]) for v, p in back.items() if p is not None}
+    step = Step.BETWEEN_ALLOW
+    return {v: _new(Reason, (step, downstream[v], None)) for v, p in back.items() if p is not None}
 
 
 def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
@@ -117,7 +122,8 @@ def paint_infer_after_allow(cg: ColouringGraph, m: _Masks, low: dict, deny: dict
 def propagate_allow_through_clear(cg: ColouringGraph, m: _Masks, low: dict, deny: dict) -> dict:
     passable = m.passable(("clear",), deny)
     parent = reach([m.succ, m.pred], list(low), passable)
-    return {v: Reason(Step.CLEAR_NEXT_TO_LOW, p) for v, p in parent.items() if p is not None}
+    step = Step.CLEAR_NEXT_TO_LOW
+    return {v: _new(Reason, (step, p, None)) for v, p in parent.items() if p is not None}
 
 
 def paint_attribute_typed_outputs(cg: ColouringGraph, low: dict, graph_outputs: set) -> dict:
@@ -242,20 +248,34 @@ def drop_regions_without_allow(
 
 def _reached(seeds: list, low: dict, m: _Masks, joins: tuple, tied: dict) -> set:
     """The low vertices joined to a seed by edges, by `joins` (dicts: vertex -> vertices of its
-    region) and by ties (each cluster's members once): one walk."""
+    region) and by ties (each cluster's members once): one walk, in that order. Each kind of
+    neighbour in a loop of its own (no tuple or generator per vertex: it visits every low vertex)."""
     kept, queue, clusters_seen = set(seeds), list(seeds), set()
-    succ, pred = m.succ, m.pred
+    succ, pred, add, push = m.succ, m.pred, kept.add, queue.append
+    gets = [join.get for join in joins]
+    tied_get = tied.get if tied else None
     while queue:
         v = queue.pop()
-        cluster = tied.get(v)
-        partners = () if cluster is None or id(cluster) in clusters_seen else cluster.members
-        if partners:
+        for w in succ[v]:
+            if w not in kept and w in low:
+                add(w)
+                push(w)
+        for w in pred[v]:
+            if w not in kept and w in low:
+                add(w)
+                push(w)
+        cluster = tied_get(v) if tied_get is not None else None
+        if cluster is not None and id(cluster) not in clusters_seen:
             clusters_seen.add(id(cluster))
-        for neighbours in (succ[v], pred[v], partners, *(join.get(v, ()) for join in joins)):
-            for w in neighbours:
-                if w in low and w not in kept:
-                    kept.add(w)
-                    queue.append(w)
+            for w in cluster.members:
+                if w not in kept and w in low:
+                    add(w)
+                    push(w)
+        for get in gets:
+            for w in get(v, ()):
+                if w not in kept and w in low:
+                    add(w)
+                    push(w)
     return kept
 
 
@@ -332,7 +352,8 @@ def all_float32(cg: ColouringGraph, plan: Plan, why: str) -> Plan:
 
 
 def _freeze(cg: ColouringGraph, low: dict, reasons: dict) -> Plan:
-    colours = {v: (LOW if v in low else FP32) for v in range(len(cg.vertices))}
+    colours = dict.fromkeys(range(len(cg.vertices)), FP32)  # in vertex order, set in C
+    colours.update(dict.fromkeys(low, LOW))
     for v, vertex in enumerate(cg.vertices):
         if v not in reasons:
             reasons[v] = _unpainted(vertex)

@@ -117,7 +117,7 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
             source = _copied(source)
             walked = walk(source.graph)
             notes = (unique_node_names(walked[0]),)
-        found = validate(source, "model", in_memory=True, checker=checker, walked=walked)
+        found = validate(source, "model", in_memory=True, checker=checker, walked=walked, names_unique=True)
         return LoadedModel(
             source,
             None,
@@ -161,7 +161,7 @@ def load(source, *, lazy_weights: bool = False, checker: bool = True, outputs=No
     walked = walk(model.graph, sparse)  # one walk, shared by the external-data check and validation
     data_files, lazy = _load_external_data(model, path, lazy_weights, outputs, walked, sparse)
     notes = (unique_node_names(walked[0]),) if _repeated_node_names(walked[0]) else ()
-    found = validate(model, path, skeleton=lazy, checker=checker, walked=walked)
+    found = validate(model, path, skeleton=lazy, checker=checker, walked=walked, names_unique=True)
     return LoadedModel(
         model,
         path,

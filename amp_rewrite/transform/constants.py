@@ -20,7 +20,11 @@ def place_constant(m: Materialisation, s, name, d, uses) -> None:
     kinds = set(needs)
     if m.low not in kinds:
         return
-    main_output = next((need for u, need in zip(uses, needs) if u.scope == 0 and u.node < 0), None)
+    main_output = None
+    for u, need in zip(uses, needs):  # a loop, not next() over a generator: once per constant
+        if u.scope == 0 and u.node < 0:
+            main_output = need
+            break
     primary = main_output if main_output is not None else (FLOAT if FLOAT in kinds else m.low)
     other = m.low if primary == FLOAT else FLOAT
     other_name = m.names.new(f"{name}_{TAG[other]}") if other in kinds else None
@@ -38,10 +42,16 @@ def place_constant(m: Materialisation, s, name, d, uses) -> None:
                 set_input(m, use, other_name)
 
 
-def converted_bytes(m: Materialisation, key, source: onnx.TensorProto, elem: int) -> bytes:
-    """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now."""
+def converted_bytes(
+    m: Materialisation, key, source: onnx.TensorProto, elem: int, initializer: bool = False
+) -> bytes:
+    """`source`'s values as `elem`: converted ahead by the scan (weights.py) or now. An
+    `initializer`'s values are read from the tensor holding them (`weights.value_holder`), looked
+    up only when converting now (not per weight: the scan converted nearly all ahead)."""
     ahead = m.constants.take(key) if elem == m.low else None
     if ahead is None:
+        if initializer:
+            source = weights.value_holder(m.cg.borrowed, key[0], key[1], source)
         array, clamped = weights.convert(
             tensordata.float_values(source), elem, weights.LIMITS[m.cg.target], m.clamp
         )
@@ -66,7 +76,7 @@ def convert_constant(
         if tensordata.is_external(tensor) and (elem == FLOAT or (s, name) in m.constants.deferred):
             _defer(m, s, name, tensor, new_name, in_place, elem)
             return
-        data = converted_bytes(m, (s, name), weights.value_holder(m.cg.borrowed, s, name, tensor), elem)
+        data = converted_bytes(m, (s, name), tensor, elem, initializer=True)
         m.result.weight_bytes_delta += size_change(data, elem, in_place)
         if in_place:  # swap the data, keep everything else (doc string, metadata)
             tensor.ClearField("float_data")

@@ -37,10 +37,28 @@ __all__ = ["Materialised", "materialise"]
 
 def _run(m: Materialisation, fold_casts: bool = True) -> Materialised:
     cg = m.cg
-    for (s, name), uses in cg.uses.items():
-        if cg.types.get(name) != FLOAT:
+    types_get, scopes = cg.types.get, cg.scopes
+    writes, reads, low_vertices = m.writes, m.reads, m.low_vertices
+    for key, uses in cg.uses.items():
+        s, name = key
+        if types_get(name) != FLOAT:
             continue
-        d = cg.scopes[s].defs[name]
+        d = scopes[s].defs[name]
+        if d[0] == "node":  # the common case, inlined: a vertex's output every reader reads as made
+            row = writes[s][d[1]]
+            vertex = row[d[2]] if row else None
+            if vertex is not None:
+                made_low = vertex in low_vertices
+                for use_scope, n, slot in uses:  # needed_types' test per use, without its list
+                    if n < 0:
+                        break  # a graph output: place_casts decides
+                    row = reads[use_scope][n]
+                    if (bool(row) and row[slot] in low_vertices) != made_low:
+                        break
+                else:
+                    if made_low:
+                        m.low_names.add(key)  # as place_casts would: no Cast
+                    continue
         src = source_elem(m, s, name, d)
         if src is None:
             place_constant(m, s, name, d, uses)

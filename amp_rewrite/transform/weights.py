@@ -34,6 +34,7 @@ LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": float(np.finfo
 # not inf, so 0 x mask stays 0 (a masked-out (1 - m) * finfo.min would be NaN) and a fully masked
 # Softmax row stays finite. Any other out-of-range value still keeps its readers float32.
 SENTINEL = float(np.finfo(np.float32).max)
+EXTERNAL = onnx.TensorProto.EXTERNAL  # tensordata.is_external's test, inlined in the scan
 CHUNK_BYTES = 1 << 20  # float32 values read, checked and converted at once
 CAST_OPSET = 13  # the first default-domain opset whose Cast takes bfloat16
 
@@ -122,12 +123,12 @@ def scan(
     limit = LIMITS[target]
     chunk, size = [], 0
     for key, tensor in float_constants(scopes, borrowed, constant_nodes):
-        if tensordata.is_external(
-            tensor
-        ):  # left on disk (lazy_weights): checked in pieces, converted when saved
+        # on disk (lazy_weights): checked in pieces, converted when saved
+        if tensor.data_location == EXTERNAL:
             _scan_on_disk(key, tensor, limit, clamp, convert_to is not None, result)
             continue
-        data = tensordata.tensor_bytes(tensor)  # little-endian float32
+        # little-endian float32: tensor_bytes' common case (raw data) read here, no call per weight
+        data = tensor.raw_data if tensor.HasField("raw_data") else tensordata.tensor_bytes(tensor)
         chunk.append((key, data))
         size += len(data)
         if size >= CHUNK_BYTES:
@@ -182,7 +183,9 @@ def _reach(chunk: list, bounds: list, whole: np.ndarray, result: Scan) -> float:
     lows, highs = np.minimum.reduceat(whole, starts), np.maximum.reduceat(whole, starts)
     finite = np.isfinite(lows) & np.isfinite(highs)
     reach = np.maximum(highs, -lows)
-    result.reach.update((key, float(r)) for (key, _), r, f in zip(filled, reach.tolist(), finite) if f)
+    result.reach.update(  # tolist(): Python bools, not a numpy scalar per tensor
+        (key, float(r)) for (key, _), r, f in zip(filled, reach.tolist(), finite.tolist()) if f
+    )
     return float(reach.max()) if finite.all() else largest_finite(whole)
 
 
