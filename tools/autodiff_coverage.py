@@ -62,6 +62,11 @@ LIMITS = [
     "Einsum: no repeated subscript within one operand (diagonals). GatherND: batch_dims=0.",
     "Not differentiated: BatchNormalization running mean/variance, Clip bounds, Where condition, "
     "indices, shapes and axes. Floor, Ceil, Round and Sign have zero gradient.",
+    "DequantizeLinear of a QuantizeLinear's output (QDQ): the straight-through estimator to the "
+    "QuantizeLinear's x, dY inside the representable range and 0 where it saturates (torch's FakeQuantize); the "
+    "pair must share its scale and zero point; block_size and float8 types are refused; scales, zero points and "
+    "integer weights get no gradient. Checked against a numpy STE (tests/autodiff/test_quantize_ste.py), not by "
+    "finite differences: rounding's are zero.",
     "Ranks come from ONNX shape inference; un-broadcasting trusts an inferred static 1 (a symbolic dim "
     "is resolved at run time).",
 ]

@@ -37,7 +37,7 @@ class GraphIndex:
         for init in graph.initializer:
             index.constants[init.name] = init
         for n, node in enumerate(graph.node):
-            index.inputs.append(node_inputs(node))
+            index.inputs.append(node_inputs(node) + _quantized_through(node, graph, index.producer))
             for slot, name in enumerate(index.inputs[n]):
                 if name:
                     index.consumers[name].append((n, slot))
@@ -63,6 +63,19 @@ def node_inputs(node: onnx.NodeProto) -> list[str]:
     for body in bodies:
         captured.update(dict.fromkeys(ir.captures(body)))
     return [*node.input, *(name for name in captured if name not in node.input)]
+
+
+def _quantized_through(node: onnx.NodeProto, graph: onnx.GraphProto, producer: dict[str, int]) -> list[str]:
+    """A DequantizeLinear reading a QuantizeLinear's integer output also reads, past its own
+    inputs, that QuantizeLinear's x, scale and zero point: the straight-through estimator's
+    gradient (rules/quantize.py) flows to x over the integer tensor no gradient can cross."""
+    if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or not node.input:
+        return []
+    n = producer.get(node.input[0])
+    if n is None or graph.node[n].op_type != "QuantizeLinear" or graph.node[n].domain not in ("", "ai.onnx"):
+        return []
+    quantize = [*graph.node[n].input, "", ""][:3]
+    return [""] * (3 - len(node.input)) + quantize  # from slot 3: x, scale, zero point
 
 
 @dataclass

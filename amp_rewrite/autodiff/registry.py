@@ -19,6 +19,7 @@ from amp_rewrite.autodiff.rules import (
     loss_ops,
     nn,
     norm,
+    quantize,
     recurrent,
     reduce,
     resize,
@@ -135,6 +136,8 @@ TABLE = {
     "GRU": (recurrent.gru_grad, (0, 1, 2, 3, 5)),
     # control
     "If": (control.if_grad, ALL),
+    # quantization: the straight-through estimator to the QuantizeLinear's x (slot 3, past DQ's own)
+    "DequantizeLinear": (quantize.dequantize_grad, (quantize.STE_SLOT,)),
 }
 
 # com.microsoft ops a pre-pass writes (`gelu_fusion`); the rest of ORT's fused ops are decomposed
