@@ -57,7 +57,7 @@ def find(graph: onnx.GraphProto) -> Parameters:
             if source is not None and _is_parameter(constants[source], node.op_type):
                 found.add(source)
             elif source is None:
-                quantized.update(_quantized_source(node.input[slot], producer))
+                quantized.update(_quantized_source(node.input[slot], producer, data))
     quantized.update(_integer_weights(graph, data))
     names = tuple(n for n in constants if n in found)
     return Parameters(names, tuple(n for n in constants if n not in found), _left_out(quantized))
@@ -170,14 +170,15 @@ def _constant_source(name: str, producer: dict, constants: dict) -> str | None:
     return None
 
 
-def _quantized_source(name: str, producer: dict) -> tuple[str, ...]:
-    """The integer weight behind a DequantizeLinear on the way to a parameter slot, if any."""
+def _quantized_source(name: str, producer: dict, data: set[str]) -> tuple[str, ...]:
+    """The integer weight behind a DequantizeLinear on the way to a parameter slot, if any (not
+    an activation's QuantizeLinear output: that is data, trained through by the STE)."""
     for _ in range(8):
         node = producer.get(name)
         if node is None or not node.input or not node.input[0]:
             return ()
         if node.op_type in QUANTIZED_READERS:
-            return (node.input[0],)
+            return () if node.input[0] in data else (node.input[0],)
         if node.op_type not in LAYOUT_OPS:
             return ()
         name = node.input[0]
