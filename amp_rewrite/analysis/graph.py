@@ -318,15 +318,23 @@ def build(
 
 
 def _rejects(memo: dict, sig, node, opsets: dict, in_types: list, group, low: int) -> str | None:
-    """`schemas.rejects`, asked once per kind of node without attributes: what it probes is the
-    op, the input types and which outputs are named, so their answer is that kind's (a Reshape's
-    at every layer: it builds and serialises a stripped node per call, 8.8k calls at 100k nodes)."""
-    if len(node.attribute):
-        return schemas.rejects(sig, node, opsets, in_types, group, low)
+    """`schemas.rejects`, asked once per kind of node: what it probes is the op, its attributes
+    but subgraphs, the input types and which outputs are named, so their answer is that kind's (a
+    LayerNormalization's at every layer: it builds and serialises a stripped node per call, 8.8k
+    calls at 100k nodes). A node holding a subgraph is asked each time (its bytes are the body's)."""
+    attributes = []
+    for a in node.attribute:
+        if a.type in _GRAPH_ATTRIBUTES:
+            return schemas.rejects(sig, node, opsets, in_types, group, low)
+        attributes.append(a.SerializeToString())
     key = (sig.domain, node.op_type, node.domain, tuple(in_types), group, tuple(map(bool, node.output)))
+    key += tuple(attributes)
     if key not in memo:
         memo[key] = schemas.rejects(sig, node, opsets, in_types, group, low)
     return memo[key]
+
+
+_GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def _add_edges(cg: ColouringGraph) -> None:
