@@ -12,6 +12,7 @@ edges is built only when asked for, `ColouringGraph.graph`: its per-edge dicts c
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -82,6 +83,7 @@ class ColouringGraph:
 
     _graph: nx.DiGraph | None = field(default=None, repr=False)
     elements: dict | None = field(default=None, repr=False)  # tensor -> elements (placement.sizes)
+    vertex_elements: list | None = field(default=None, repr=False)  # per vertex: its tensors' elements
 
     @property
     def graph(self) -> nx.DiGraph:
@@ -170,6 +172,9 @@ def build(
     vertices = cg.vertices
     maybe = []  # groups that hold a sequence or a tensor, as the value is: (sig, group, scope, inputs, outputs)
     refusals: dict = {}  # schemas.rejects' answers for nodes without attributes (_rejects)
+    # each vertex's elements, from the names at hand here (cost placement's estimate would walk them again)
+    elements = cg.elements = {n: math.prod(t.dims[:]) for sc in scopes for n, t in sc.initializers.items()}
+    elements_get, shapes_get, sizes = elements.get, cg.shapes.get, []
     for s, scope in enumerate(scopes):
         reads, writes, nodes = cg.reads[s], cg.writes[s], scope.graph.node
         for n, key in enumerate(
@@ -291,6 +296,15 @@ def build(
                 vertices.append(
                     Vertex(s, n, name, key[1], group, op_list, list_reason, blocked, forced, relaxed)
                 )
+                total = 0  # placement.elements, inlined: known dims, 1 for a symbolic or unknown one
+                for x in names:
+                    size = elements_get(x)
+                    if size is None:
+                        shape = shapes_get(x)
+                        dims = shape.dim if shape is not None else ()
+                        size = elements[x] = math.prod(d.dim_value if d.dim_value > 0 else 1 for d in dims)
+                    total += size
+                sizes.append(total)
                 if sig.maybe_containers:
                     if sig.is_container(group.type_param):
                         cg.tied_tensors.extend(sequence_tensors(sig, group, s, inputs, outputs))
@@ -313,20 +327,29 @@ def build(
                 for t in sequence_tensors(sig, group, s, inputs, outputs, sig.maybe_containers)
                 if t[1] in known
             )
+    cg.vertex_elements = sizes
     _add_edges(cg)
     return cg
 
 
 def _rejects(memo: dict, sig, node, opsets: dict, in_types: list, group, low: int) -> str | None:
-    """`schemas.rejects`, asked once per kind of node without attributes: what it probes is the
-    op, the input types and which outputs are named, so their answer is that kind's (a Reshape's
-    at every layer: it builds and serialises a stripped node per call, 8.8k calls at 100k nodes)."""
-    if len(node.attribute):
-        return schemas.rejects(sig, node, opsets, in_types, group, low)
+    """`schemas.rejects`, asked once per kind of node: what it probes is the op, its attributes
+    but subgraphs, the input types and which outputs are named, so their answer is that kind's (a
+    LayerNormalization's at every layer: it builds and serialises a stripped node per call, 8.8k
+    calls at 100k nodes). A node holding a subgraph is asked each time (its bytes are the body's)."""
+    attributes = []
+    for a in node.attribute:
+        if a.type in _GRAPH_ATTRIBUTES:
+            return schemas.rejects(sig, node, opsets, in_types, group, low)
+        attributes.append(a.SerializeToString())
     key = (sig.domain, node.op_type, node.domain, tuple(in_types), group, tuple(map(bool, node.output)))
+    key += tuple(attributes)
     if key not in memo:
         memo[key] = schemas.rejects(sig, node, opsets, in_types, group, low)
     return memo[key]
+
+
+_GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def _add_edges(cg: ColouringGraph) -> None:

@@ -29,7 +29,7 @@ CAST_BYTES = LOW_BYTES + FP32_BYTES  # a Cast reads one type and writes the othe
 
 def sizes(cg: ColouringGraph) -> dict:
     """The graph's cache of tensor elements, first filled with the initializers' (their dims are
-    always known); every cut and estimate of one rewrite shares it (shapes do not change)."""
+    always known; graph.build fills it); every cut and estimate of one rewrite shares it."""
     if cg.elements is None:
         cg.elements = {
             name: math.prod(t.dims[:]) for scope in cg.scopes for name, t in scope.initializers.items()
@@ -47,6 +47,19 @@ def elements(cg: ColouringGraph, name: str, cache: dict) -> int:
     return size
 
 
+def vertex_elements(cg: ColouringGraph) -> list:
+    """Per vertex: the elements of its group's tensors, as graph.build counted them (else here)."""
+    if cg.vertex_elements is not None and len(cg.vertex_elements) == len(cg.vertices):
+        return cg.vertex_elements
+    cache, found = sizes(cg), []
+    for vertex in cg.vertices:
+        inputs, outputs = cg.scopes[vertex.scope].io[vertex.node]
+        names = [inputs[i] for i in vertex.group.inputs] + [outputs[i] for i in vertex.group.outputs]
+        found.append(sum(elements(cg, x, cache) for x in names if x))
+    cg.vertex_elements = found
+    return found
+
+
 def estimate(cg: ColouringGraph, low, low_io: frozenset = frozenset()) -> int:
     """Bytes moved under a colouring (`low`: the set of low-precision vertices; `low_io`: the main
     graph's inputs and outputs in the target type): every group's reads and writes plus every cast."""
@@ -57,23 +70,8 @@ def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) 
     """`estimate` of each colouring in `lows`, in one pass over vertices and uses (the pass, not
     the colourings, is what costs: 0.3 s at 100k nodes): per tensor and colouring, a Cast when
     some reader reads the type its source is not (two flags per tensor, no set). Linear."""
-    cache = sizes(cg)
-    cache_get, scopes = cache.get, cg.scopes
-    vertex_sizes = []
-    for vertex in cg.vertices:  # vertex_elements, inlined: this runs for every vertex
-        inputs, outputs = scopes[vertex.scope].io[vertex.node]
-        group, total = vertex.group, 0
-        for i in group.inputs:
-            x = inputs[i]
-            if x:
-                size = cache_get(x)
-                total += size if size is not None else elements(cg, x, cache)
-        for i in group.outputs:
-            x = outputs[i]
-            if x:
-                size = cache_get(x)
-                total += size if size is not None else elements(cg, x, cache)
-        vertex_sizes.append(total)
+    cache, scopes = sizes(cg), cg.scopes
+    vertex_sizes = vertex_elements(cg)
     everything = sum(vertex_sizes) * FP32_BYTES
     totals = [everything - sum(vertex_sizes[v] for v in low) * (FP32_BYTES - LOW_BYTES) for low in lows]
     types_get, writes, reads = cg.types.get, cg.writes, cg.reads

@@ -83,7 +83,7 @@ def convert_constant(
             tensor.data_type = elem
             tensor.raw_data = data
             tensor.data_location = TensorProto.DEFAULT  # it may have been left on disk
-            del tensor.external_data[:]
+            tensor.ClearField("external_data")  # (`del [:]` makes the container first: 5x the cost)
             if s == 0:
                 m.replaced.add(name)
             m.result.converted_constants += 1
