@@ -82,8 +82,8 @@ def data_size(model: onnx.ModelProto) -> int:
     """Bytes of tensor data in the model (without serialising it)."""
     total = 0
     for tensor in all_tensors(model.graph):
-        if tensor.HasField("raw_data"):
-            total += len(tensor.raw_data)  # upb: no copy (ByteSize() would serialise the tensor)
+        if tensor.HasField("raw_data"):  # upb copies the bytes to count them (56 ms per 100 MB)
+            total += len(tensor.raw_data)  # ByteSize() would serialise the whole tensor
         else:
             size = ELEMENT_SIZE.get(tensor.data_type, 8)
             total += size * (int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1)
