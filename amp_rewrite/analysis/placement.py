@@ -218,27 +218,9 @@ def _build(
                 r = row[use_slot] if row else None
                 if r is None:
                     to_t[v] = to_t.get(v, 0) + c
-                elif r in free_set:  # a cast either way when r and v differ: add_edge twice, inlined
-                    outs = out_edges.get(r)
-                    if outs is None:
-                        out_edges[r] = {v: c}
-                    else:
-                        outs[v] = outs.get(v, 0) + c
-                    ins = in_edges.get(v)
-                    if ins is None:
-                        in_edges[v] = {r: c}
-                    else:
-                        ins[r] = ins.get(r, 0) + c
-                    outs = out_edges.get(v)
-                    if outs is None:
-                        out_edges[v] = {r: c}
-                    else:
-                        outs[r] = outs.get(r, 0) + c
-                    ins = in_edges.get(r)
-                    if ins is None:
-                        in_edges[r] = {v: c}
-                    else:
-                        ins[v] = ins.get(v, 0) + c
+                elif r in free_set:  # a cast either way when r and v differ
+                    add_edge(out_edges, in_edges, r, v, c)
+                    add_edge(out_edges, in_edges, v, r, c)
                 elif is_low(r):
                     to_s[v] += c
                 else:
