@@ -129,9 +129,10 @@ def open_engine(
     say=lambda line: None,
     **distributed_options,
 ) -> StepEngine:
-    """The engine `chosen` over `step` and its initial state; its line said through `say`, and on
-    CUDA a second line when nodes of the step would leave the device."""
-    leaving = off_device(step) if chosen.device == "cuda" else {}
+    """The engine `chosen` over `step` and its initial state; its line said through `say`, and for
+    CUDA's one session a second line when nodes of the step would leave the device (the split
+    engine reads its flag on the host by design)."""
+    leaving = off_device(step) if chosen.device == "cuda" and chosen.flat else {}
     if leaving:
         say(
             f"amp-rewrite: {len(leaving)} node(s) of the CUDA step would leave the device ({_first(leaving)})"
