@@ -144,8 +144,7 @@ class GradientBuckets:
 class MpiReduction:
     """The reduction step of one rank of a data-parallel job (`Trainer(..., distributed="mpi")`, see
     the module doc), between the halves of the split engine (split_runner.SplitRunner: the gradient
-    session, the Allreduce, then the update: numpy's host update on CPU, an apply session on CUDA);
-    the one copy of the state is updated in place.
+    session, the Allreduce, then the update: numpy's host update on CPU, an apply session on CUDA).
 
     Each rank feeds its own share of every batch (`shard`). `loss_reduction`: "mean" (the
     built-in losses; the default for a named loss output) or "sum" (a loss summed over samples,

@@ -182,7 +182,6 @@ class SessionRunner(SingleProcess):
         self._options = {"threads": threads, "tf32": tf32}
         self.device, self.cuda_graph = device, cuda_graph
         self.feed_types = feed_dtypes(step.model)
-        self.batch_inputs = step.batch_inputs
         self.state = DeviceState(initial, lr, device)
         self._plain = None if cuda_graph else self._open(None)
         self._graph: _Bound | None = None  # captured at the first batch

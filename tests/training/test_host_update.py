@@ -5,6 +5,8 @@ the promise host_update.py states (another powf an ulp apart moves 1 - beta2^t b
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -47,6 +49,7 @@ def _runners(optimizer, precision, loss_scale, **split_options):
     return one_graph, split
 
 
+@functools.cache
 def _power_is_onnx_runtimes() -> bool:
     """Whether the host's small Pow equals ONNX Runtime's on Adam's 98 values of beta^t here."""
     from helpers import session
