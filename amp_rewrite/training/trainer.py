@@ -18,10 +18,11 @@ import onnx
 from onnx import numpy_helper
 
 from amp_rewrite.api import rewrite
+from amp_rewrite.autodiff import build_gradient_graph
 from amp_rewrite.errors import TrainingError
 from amp_rewrite.io import atomic_write
 from amp_rewrite.progress import Progress
-from amp_rewrite.training import arguments, engine, parameters, range_guard, skips
+from amp_rewrite.training import arguments, engine, parameters, range_guard, skips, sparsity
 from amp_rewrite.training import feeds as feed_checks
 from amp_rewrite.training import precision as precision_line
 from amp_rewrite.training.checkpoint import checkpoint_meta, read_checkpoint, write_checkpoint
@@ -66,7 +67,8 @@ class Trainer:
     `device_id`, `comm`) are described at `amp_rewrite.training.distributed.MpiReduction`.
     `recompute`: segments whose activations the backward recomputes instead of keeping: node-name
     regexes, "auto" or a byte budget (`amp_rewrite.autodiff.recompute`); `checkpointed` then lists
-    the forward tensors kept for it.
+    the forward tensors kept for it. `keep_sparsity`: weights mostly of exact zeros keep them
+    (training/sparsity.py; `kept_sparse` names them); False trains them dense.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Trainer:
         threads: int = 0,
         tf32: bool = False,
         cuda_graph: bool = False,
+        keep_sparsity: bool = True,
         **distributed_options,
     ):
         self.precision = arguments.check_choice("precision", precision, arguments.PRECISIONS)
@@ -94,6 +97,7 @@ class Trainer:
         arguments.check_threads(threads)
         arguments.check_flag("tf32", tf32)
         arguments.check_flag("cuda_graph", cuda_graph)
+        arguments.check_flag("keep_sparsity", keep_sparsity)
         plan = engine.plan(arguments.deployment(provider, precision), distributed, cuda_graph)
         say = _say if verbose else (lambda line: None)
         self._model, found = prepare(arguments.load_model(model, say), say)
@@ -109,13 +113,15 @@ class Trainer:
         floats = [t.name for t in self._model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
         patterns = (arguments.literal_patterns(trainable, floats), arguments.literal_patterns(frozen, floats))
         names = parameters.select(found, floats, *patterns)
+        nonzero = sparsity.sparse_weights(self._model, names) if keep_sparsity else {}
+        self.kept_sparse = {w: float(1 - mask.mean()) for w, mask in nonzero.items()}
         built = (
             self._model,
             loss,
             self.optimizer,
             self.loss_scale_policy,
             names,
-            gradient_builder,
+            sparsity.keeping_zeros(gradient_builder or build_gradient_graph, nonzero),
             recompute,
         )
         step = build_step_graph(*built, plan.flat)
@@ -154,9 +160,8 @@ class Trainer:
         self._watch = skips.Watch(getattr(self.loss_scale_policy, "min_scale", None))
         self._backs_off = isinstance(self.loss_scale_policy, DynamicLossScale)
         self._found_scale = False  # no finite step yet: skip mode retries at the backed-off scale
-        say(
-            f"amp-rewrite: {parameters.summary(list(self.step_graph.weights), sizes, len(floats) - len(sizes))}"
-        )
+        summary = parameters.summary(list(self.step_graph.weights), sizes, len(floats) - len(sizes))
+        say(f"amp-rewrite: {summary}{sparsity.summary(self.kept_sparse)}")
 
     # --- stepping -------------------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ HARNESS_ONLY = {
     "minimol": SLOW,
     "eeg-spindle": RISES,
     "captcha-crnn": RISES,
-    "wakeword-melspectrogram": RISES + " (Adam moves the 97%-zero mel filterbank below Log's Clip)",
 }
 
 
