@@ -300,9 +300,12 @@ def build(
                 for x in names:
                     size = elements_get(x)
                     if size is None:
-                        shape = shapes_get(x)
-                        dims = shape.dim if shape is not None else ()
-                        size = elements[x] = math.prod(d.dim_value if d.dim_value > 0 else 1 for d in dims)
+                        shape = shapes_get(x)  # often unknown: 1, without a generator
+                        size = elements[x] = (
+                            1
+                            if shape is None
+                            else math.prod(d.dim_value if d.dim_value > 0 else 1 for d in shape.dim)
+                        )
                     total += size
                 sizes.append(total)
                 if sig.maybe_containers:
