@@ -77,6 +77,7 @@ class ColouringGraph:
         default_factory=dict
     )  # (body scope, body input name) -> its Loop/Scan's carried vertex
     carried_out: dict = field(default_factory=dict)  # (body scope, body output slot) -> its carried vertex
+    siblings: set = field(default_factory=set)  # vertices of nodes with more than one (paint: one region)
     # (def scope, name) -> largest |value| of a float32 constant whose values are all finite: what
     # the constant scan (transform.weights) read, so a big table's reach is known without a reread
     constant_reach: dict = field(default_factory=dict)
@@ -315,6 +316,9 @@ def build(
                         maybe.append((sig, group, s, inputs, outputs))
                 if reads[n] is None:
                     reads[n], writes[n] = [None] * len(inputs), [None] * len(outputs)
+                    first = v
+                else:  # the node's vertices are made one after another
+                    cg.siblings.update(range(first, v + 1))
                 for i in group.inputs:
                     reads[n][i] = v
                 for i in group.outputs:

@@ -217,10 +217,11 @@ def drop_regions_without_allow(
     cut counted them: they share its one Cast (a Cast's input group, low beside the Add that reads
     the same input, costs nothing more; dropped alone, it left the cut's choice worse than TF's)."""
     of_node: dict = {}
-    vertices = cg.vertices
+    vertices, shared = cg.vertices, cg.siblings  # few: not a dict entry per low vertex
     for v in low:
-        vertex = vertices[v]
-        of_node.setdefault((vertex.scope, vertex.node), []).append(v)
+        if v in shared:
+            vertex = vertices[v]
+            of_node.setdefault((vertex.scope, vertex.node), []).append(v)
     siblings = {v: group for group in of_node.values() if len(group) > 1 for v in group}
     tied = {v: c for c in m.clusters for v in c.members}  # a sequence's ops are one region too
     seeds = [v for v in low if m.lists[v] == "allow" or (low_io and _touches(cg, v, low_io))]
