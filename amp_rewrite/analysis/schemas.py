@@ -66,11 +66,12 @@ class TypeGroup:
     type_param: str
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    # its type is set by an attribute (Cast's `to`) or by the op, never by an input: a field set
+    # once, not a property (every colouring asks it of every vertex, 100k times at 100k nodes)
+    output_only: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def output_only(self) -> bool:
-        """Its type is set by an attribute (Cast's `to`) or by the op, never by an input."""
-        return not self.inputs
+    def __post_init__(self):
+        object.__setattr__(self, "output_only", not self.inputs)
 
 
 def _formal(param, fixed_prefix: str) -> Formal:
