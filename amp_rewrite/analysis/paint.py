@@ -83,9 +83,11 @@ def paint_allow(cg: ColouringGraph, m: _Masks) -> dict:
 
 def propagate_deny(cg: ColouringGraph, m: _Masks, allow: dict) -> dict:
     """Deny spreads forward into infer/clear vertices that lead back to a deny or infer op."""
+    deny_roots = [v for v, name in enumerate(m.lists) if name == "deny"]
+    if not deny_roots:  # nothing to spread: no walk up from every infer op
+        return {}
     roots = [v for v, name in enumerate(m.lists) if name in ("deny", "infer")]
     upstream = reach([m.pred], roots, [name == "clear" for name in m.lists])
-    deny_roots = [v for v in roots if m.lists[v] == "deny"]
     parent = reach([m.succ], deny_roots, m.inside(upstream, allow))
     return {
         v: _deny_root(cg.vertices[v]) if p is None else Reason(Step.DOWNSTREAM_OF_DENY, p)
