@@ -25,7 +25,7 @@ from amp_rewrite.io import restore_borrowed
 from amp_rewrite.onnx_facts import DEFAULT_DOMAINS, FLOAT
 from amp_rewrite.plan import Plan
 from amp_rewrite.transform.casts import place_casts
-from amp_rewrite.transform.constants import convert_constant, place_constant
+from amp_rewrite.transform.constants import convert_initializer, place_constant
 from amp_rewrite.transform.noop_casts import fold_noop_casts
 from amp_rewrite.transform.retype import retarget_attribute_typed_outputs, retype_io_and_value_info
 from amp_rewrite.transform.splice import emit_nodes
@@ -73,7 +73,7 @@ def _run(m: Materialisation, fold_casts: bool = True) -> Materialised:
             else:
                 if low:
                     m.low_names.add(key)
-                    convert_constant(m, s, name, d, name, in_place=True)
+                    convert_initializer(m, s, name, d)
                 continue  # read in float32 only: it stays as it is
         src = source_elem(m, s, name, d)
         if src is None:
