@@ -255,7 +255,7 @@ def _reached(seeds: list, low: dict, m: _Masks, joins: tuple, tied: dict) -> set
     neighbour in a loop of its own (no tuple or generator per vertex: it visits every low vertex)."""
     kept, queue, clusters_seen = set(seeds), list(seeds), set()
     succ, pred, add, push = m.succ, m.pred, kept.add, queue.append
-    gets = [join.get for join in joins]
+    gets = [join.get for join in joins if join]  # empty ones (often): no call per vertex
     tied_get = tied.get if tied else None
     while queue:
         v = queue.pop()
