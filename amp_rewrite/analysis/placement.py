@@ -76,11 +76,12 @@ def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) 
     totals = [everything - sum(vertex_sizes[v] for v in low) * (FP32_BYTES - LOW_BYTES) for low in lows]
     types_get, writes, reads = cg.types.get, cg.writes, cg.reads
     carried_in, carried_out, constant_nodes = cg.carried_in, cg.carried_out, cg.constant_nodes
+    defs = [scope.defs for scope in scopes]
     for key, tensor_uses in cg.uses.items():
         s, name = key
         if types_get(name) != FLOAT:
             continue
-        kind, n, slot = scopes[s].defs[name]
+        kind, n, slot = defs[s][name]
         if kind == "initializer":
             continue
         producer = carried_in.get(key) if kind == "input" and s > 0 else None
@@ -113,11 +114,12 @@ def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) 
             some_low, some_fp32 = low_reader, fp32_reader
             if not low:  # all float32 (never_worse's first): every reader vertex reads float32
                 some_fp32 = some_fp32 or bool(readers)
-            for r in readers if low else ():
-                if r in low:
-                    some_low = True
-                else:
-                    some_fp32 = True
+            else:
+                for r in readers:
+                    if r in low:
+                        some_low = True
+                    else:
+                        some_fp32 = True
             casts = some_fp32 if source_low else some_low  # one Cast per type the source is not
             if casts:
                 if cost is None:
