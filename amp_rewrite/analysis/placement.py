@@ -77,7 +77,10 @@ def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) 
     types_get, writes, reads = cg.types.get, cg.writes, cg.reads
     carried_in, carried_out, constant_nodes = cg.carried_in, cg.carried_out, cg.constant_nodes
     defs = [scope.defs for scope in scopes]
-    for key, tensor_uses in cg.uses.items():
+    # all float32 with every main-graph input and output float32 (never_worse's first, without
+    # low_io): not a single Cast, so that colouring is not looked at per tensor
+    costed = [(i, low) for i, low in enumerate(lows) if low or low_io]
+    for key, tensor_uses in cg.uses.items() if costed else ():
         s, name = key
         if types_get(name) != FLOAT:
             continue
@@ -109,7 +112,7 @@ def estimates(cg: ColouringGraph, lows: tuple, low_io: frozenset = frozenset()) 
                 readers.append(v)
         low_source = kind == "input" and s == 0 and name in low_io
         cost = None
-        for i, low in enumerate(lows):
+        for i, low in costed:
             source_low = low_source or (producer is not None and producer in low)
             some_low, some_fp32 = low_reader, fp32_reader
             if not low:  # all float32 (never_worse's first): every reader vertex reads float32
