@@ -28,15 +28,6 @@ def checker_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return skeleton
 
 
-def _copy_head(skeleton: onnx.ModelProto, model: onnx.ModelProto) -> None:
-    """The model's fields a skeleton keeps but the graph (`checker_skeleton`'s)."""
-    skeleton.ir_version = max(model.ir_version, 4)
-    skeleton.opset_import.extend(model.opset_import)
-    skeleton.functions.extend(model.functions)
-    skeleton.ir_version = model.ir_version
-    skeleton.metadata_props.extend(model.metadata_props)
-
-
 def inference_skeleton(model: onnx.ModelProto, dims=None) -> onnx.ModelProto:
     """The model with large initializers shown as typed inputs: cheap to shape-infer at any size.
     `dims` (name -> size) sizes the inputs' symbolic dims of those names, on the skeleton's own
@@ -142,61 +133,8 @@ def _set(message, field, value) -> None:
 
 def checker_target(
     model: onnx.ModelProto, data: int | None = None, *, skeleton: bool = False
-) -> onnx.ModelProto | bytes:
+) -> onnx.ModelProto:
     """What onnx.checker should see: the model, or above CHECK_IN_FULL_LIMIT (or with weights
-    left on disk) its data-free skeleton, serialised (`checker_bytes`)."""
+    left on disk) its data-free skeleton."""
     data = data_size(model) if data is None else data
-    return model if data < CHECK_IN_FULL_LIMIT and not skeleton else checker_bytes(model)
-
-
-def checker_bytes(model: onnx.ModelProto) -> bytes:
-    """`checker_skeleton(model)` serialised, without building it: a message's encoding is its
-    fields' encodings one after another, so the nodes are serialised one by one and each big
-    initializer's typed input is written as bytes, not copied into a new graph first (0.2 s at
-    100k nodes; onnx.checker serialises what it gets anyway)."""
-    source = model.graph
-    head = onnx.ModelProto()
-    _copy_head(head, model)
-    graph = onnx.GraphProto(name=source.name)  # the fields but nodes and initializers
-    graph.input.extend(source.input)
-    graph.output.extend(source.output)
-    graph.value_info.extend(source.value_info)
-    parts = [graph.SerializeToString()]
-    for node in source.node:
-        data = node.SerializeToString()
-        parts += (_NODE, _varint(len(data)), data)
-    small = onnx.GraphProto()
-    declared = {v.name for v in source.input}
-    types: dict = {}  # (element type, *dims) -> the encoded type field: weights share a few shapes
-    for tensor in source.initializer:
-        dims = tensor.dims[:]
-        if math.prod(dims) <= INFERENCE_DATA_LIMIT:
-            small.initializer.append(tensor)
-        elif tensor.name not in declared:
-            key = (tensor.data_type, *dims)
-            if key not in types:
-                encoded = _tensor_type(tensor.data_type, dims).SerializeToString()
-                types[key] = _TYPE + _varint(len(encoded)) + encoded
-            name = tensor.name.encode()
-            value = _NAME + _varint(len(name)) + name + types[key]
-            parts += (_INPUT, _varint(len(value)), value)
-    parts.append(small.SerializeToString())
-    size = sum(map(len, parts))
-    return b"".join([head.SerializeToString(), _GRAPH, _varint(size), *parts])
-
-
-# Field tags, length-delimited: GraphProto.node (1) and .input (11), ValueInfoProto.name (1) and
-# .type (2), ModelProto.graph (7)
-_NODE, _INPUT, _NAME, _TYPE, _GRAPH = b"\x0a", b"\x5a", b"\x0a", b"\x12", b"\x3a"
-
-
-def _varint(n: int) -> bytes:
-    """A length as protobuf writes it: 7 bits a byte, low bits first."""
-    if n < 0x80:
-        return bytes((n,))
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return model if data < CHECK_IN_FULL_LIMIT and not skeleton else checker_skeleton(model)
