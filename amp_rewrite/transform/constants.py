@@ -105,9 +105,7 @@ def convert_initializer(m: Materialisation, s, name, d) -> None:
     """`convert_constant(m, s, name, d, name, in_place=True)` of an initializer: its common case
     (converted ahead by the scan) without the general path's calls per weight (58k at 100k nodes)."""
     tensor = m.cg.scopes[s].initializers[name]
-    ahead = (
-        None if tensor.data_location == TensorProto.EXTERNAL else m.constants.converted.pop((s, name), None)
-    )
+    ahead = None if tensor.data_location == TensorProto.EXTERNAL else m.constants.take((s, name))
     if ahead is None:
         convert_constant(m, s, name, d, name, in_place=True)
         return
