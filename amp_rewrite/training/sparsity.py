@@ -76,7 +76,7 @@ def mask_gradients(graph: onnx.GraphProto, nonzero: dict[str, np.ndarray]) -> No
 
 
 def summary(kept: dict[str, float]) -> str:
-    """'; 1 keeps its zeros (1.melW, 97%)' for the Trainer's line ('' when none)."""
+    """'; 1 sparse keeps its zeros (1.melW 97%)' for the Trainer's line ('' when none)."""
     if not kept:
         return ""
     shown = ", ".join(f"{w} {share:.0%}" for w, share in list(kept.items())[:3])
